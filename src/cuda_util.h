@@ -1,0 +1,29 @@
+// Internal: CUDA errors become a Status once, at the boundary, naming the call.
+#ifndef FP4KV_SRC_CUDA_UTIL_H_
+#define FP4KV_SRC_CUDA_UTIL_H_
+
+#include <cuda_runtime_api.h>
+
+#include "absl/status/status.h"
+#include "fp4kv/tensor.h"
+
+namespace fp4kv {
+namespace internal {
+
+// OK for cudaSuccess; otherwise Internal naming `what` and the CUDA error.
+absl::Status CudaStatus(cudaError_t err, const char* what);
+
+// FailedPrecondition unless `device` is the CPU or a CUDA ordinal that exists.
+absl::Status CheckDeviceAvailable(const Device& device);
+
+}  // namespace internal
+}  // namespace fp4kv
+
+#define FP4KV_CUDA_RETURN_IF_ERROR(call)                                        \
+  do {                                                                          \
+    if (absl::Status fp4kv_s_ = ::fp4kv::internal::CudaStatus((call), #call);   \
+        !fp4kv_s_.ok())                                                         \
+      return fp4kv_s_;                                                          \
+  } while (0)
+
+#endif  // FP4KV_SRC_CUDA_UTIL_H_

@@ -1,0 +1,511 @@
+// Op objects: Create() validates static options once; Run() checks the
+// per-call views cheaply, fills the plain-pointer params and dispatches to
+// the CPU reference or the CUDA launcher.
+#include "fp4kv/ops.h"
+
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+#include "fp4kv/recipe.h"
+#include "src/cuda_util.h"
+#include "src/params.h"
+#include "src/validate.h"
+
+namespace fp4kv {
+
+using internal::CheckAligned;
+using internal::CheckDevice;
+using internal::CheckDType;
+using internal::CheckGiven;
+using internal::CheckGlobalScale;
+using internal::CheckInnerContiguous;
+using internal::CheckShape;
+using internal::kAny;
+
+#define FP4KV_RETURN_IF_ERROR(expr)           \
+  do {                                        \
+    if (absl::Status s_ = (expr); !s_.ok()) { \
+      return s_;                              \
+    }                                         \
+  } while (0)
+
+namespace {
+
+// A 1-D contiguous index tensor of `dtype` with `n` elements (kAny: any).
+absl::Status CheckIndexVector(const TensorView& t, const char* name, DType dtype, int64_t n,
+                              const Device& device) {
+  FP4KV_RETURN_IF_ERROR(CheckGiven(t, name));
+  FP4KV_RETURN_IF_ERROR(CheckDType(t, name, {dtype}));
+  FP4KV_RETURN_IF_ERROR(CheckShape(t, name, {n}));
+  FP4KV_RETURN_IF_ERROR(CheckInnerContiguous(t, name));
+  return CheckDevice(t, name, device);
+}
+
+// A [rows, H, D] f16/bf16 tensor with contiguous, 16-byte aligned rows.
+absl::Status CheckRows(const TensorView& t, const char* name, DType dtype, int64_t rows, int heads,
+                       int dim, const Device& device) {
+  FP4KV_RETURN_IF_ERROR(CheckGiven(t, name));
+  FP4KV_RETURN_IF_ERROR(CheckDType(t, name, {dtype}));
+  FP4KV_RETURN_IF_ERROR(CheckShape(t, name, {rows, heads, dim}));
+  FP4KV_RETURN_IF_ERROR(CheckInnerContiguous(t, name));
+  FP4KV_RETURN_IF_ERROR(CheckAligned(t, name, 16));
+  return CheckDevice(t, name, device);
+}
+
+absl::Status CheckCommonOptions(const CacheGeometry& g, const Device& device) {
+  FP4KV_RETURN_IF_ERROR(g.Validate());
+  return internal::CheckDeviceAvailable(device);
+}
+
+absl::Status CheckTableDType(DType t, const char* name) {
+  if (t != DType::kI32 && t != DType::kI64) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, ": expected dtype i32 or i64, got ", DTypeName(t)));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+// ----------------------------------------------------------------- Appender
+absl::StatusOr<Appender> Appender::Create(const Options& o) {
+  FP4KV_RETURN_IF_ERROR(internal::CheckFloatDType(o.input_dtype, "options.input_dtype"));
+  if (o.indexing != AppendIndexing::kPaged && o.indexing != AppendIndexing::kSlot) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "options.indexing: expected kPaged or kSlot, got ", static_cast<int>(o.indexing)));
+  }
+  FP4KV_RETURN_IF_ERROR(ValidateRecipe(o.recipe));
+  FP4KV_RETURN_IF_ERROR(CheckCommonOptions(o.geometry, o.device));
+  return Appender(o);
+}
+
+absl::Status Appender::Run(const AppendArgs& a, const PagedCache& cache, Stream stream) const {
+  const CacheGeometry& g = options_.geometry;
+  const Device& dev = options_.device;
+  internal::AppendParams p;
+  FP4KV_RETURN_IF_ERROR(internal::CheckCache(cache, g, dev, &p.k, &p.v));
+  FP4KV_RETURN_IF_ERROR(CheckGiven(a.key, "append_key"));
+  FP4KV_RETURN_IF_ERROR(CheckShape(a.key, "append_key", {kAny, g.num_kv_heads, g.head_dim_k}));
+  const int64_t rows = a.key.shape[0];
+  FP4KV_RETURN_IF_ERROR(
+      CheckRows(a.key, "append_key", options_.input_dtype, rows, g.num_kv_heads, g.head_dim_k, dev));
+  FP4KV_RETURN_IF_ERROR(CheckRows(a.value, "append_value", options_.input_dtype, rows,
+                                  g.num_kv_heads, g.head_dim_v, dev));
+  FP4KV_RETURN_IF_ERROR(CheckGlobalScale(a.k_scale, "k_scale"));
+  FP4KV_RETURN_IF_ERROR(CheckGlobalScale(a.v_scale, "v_scale"));
+  p.indexing = options_.indexing;
+  if (options_.indexing == AppendIndexing::kPaged) {
+    FP4KV_RETURN_IF_ERROR(CheckIndexVector(a.batch_indices, "batch_indices", DType::kI32, rows, dev));
+    FP4KV_RETURN_IF_ERROR(CheckIndexVector(a.positions, "positions", DType::kI32, rows, dev));
+    FP4KV_RETURN_IF_ERROR(CheckIndexVector(a.kv_indptr, "kv_indptr", DType::kI32, kAny, dev));
+    if (a.kv_indptr.shape[0] < 1) {
+      return absl::InvalidArgumentError("kv_indptr: expected shape [B + 1] with B >= 0, got [0]");
+    }
+    const int64_t batch = a.kv_indptr.shape[0] - 1;
+    FP4KV_RETURN_IF_ERROR(
+        CheckIndexVector(a.kv_last_page_len, "kv_last_page_len", DType::kI32, batch, dev));
+    FP4KV_RETURN_IF_ERROR(CheckIndexVector(a.kv_indices, "kv_indices", DType::kI32, kAny, dev));
+    p.nnz = rows;
+    p.batch_indices = a.batch_indices.ptr<const int32_t>();
+    p.positions = a.positions.ptr<const int32_t>();
+    p.kv_indices = a.kv_indices.ptr<const int32_t>();
+    p.kv_indptr = a.kv_indptr.ptr<const int32_t>();
+    p.num_kv_indices = a.kv_indices.shape[0];
+    p.batch_size = static_cast<int>(batch);
+  } else {
+    FP4KV_RETURN_IF_ERROR(CheckIndexVector(a.slot_mapping, "slot_mapping", DType::kI64, kAny, dev));
+    if (a.slot_mapping.shape[0] > rows) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "slot_mapping: expected at most append_key.shape[0] = ", rows, " entries, got ",
+          a.slot_mapping.shape[0]));
+    }
+    p.nnz = a.slot_mapping.shape[0];
+    p.slot_mapping = a.slot_mapping.ptr<const int64_t>();
+  }
+  p.key = a.key.data;
+  p.value = a.value.data;
+  p.key_row_stride = a.key.strides[0];
+  p.key_head_stride = a.key.strides[1];
+  p.value_row_stride = a.value.strides[0];
+  p.value_head_stride = a.value.strides[1];
+  p.input_dtype = options_.input_dtype;
+  p.num_heads = g.num_kv_heads;
+  p.page_size = g.page_size;
+  p.num_pages = g.num_pages;
+  p.k_scale = a.k_scale;
+  p.v_scale = a.v_scale;
+  p.recipe = options_.recipe;
+  if (p.nnz == 0) return absl::OkStatus();
+  if (!dev.is_cuda()) {
+    internal::ReferenceAppend(p);
+    return absl::OkStatus();
+  }
+  return internal::LaunchAppend(p, stream);
+}
+
+// -------------------------------------------------------------- Dequantizer
+absl::StatusOr<Dequantizer> Dequantizer::Create(const Options& o) {
+  FP4KV_RETURN_IF_ERROR(internal::CheckFloatDType(o.output_dtype, "options.output_dtype"));
+  FP4KV_RETURN_IF_ERROR(CheckTableDType(o.table_dtype, "options.table_dtype"));
+  FP4KV_RETURN_IF_ERROR(CheckCommonOptions(o.geometry, o.device));
+  return Dequantizer(o);
+}
+
+absl::Status Dequantizer::Run(const DequantArgs& a, const PagedCache& cache, Stream stream) const {
+  const CacheGeometry& g = options_.geometry;
+  const Device& dev = options_.device;
+  internal::DequantParams p;
+  FP4KV_RETURN_IF_ERROR(internal::CheckCache(cache, g, dev, &p.k, &p.v));
+  FP4KV_RETURN_IF_ERROR(CheckGiven(a.block_tables, "block_tables"));
+  FP4KV_RETURN_IF_ERROR(CheckTableDType(a.block_tables.dtype, "block_tables"));
+  FP4KV_RETURN_IF_ERROR(CheckDType(a.block_tables, "block_tables", {options_.table_dtype}));
+  FP4KV_RETURN_IF_ERROR(CheckShape(a.block_tables, "block_tables", {kAny, kAny}));
+  FP4KV_RETURN_IF_ERROR(CheckInnerContiguous(a.block_tables, "block_tables"));
+  FP4KV_RETURN_IF_ERROR(CheckDevice(a.block_tables, "block_tables", dev));
+  const int64_t batch = a.block_tables.shape[0];
+  FP4KV_RETURN_IF_ERROR(CheckIndexVector(a.seq_lens, "seq_lens", DType::kI32, batch, dev));
+  FP4KV_RETURN_IF_ERROR(CheckGiven(a.k_out, "k_out"));
+  FP4KV_RETURN_IF_ERROR(CheckShape(a.k_out, "k_out", {batch, kAny, g.num_kv_heads, g.head_dim_k}));
+  const int64_t max_len = a.k_out.shape[1];
+  for (const auto& [t, name, dim] : {std::tuple<const TensorView&, const char*, int>{a.k_out, "k_out", g.head_dim_k},
+                                     std::tuple<const TensorView&, const char*, int>{a.v_out, "v_out", g.head_dim_v}}) {
+    FP4KV_RETURN_IF_ERROR(CheckGiven(t, name));
+    FP4KV_RETURN_IF_ERROR(CheckDType(t, name, {options_.output_dtype}));
+    FP4KV_RETURN_IF_ERROR(CheckShape(t, name, {batch, max_len, g.num_kv_heads, dim}));
+    FP4KV_RETURN_IF_ERROR(CheckInnerContiguous(t, name));
+    FP4KV_RETURN_IF_ERROR(CheckAligned(t, name, 16));
+    FP4KV_RETURN_IF_ERROR(CheckDevice(t, name, dev));
+  }
+  FP4KV_RETURN_IF_ERROR(CheckGlobalScale(a.k_scale, "k_scale"));
+  FP4KV_RETURN_IF_ERROR(CheckGlobalScale(a.v_scale, "v_scale"));
+  p.num_heads = g.num_kv_heads;
+  p.page_size = g.page_size;
+  p.num_pages = g.num_pages;
+  p.block_tables = a.block_tables.data;
+  p.tables_i64 = options_.table_dtype == DType::kI64;
+  p.table_row_stride = a.block_tables.strides[0];
+  p.max_pages = static_cast<int>(a.block_tables.shape[1]);
+  p.seq_lens = a.seq_lens.ptr<const int32_t>();
+  p.batch_size = static_cast<int>(batch);
+  p.max_seq_len = static_cast<int>(max_len);
+  p.k_out = a.k_out.data;
+  p.v_out = a.v_out.data;
+  p.k_out_batch = a.k_out.strides[0];
+  p.k_out_token = a.k_out.strides[1];
+  p.k_out_head = a.k_out.strides[2];
+  p.v_out_batch = a.v_out.strides[0];
+  p.v_out_token = a.v_out.strides[1];
+  p.v_out_head = a.v_out.strides[2];
+  p.output_dtype = options_.output_dtype;
+  p.k_scale = a.k_scale;
+  p.v_scale = a.v_scale;
+  if (batch == 0 || max_len == 0 || p.max_pages == 0) return absl::OkStatus();
+  if (!dev.is_cuda()) {
+    internal::ReferenceDequantize(p);
+    return absl::OkStatus();
+  }
+  return internal::LaunchDequantize(p, stream);
+}
+
+// ------------------------------------------------------------- Materializer
+absl::StatusOr<Materializer> Materializer::Create(const Options& o) {
+  FP4KV_RETURN_IF_ERROR(CheckTableDType(o.table_dtype, "options.table_dtype"));
+  FP4KV_RETURN_IF_ERROR(o.geometry.Validate());
+  if (o.geometry.head_dim_k != o.geometry.head_dim_v) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "geometry.head_dim_v: expected equal to head_dim_k (", o.geometry.head_dim_k,
+        ") for FP8 materialization, got ", o.geometry.head_dim_v));
+  }
+  if (o.geometry.head_dim_k % 64 != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "geometry.head_dim_k: expected a multiple of 64 for FP8 materialization, got ",
+        o.geometry.head_dim_k));
+  }
+  if (o.geometry.page_size % 4 != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "geometry.page_size: expected a multiple of 4 for FP8 materialization, got ",
+        o.geometry.page_size));
+  }
+  FP4KV_RETURN_IF_ERROR(internal::CheckDeviceAvailable(o.device));
+  return Materializer(o);
+}
+
+absl::Status Materializer::Run(const MaterializeArgs& a, const PagedCache& cache,
+                               Stream stream) const {
+  const CacheGeometry& g = options_.geometry;
+  const Device& dev = options_.device;
+  internal::MaterializeParams p;
+  FP4KV_RETURN_IF_ERROR(internal::CheckCache(cache, g, dev, &p.k, &p.v));
+  FP4KV_RETURN_IF_ERROR(CheckGiven(a.block_tables, "block_tables"));
+  FP4KV_RETURN_IF_ERROR(CheckTableDType(a.block_tables.dtype, "block_tables"));
+  FP4KV_RETURN_IF_ERROR(CheckDType(a.block_tables, "block_tables", {options_.table_dtype}));
+  if (options_.separate_kv_tables) {
+    FP4KV_RETURN_IF_ERROR(CheckShape(a.block_tables, "block_tables", {kAny, 2, kAny}));
+  } else {
+    FP4KV_RETURN_IF_ERROR(CheckShape(a.block_tables, "block_tables", {kAny, kAny}));
+  }
+  FP4KV_RETURN_IF_ERROR(CheckInnerContiguous(a.block_tables, "block_tables"));
+  FP4KV_RETURN_IF_ERROR(CheckDevice(a.block_tables, "block_tables", dev));
+  const int64_t batch = a.block_tables.shape[0];
+  const int64_t max_pages = a.block_tables.shape[a.block_tables.ndim - 1];
+  FP4KV_RETURN_IF_ERROR(CheckIndexVector(a.seq_lens, "seq_lens", DType::kI32, batch, dev));
+  FP4KV_RETURN_IF_ERROR(
+      CheckIndexVector(a.kv_page_indptr, "kv_page_indptr", DType::kI32, batch + 1, dev));
+  FP4KV_RETURN_IF_ERROR(CheckGiven(a.out, "out"));
+  FP4KV_RETURN_IF_ERROR(CheckDType(a.out, "out", {DType::kE4M3, DType::kU8}));
+  FP4KV_RETURN_IF_ERROR(CheckShape(a.out, "out", {kAny, 2, g.num_kv_heads, g.page_size, g.head_dim_k}));
+  if (a.out.shape[0] < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("out: expected at least 1 page (page 0 is the zero page), got shape ",
+                     a.out.ShapeString()));
+  }
+  FP4KV_RETURN_IF_ERROR(CheckInnerContiguous(a.out, "out"));
+  FP4KV_RETURN_IF_ERROR(CheckAligned(a.out, "out", 16));
+  FP4KV_RETURN_IF_ERROR(CheckDevice(a.out, "out", dev));
+  FP4KV_RETURN_IF_ERROR(CheckGiven(a.fp8_block_tables, "fp8_block_tables"));
+  FP4KV_RETURN_IF_ERROR(CheckDType(a.fp8_block_tables, "fp8_block_tables", {DType::kI32}));
+  FP4KV_RETURN_IF_ERROR(CheckShape(a.fp8_block_tables, "fp8_block_tables", {batch, max_pages}));
+  FP4KV_RETURN_IF_ERROR(CheckInnerContiguous(a.fp8_block_tables, "fp8_block_tables"));
+  FP4KV_RETURN_IF_ERROR(CheckDevice(a.fp8_block_tables, "fp8_block_tables", dev));
+  FP4KV_RETURN_IF_ERROR(CheckGlobalScale(a.k_scale, "k_scale"));
+  FP4KV_RETURN_IF_ERROR(CheckGlobalScale(a.v_scale, "v_scale"));
+  FP4KV_RETURN_IF_ERROR(CheckGlobalScale(a.k_fp8_scale, "k_fp8_scale"));
+  FP4KV_RETURN_IF_ERROR(CheckGlobalScale(a.v_fp8_scale, "v_fp8_scale"));
+  p.num_heads = g.num_kv_heads;
+  p.head_dim = g.head_dim_k;
+  p.page_size = g.page_size;
+  p.num_pages = g.num_pages;
+  p.block_tables = a.block_tables.data;
+  p.tables_i64 = options_.table_dtype == DType::kI64;
+  p.table_row_stride = a.block_tables.strides[0];
+  p.table_kv_stride = options_.separate_kv_tables ? a.block_tables.strides[1] : 0;
+  p.max_pages = static_cast<int>(max_pages);
+  p.seq_lens = a.seq_lens.ptr<const int32_t>();
+  p.kv_page_indptr = a.kv_page_indptr.ptr<const int32_t>();
+  p.batch_size = static_cast<int>(batch);
+  p.out = static_cast<uint8_t*>(a.out.data);
+  p.num_out_pages = a.out.shape[0];
+  p.out_page = a.out.strides[0];
+  p.out_kv = a.out.strides[1];
+  p.out_head = a.out.strides[2];
+  p.out_entry = a.out.strides[3];
+  p.fp8_block_tables = a.fp8_block_tables.ptr<int32_t>();
+  p.fp8_table_row_stride = a.fp8_block_tables.strides[0];
+  p.k_scale = a.k_scale;
+  p.v_scale = a.v_scale;
+  p.k_fp8_scale = a.k_fp8_scale;
+  p.v_fp8_scale = a.v_fp8_scale;
+  if (!dev.is_cuda()) {
+    internal::ReferenceMaterialize(p);
+    return absl::OkStatus();
+  }
+  return internal::LaunchMaterialize(p, stream);
+}
+
+absl::StatusOr<float> MinFp8Scale(float g) {
+  if (!(g > 0.0f) || !std::isfinite(g)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("global_scale: expected a positive finite value, got ", g));
+  }
+  float s = 6.0f * g;
+  if (!std::isfinite(s)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("global_scale: expected 6 * global_scale to be finite, got ", g));
+  }
+  const float top = 6.0f * kE4m3Max;
+  while (MulRn(top, Fp8MaterializeMultiplier(g, s)) > kE4m3Max) s = std::nextafter(s, INFINITY);
+  // Smallest such: step down while the bound still holds.
+  for (;;) {
+    const float lower = std::nextafter(s, 0.0f);
+    if (!(lower > 0.0f) || MulRn(top, Fp8MaterializeMultiplier(g, lower)) > kE4m3Max) break;
+    s = lower;
+  }
+  return s;
+}
+
+// ---------------------------------------------------------- LinearQuantizer
+absl::StatusOr<LinearQuantizer> LinearQuantizer::Create(const Options& o) {
+  FP4KV_RETURN_IF_ERROR(internal::CheckFloatDType(o.dtype, "options.dtype"));
+  FP4KV_RETURN_IF_ERROR(ValidateRecipe(o.recipe));
+  FP4KV_RETURN_IF_ERROR(internal::CheckDeviceAvailable(o.device));
+  return LinearQuantizer(o);
+}
+
+namespace {
+
+absl::Status CheckLinear(const TensorView& x, const char* x_name, DType dtype,
+                         const TensorView& packed, const TensorView& scales, const Device& dev) {
+  FP4KV_RETURN_IF_ERROR(CheckGiven(x, x_name));
+  FP4KV_RETURN_IF_ERROR(CheckDType(x, x_name, {dtype}));
+  FP4KV_RETURN_IF_ERROR(CheckShape(x, x_name, {kAny, kAny}));
+  const int64_t m = x.shape[0], k = x.shape[1];
+  if (k % kBlockSize != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(x_name, ": expected shape[1] a multiple of 16, got ", x.ShapeString()));
+  }
+  FP4KV_RETURN_IF_ERROR(CheckInnerContiguous(x, x_name));
+  FP4KV_RETURN_IF_ERROR(CheckAligned(x, x_name, 16));
+  FP4KV_RETURN_IF_ERROR(CheckDevice(x, x_name, dev));
+  FP4KV_RETURN_IF_ERROR(CheckGiven(packed, "packed"));
+  FP4KV_RETURN_IF_ERROR(CheckDType(packed, "packed", {DType::kU8}));
+  FP4KV_RETURN_IF_ERROR(CheckShape(packed, "packed", {m, k / 2}));
+  FP4KV_RETURN_IF_ERROR(CheckInnerContiguous(packed, "packed"));
+  FP4KV_RETURN_IF_ERROR(CheckAligned(packed, "packed", 8));
+  FP4KV_RETURN_IF_ERROR(CheckDevice(packed, "packed", dev));
+  FP4KV_RETURN_IF_ERROR(CheckGiven(scales, "scales"));
+  FP4KV_RETURN_IF_ERROR(CheckDType(scales, "scales", {DType::kE4M3, DType::kU8}));
+  FP4KV_RETURN_IF_ERROR(CheckShape(scales, "scales", {m, k / kBlockSize}));
+  FP4KV_RETURN_IF_ERROR(CheckInnerContiguous(scales, "scales"));
+  return CheckDevice(scales, "scales", dev);
+}
+
+}  // namespace
+
+absl::Status LinearQuantizer::Quantize(const TensorView& input, const TensorView& packed,
+                                       const TensorView& scales, GlobalScale global_scale,
+                                       Stream stream) const {
+  FP4KV_RETURN_IF_ERROR(CheckLinear(input, "input", options_.dtype, packed, scales, options_.device));
+  FP4KV_RETURN_IF_ERROR(CheckGlobalScale(global_scale, "global_scale"));
+  internal::LinearQuantParams p;
+  p.input = input.data;
+  p.input_row_stride = input.strides[0];
+  p.dtype = options_.dtype;
+  p.rows = input.shape[0];
+  p.cols = input.shape[1];
+  p.packed = static_cast<uint8_t*>(packed.data);
+  p.packed_row_stride = packed.strides[0];
+  p.scales = static_cast<uint8_t*>(scales.data);
+  p.scale_row_stride = scales.strides[0];
+  p.scale = global_scale;
+  p.recipe = options_.recipe;
+  if (p.rows == 0 || p.cols == 0) return absl::OkStatus();
+  if (!options_.device.is_cuda()) {
+    internal::ReferenceQuantizeLinear(p);
+    return absl::OkStatus();
+  }
+  return internal::LaunchQuantizeLinear(p, stream);
+}
+
+absl::Status LinearQuantizer::Dequantize(const TensorView& packed, const TensorView& scales,
+                                         const TensorView& output, GlobalScale global_scale,
+                                         Stream stream) const {
+  FP4KV_RETURN_IF_ERROR(CheckLinear(output, "output", options_.dtype, packed, scales, options_.device));
+  FP4KV_RETURN_IF_ERROR(CheckGlobalScale(global_scale, "global_scale"));
+  internal::LinearDequantParams p;
+  p.packed = static_cast<const uint8_t*>(packed.data);
+  p.packed_row_stride = packed.strides[0];
+  p.scales = static_cast<const uint8_t*>(scales.data);
+  p.scale_row_stride = scales.strides[0];
+  p.rows = output.shape[0];
+  p.cols = output.shape[1];
+  p.output = output.data;
+  p.output_row_stride = output.strides[0];
+  p.dtype = options_.dtype;
+  p.scale = global_scale;
+  if (p.rows == 0 || p.cols == 0) return absl::OkStatus();
+  if (!options_.device.is_cuda()) {
+    internal::ReferenceDequantizeLinear(p);
+    return absl::OkStatus();
+  }
+  return internal::LaunchDequantizeLinear(p, stream);
+}
+
+// ------------------------------------------------------------ functional API
+absl::Status QuantizeAppendPaged(const TensorView& append_key, const TensorView& append_value,
+                                 const TensorView& batch_indices, const TensorView& positions,
+                                 const PagedCache& cache, const TensorView& kv_indices,
+                                 const TensorView& kv_indptr, const TensorView& kv_last_page_len,
+                                 GlobalScale k_scale, GlobalScale v_scale, const Recipe& recipe,
+                                 Stream stream) {
+  absl::StatusOr<CacheGeometry> g = cache.Geometry();
+  if (!g.ok()) return g.status();
+  FP4KV_RETURN_IF_ERROR(internal::CheckFloatDType(append_key.dtype, "append_key"));
+  absl::StatusOr<Appender> op = Appender::Create(
+      {*g, append_key.dtype, AppendIndexing::kPaged, recipe, cache.k_data.device});
+  if (!op.ok()) return op.status();
+  AppendArgs a;
+  a.key = append_key;
+  a.value = append_value;
+  a.batch_indices = batch_indices;
+  a.positions = positions;
+  a.kv_indices = kv_indices;
+  a.kv_indptr = kv_indptr;
+  a.kv_last_page_len = kv_last_page_len;
+  a.k_scale = k_scale;
+  a.v_scale = v_scale;
+  return op->Run(a, cache, stream);
+}
+
+absl::Status QuantizeAppendBySlot(const TensorView& append_key, const TensorView& append_value,
+                                  const TensorView& slot_mapping, const PagedCache& cache,
+                                  GlobalScale k_scale, GlobalScale v_scale, const Recipe& recipe,
+                                  Stream stream) {
+  absl::StatusOr<CacheGeometry> g = cache.Geometry();
+  if (!g.ok()) return g.status();
+  FP4KV_RETURN_IF_ERROR(internal::CheckFloatDType(append_key.dtype, "append_key"));
+  absl::StatusOr<Appender> op = Appender::Create(
+      {*g, append_key.dtype, AppendIndexing::kSlot, recipe, cache.k_data.device});
+  if (!op.ok()) return op.status();
+  AppendArgs a;
+  a.key = append_key;
+  a.value = append_value;
+  a.slot_mapping = slot_mapping;
+  a.k_scale = k_scale;
+  a.v_scale = v_scale;
+  return op->Run(a, cache, stream);
+}
+
+absl::Status DequantizePaged(const PagedCache& cache, const TensorView& block_tables,
+                             const TensorView& seq_lens, const TensorView& k_out,
+                             const TensorView& v_out, GlobalScale k_scale, GlobalScale v_scale,
+                             Stream stream) {
+  absl::StatusOr<CacheGeometry> g = cache.Geometry();
+  if (!g.ok()) return g.status();
+  FP4KV_RETURN_IF_ERROR(internal::CheckFloatDType(k_out.dtype, "k_out"));
+  FP4KV_RETURN_IF_ERROR(CheckTableDType(block_tables.dtype, "block_tables"));
+  absl::StatusOr<Dequantizer> op =
+      Dequantizer::Create({*g, k_out.dtype, block_tables.dtype, cache.k_data.device});
+  if (!op.ok()) return op.status();
+  return op->Run({block_tables, seq_lens, k_out, v_out, k_scale, v_scale}, cache, stream);
+}
+
+absl::Status MaterializeFp8(const PagedCache& cache, const TensorView& block_tables,
+                            const TensorView& seq_lens, const TensorView& kv_page_indptr,
+                            const TensorView& out, const TensorView& fp8_block_tables,
+                            GlobalScale k_scale, GlobalScale v_scale, GlobalScale k_fp8_scale,
+                            GlobalScale v_fp8_scale, Stream stream) {
+  absl::StatusOr<CacheGeometry> g = cache.Geometry();
+  if (!g.ok()) return g.status();
+  FP4KV_RETURN_IF_ERROR(CheckTableDType(block_tables.dtype, "block_tables"));
+  if (block_tables.ndim != 2 && block_tables.ndim != 3) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("block_tables: expected rank 2 ([B, max_pages]) or 3 ([B, 2, max_pages]), got rank ",
+                     block_tables.ndim));
+  }
+  absl::StatusOr<Materializer> op = Materializer::Create(
+      {*g, block_tables.dtype, block_tables.ndim == 3, cache.k_data.device});
+  if (!op.ok()) return op.status();
+  return op->Run({block_tables, seq_lens, kv_page_indptr, out, fp8_block_tables, k_scale, v_scale,
+                  k_fp8_scale, v_fp8_scale},
+                 cache, stream);
+}
+
+absl::Status QuantizeLinear(const TensorView& input, const TensorView& packed,
+                            const TensorView& scales, GlobalScale global_scale,
+                            const Recipe& recipe, Stream stream) {
+  FP4KV_RETURN_IF_ERROR(internal::CheckFloatDType(input.dtype, "input"));
+  absl::StatusOr<LinearQuantizer> op = LinearQuantizer::Create({input.dtype, recipe, input.device});
+  if (!op.ok()) return op.status();
+  return op->Quantize(input, packed, scales, global_scale, stream);
+}
+
+absl::Status DequantizeLinear(const TensorView& packed, const TensorView& scales,
+                              const TensorView& output, GlobalScale global_scale, Stream stream) {
+  FP4KV_RETURN_IF_ERROR(internal::CheckFloatDType(output.dtype, "output"));
+  absl::StatusOr<LinearQuantizer> op =
+      LinearQuantizer::Create({output.dtype, Recipe(), output.device});
+  if (!op.ok()) return op.status();
+  return op->Dequantize(packed, scales, output, global_scale, stream);
+}
+
+}  // namespace fp4kv

@@ -1,0 +1,199 @@
+// Internal: the plain-pointer form of each op, filled by validation and read
+// by both the CPU reference (src/reference/) and the CUDA kernels (kernels/).
+// Every pointer here points to memory on the op's device. Strides are in
+// bytes for pools and in elements for f16/bf16 tensors and tables.
+#ifndef FP4KV_SRC_PARAMS_H_
+#define FP4KV_SRC_PARAMS_H_
+
+#include <cstdint>
+
+#include "fp4kv/format.h"
+#include "fp4kv/ops.h"
+#include "fp4kv/tensor.h"
+
+namespace fp4kv {
+namespace internal {
+
+// One of K or V of one cache: packed data and scales with byte strides.
+struct PoolPtrs {
+  uint8_t* data = nullptr;
+  uint8_t* scales = nullptr;
+  int64_t data_page = 0, data_entry = 0, data_head = 0;     // bytes
+  int64_t scale_page = 0, scale_entry = 0, scale_head = 0;  // bytes
+  int head_dim = 0;
+
+  FP4KV_HD int64_t DataOffset(int64_t page, int64_t entry, int64_t head) const {
+    return page * data_page + entry * data_entry + head * data_head;
+  }
+  FP4KV_HD int64_t ScaleOffset(int64_t page, int64_t entry, int64_t head) const {
+    return page * scale_page + entry * scale_entry + head * scale_head;
+  }
+};
+
+struct AppendParams {
+  const void* key = nullptr;  // [nnz, H, Dk]
+  const void* value = nullptr;
+  int64_t key_row_stride = 0, key_head_stride = 0;  // elements
+  int64_t value_row_stride = 0, value_head_stride = 0;
+  DType input_dtype = DType::kBF16;
+  int64_t nnz = 0;  // rows to process
+  int num_heads = 0;
+  int page_size = 0;
+  int64_t num_pages = 0;
+  PoolPtrs k, v;
+  AppendIndexing indexing = AppendIndexing::kPaged;
+  // kPaged
+  const int32_t* batch_indices = nullptr;  // [nnz]
+  const int32_t* positions = nullptr;      // [nnz]
+  const int32_t* kv_indices = nullptr;     // [num_kv_indices]
+  const int32_t* kv_indptr = nullptr;      // [batch_size + 1]
+  int64_t num_kv_indices = 0;
+  int batch_size = 0;
+  // kSlot
+  const int64_t* slot_mapping = nullptr;  // [nnz]
+  GlobalScale k_scale, v_scale;
+  Recipe recipe;
+};
+
+struct DequantParams {
+  PoolPtrs k, v;  // read only
+  int num_heads = 0;
+  int page_size = 0;
+  int64_t num_pages = 0;
+  const void* block_tables = nullptr;  // [B, max_pages] i32 or i64
+  bool tables_i64 = false;
+  int64_t table_row_stride = 0;  // elements
+  int max_pages = 0;
+  const int32_t* seq_lens = nullptr;  // [B]
+  int batch_size = 0;
+  int max_seq_len = 0;
+  void* k_out = nullptr;  // [B, max_seq_len, H, Dk]
+  void* v_out = nullptr;
+  int64_t k_out_batch = 0, k_out_token = 0, k_out_head = 0;  // elements
+  int64_t v_out_batch = 0, v_out_token = 0, v_out_head = 0;
+  DType output_dtype = DType::kBF16;
+  GlobalScale k_scale, v_scale;
+};
+
+struct MaterializeParams {
+  PoolPtrs k, v;  // read only
+  int num_heads = 0;
+  int head_dim = 0;
+  int page_size = 0;
+  int64_t num_pages = 0;
+  const void* block_tables = nullptr;  // [B, max_pages] or [B, 2, max_pages]
+  bool tables_i64 = false;
+  int64_t table_row_stride = 0;  // elements, between requests
+  int64_t table_kv_stride = 0;   // elements, K -> V (0 when shared)
+  int max_pages = 0;
+  const int32_t* seq_lens = nullptr;        // [B]
+  const int32_t* kv_page_indptr = nullptr;  // [B + 1]
+  int batch_size = 0;
+  uint8_t* out = nullptr;  // [num_out_pages, 2, H, page_size, D]
+  int64_t num_out_pages = 0;
+  int64_t out_page = 0, out_kv = 0, out_head = 0, out_entry = 0;  // bytes
+  int32_t* fp8_block_tables = nullptr;  // [B, max_pages]
+  int64_t fp8_table_row_stride = 0;     // elements
+  GlobalScale k_scale, v_scale, k_fp8_scale, v_fp8_scale;
+};
+
+struct LinearQuantParams {
+  const void* input = nullptr;  // [rows, cols]
+  int64_t input_row_stride = 0;  // elements
+  DType dtype = DType::kBF16;
+  int64_t rows = 0, cols = 0;
+  uint8_t* packed = nullptr;  // [rows, cols/2]
+  int64_t packed_row_stride = 0;  // bytes
+  uint8_t* scales = nullptr;  // [rows, cols/16]
+  int64_t scale_row_stride = 0;  // bytes
+  GlobalScale scale;
+  Recipe recipe;
+};
+
+struct LinearDequantParams {
+  const uint8_t* packed = nullptr;
+  int64_t packed_row_stride = 0;
+  const uint8_t* scales = nullptr;
+  int64_t scale_row_stride = 0;
+  int64_t rows = 0, cols = 0;
+  void* output = nullptr;
+  int64_t output_row_stride = 0;  // elements
+  DType dtype = DType::kBF16;
+  GlobalScale scale;
+};
+
+// Where row i of an append goes. Returns false for a row that writes nothing:
+// padding (negative slot), or a batch index, position, kv_indices entry or
+// page outside its range. Shared by the reference and the kernels.
+FP4KV_HD bool ResolveAppendRow(const AppendParams& p, int64_t i, int64_t* page, int* entry) {
+  int64_t pg;
+  int64_t e;
+  if (p.indexing == AppendIndexing::kSlot) {
+    const int64_t slot = p.slot_mapping[i];
+    if (slot < 0) return false;
+    pg = slot / p.page_size;
+    e = slot % p.page_size;
+  } else {
+    const int32_t b = p.batch_indices[i];
+    const int32_t pos = p.positions[i];
+    if (b < 0 || b >= p.batch_size || pos < 0) return false;
+    const int64_t begin = p.kv_indptr[b];
+    const int64_t end = p.kv_indptr[b + 1];
+    const int64_t idx = begin + pos / p.page_size;
+    if (idx < begin || idx >= end || idx < 0 || idx >= p.num_kv_indices) return false;
+    pg = p.kv_indices[idx];
+    e = pos % p.page_size;
+  }
+  if (pg < 0 || pg >= p.num_pages) return false;
+  *page = pg;
+  *entry = static_cast<int>(e);
+  return true;
+}
+
+// Reads entry j of row b of a block table (i32 or i64).
+FP4KV_HD int64_t TableEntry(const void* table, bool i64, int64_t offset) {
+  return i64 ? static_cast<const int64_t*>(table)[offset]
+             : static_cast<int64_t>(static_cast<const int32_t*>(table)[offset]);
+}
+
+// Tokens of request b that a dequantize reads: seq_lens[b] clamped to
+// [0, min(max_seq_len, max_pages * page_size)].
+FP4KV_HD int64_t DequantTokens(const DequantParams& p, int b) {
+  int64_t n = p.seq_lens[b];
+  if (n < 0) n = 0;
+  if (n > p.max_seq_len) n = p.max_seq_len;
+  const int64_t cap = static_cast<int64_t>(p.max_pages) * p.page_size;
+  return n < cap ? n : cap;
+}
+
+// Pages of request b that a materialize writes: ceil(seq_lens[b] / page_size)
+// clamped to the pages reserved in kv_page_indptr and to max_pages.
+FP4KV_HD int64_t MaterializePages(const MaterializeParams& p, int b) {
+  int64_t len = p.seq_lens[b];
+  if (len < 0) len = 0;
+  int64_t n = (len + p.page_size - 1) / p.page_size;
+  const int64_t reserved = static_cast<int64_t>(p.kv_page_indptr[b + 1]) - p.kv_page_indptr[b];
+  if (n > reserved) n = reserved < 0 ? 0 : reserved;
+  if (n > p.max_pages) n = p.max_pages;
+  return n;
+}
+
+// CPU reference (src/reference/). Synchronous, host memory.
+void ReferenceAppend(const AppendParams& p);
+void ReferenceDequantize(const DequantParams& p);
+void ReferenceMaterialize(const MaterializeParams& p);
+void ReferenceQuantizeLinear(const LinearQuantParams& p);
+void ReferenceDequantizeLinear(const LinearDequantParams& p);
+
+// CUDA launchers (kernels/). Enqueue on `stream`, allocate nothing, never
+// synchronize; return the launch status (cudaGetLastError) as a Status.
+absl::Status LaunchAppend(const AppendParams& p, Stream stream);
+absl::Status LaunchDequantize(const DequantParams& p, Stream stream);
+absl::Status LaunchMaterialize(const MaterializeParams& p, Stream stream);
+absl::Status LaunchQuantizeLinear(const LinearQuantParams& p, Stream stream);
+absl::Status LaunchDequantizeLinear(const LinearDequantParams& p, Stream stream);
+
+}  // namespace internal
+}  // namespace fp4kv
+
+#endif  // FP4KV_SRC_PARAMS_H_

@@ -1,0 +1,161 @@
+#include "src/validate.h"
+
+#include <cmath>
+#include <string>
+#include <tuple>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+
+namespace fp4kv {
+namespace internal {
+
+absl::Status CheckGiven(const TensorView& t, const char* name) {
+  if (t.data == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(name, ": expected a tensor, got a null pointer"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckDType(const TensorView& t, const char* name, std::initializer_list<DType> allowed) {
+  for (DType d : allowed) {
+    if (t.dtype == d) return absl::OkStatus();
+  }
+  std::string names;
+  for (DType d : allowed) absl::StrAppend(&names, names.empty() ? "" : " or ", DTypeName(d));
+  return absl::InvalidArgumentError(
+      absl::StrCat(name, ": expected dtype ", names, ", got ", DTypeName(t.dtype)));
+}
+
+absl::Status CheckRank(const TensorView& t, const char* name, int rank) {
+  if (t.ndim != rank) {
+    return absl::InvalidArgumentError(absl::StrCat(name, ": expected rank ", rank, ", got rank ",
+                                                   t.ndim, " (shape ", t.ShapeString(), ")"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckShape(const TensorView& t, const char* name, std::initializer_list<int64_t> shape) {
+  const int rank = static_cast<int>(shape.size());
+  if (absl::Status s = CheckRank(t, name, rank); !s.ok()) return s;
+  int d = 0;
+  bool ok = true;
+  for (int64_t e : shape) {
+    if (e != kAny && t.shape[d] != e) ok = false;
+    ++d;
+  }
+  if (!ok) {
+    std::string want = "[";
+    d = 0;
+    for (int64_t e : shape) {
+      absl::StrAppend(&want, d++ ? ", " : "", e == kAny ? std::string("*") : absl::StrCat(e));
+    }
+    want += "]";
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, ": expected shape ", want, ", got ", t.ShapeString()));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckInnerContiguous(const TensorView& t, const char* name) {
+  if (t.ndim > 0 && t.shape[t.ndim - 1] > 1 && t.strides[t.ndim - 1] != 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        name, ": expected a contiguous last dimension (stride 1), got stride ", t.strides[t.ndim - 1]));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckAligned(const TensorView& t, const char* name, int bytes) {
+  const auto addr = reinterpret_cast<uintptr_t>(t.data);
+  if (addr % bytes != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(name, ": expected a ", bytes,
+                                                   "-byte aligned pointer, got address ", addr,
+                                                   " (", addr % bytes, " past alignment)"));
+  }
+  const int es = DTypeSize(t.dtype);
+  for (int d = 0; d + 1 < t.ndim; ++d) {
+    if (t.shape[d] > 1 && (t.strides[d] * es) % bytes != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(name, ": expected the stride of dimension ", d,
+                                                     " to be a multiple of ", bytes, " bytes, got ",
+                                                     t.strides[d] * es, " bytes"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckDevice(const TensorView& t, const char* name, const Device& device) {
+  if (t.device != device) {
+    return absl::InvalidArgumentError(absl::StrCat(name, ": expected device ", device.ToString(),
+                                                   ", got ", t.device.ToString()));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckGlobalScale(const GlobalScale& s, const char* name) {
+  if (s.ptr != nullptr) return absl::OkStatus();
+  if (!(s.value > 0.0f) || !std::isfinite(s.value)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, ": expected a positive finite global scale, got ", s.value));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckFloatDType(DType t, const char* name) {
+  if (t != DType::kF16 && t != DType::kBF16) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, ": expected dtype f16 or bf16, got ", DTypeName(t)));
+  }
+  return absl::OkStatus();
+}
+
+namespace {
+
+absl::Status CheckPool(const TensorView& data, const TensorView& scales, const char* data_name,
+                       const char* scale_name, const CacheGeometry& g, int head_dim,
+                       const Device& device, PoolPtrs* out) {
+  const int64_t rows_a = g.layout == Layout::kNHD ? g.page_size : g.num_kv_heads;
+  const int64_t rows_b = g.layout == Layout::kNHD ? g.num_kv_heads : g.page_size;
+  for (const auto& [t, name, inner] :
+       {std::tuple<const TensorView&, const char*, int64_t>{data, data_name, head_dim / 2},
+        std::tuple<const TensorView&, const char*, int64_t>{scales, scale_name, head_dim / kBlockSize}}) {
+    if (absl::Status s = CheckGiven(t, name); !s.ok()) return s;
+    if (absl::Status s = CheckShape(t, name, {g.num_pages, rows_a, rows_b, inner}); !s.ok()) return s;
+    if (absl::Status s = CheckInnerContiguous(t, name); !s.ok()) return s;
+    if (absl::Status s = CheckDevice(t, name, device); !s.ok()) return s;
+  }
+  if (absl::Status s = CheckDType(data, data_name, {DType::kU8}); !s.ok()) return s;
+  if (absl::Status s = CheckDType(scales, scale_name, {DType::kE4M3, DType::kU8}); !s.ok()) return s;
+  if (absl::Status s = CheckAligned(data, data_name, 8); !s.ok()) return s;
+  const int a = g.layout == Layout::kNHD ? 1 : 2;  // entry dim
+  const int h = g.layout == Layout::kNHD ? 2 : 1;  // head dim
+  out->data = static_cast<uint8_t*>(data.data);
+  out->scales = static_cast<uint8_t*>(scales.data);
+  out->data_page = data.strides[0];
+  out->data_entry = data.strides[a];
+  out->data_head = data.strides[h];
+  out->scale_page = scales.strides[0];
+  out->scale_entry = scales.strides[a];
+  out->scale_head = scales.strides[h];
+  out->head_dim = head_dim;
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status CheckCache(const PagedCache& cache, const CacheGeometry& g, const Device& device,
+                        PoolPtrs* k, PoolPtrs* v) {
+  if (cache.layout != g.layout) {
+    return absl::InvalidArgumentError(absl::StrCat("cache.layout: expected ", LayoutName(g.layout),
+                                                   ", got ", LayoutName(cache.layout)));
+  }
+  if (absl::Status s = CheckPool(cache.k_data, cache.k_scales, "cache.k_data", "cache.k_scales", g,
+                                 g.head_dim_k, device, k);
+      !s.ok()) {
+    return s;
+  }
+  return CheckPool(cache.v_data, cache.v_scales, "cache.v_data", "cache.v_scales", g, g.head_dim_v,
+                   device, v);
+}
+
+}  // namespace internal
+}  // namespace fp4kv
