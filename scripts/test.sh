@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Builds fp4kv and runs the whole test suite (GPU tests skip without a GPU).
+#   bash scripts/test.sh              # Release build in build/
+#   bash scripts/test.sh --sanitize   # ASan + UBSan build of the tests in build-asan/
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/install_deps.sh
+source scripts/env.sh
+jobs=$(nproc)
+if [ "${1:-}" = "--sanitize" ]; then
+  # Host code under the sanitizers; one CUDA architecture is enough here.
+  cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DFP4KV_SANITIZE=ON \
+    -DCMAKE_CUDA_ARCHITECTURES=90 -DFP4KV_BUILD_BENCHMARKS=OFF -DFP4KV_BUILD_EXAMPLES=OFF >/dev/null
+  cmake --build build-asan -j"$jobs"
+  # protect_shadow_gap=0 lets the CUDA runtime map memory under ASan.
+  ASAN_OPTIONS=protect_shadow_gap=0:detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
+    ctest --test-dir build-asan --output-on-failure -j"$jobs"
+else
+  cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DFP4KV_BUILD_TESTS=ON -DFP4KV_BUILD_BENCHMARKS=ON -DFP4KV_BUILD_EXAMPLES=ON >/dev/null
+  cmake --build build -j"$jobs"
+  ctest --test-dir build --output-on-failure -j"$jobs"
+fi
