@@ -392,6 +392,33 @@ TEST(HalfBf16, NanGivesCanonical7fff) {
   EXPECT_EQ(FloatToBf16Bits(-kInf), 0xff80);
 }
 
+// Every sign, exponent and combination of the top 11 mantissa bits, with the
+// low 12 bits empty, minimal, just below half, half, or full. For E2M1 (1
+// mantissa bit), E4M3 (3), fp16 (10) and bf16 (7) this is every combination
+// of kept bits, round bit and sticky bits at every exponent, so every
+// rounding decision the formats can make, subnormal targets included.
+TEST(AllFormats, StructuredSweepMatchesToolkit) {
+  std::vector<float> xs;
+  xs.reserve(2 * 256 * 2048 * 5);
+  for (uint32_t sign = 0; sign < 2; ++sign) {
+    for (uint32_t exp = 0; exp < 256; ++exp) {
+      for (uint32_t top = 0; top < 2048; ++top) {
+        for (uint32_t low : {0x000u, 0x001u, 0x7ffu, 0x800u, 0xfffu}) {
+          xs.push_back(BitsFloat((sign << 31) | (exp << 23) | (top << 12) | low));
+        }
+      }
+    }
+  }
+  ExpectSameEncoding(xs, E4m3Encode, ToolkitE4m3, "E4m3Encode");
+  ExpectSameEncoding(xs, E2m1Encode, ToolkitE2m1, "E2m1Encode");
+  std::vector<float> no_nan;
+  for (float x : xs) {
+    if (!std::isnan(x)) no_nan.push_back(x);
+  }
+  ExpectSameEncoding(no_nan, FloatToHalfBits, ToolkitHalfBits, "FloatToHalfBits");
+  ExpectSameEncoding(no_nan, FloatToBf16Bits, ToolkitBf16Bits, "FloatToBf16Bits");
+}
+
 // ===========================================================================
 // One block
 // ===========================================================================
@@ -817,6 +844,18 @@ TEST(Block, WorkedExampleOfFormatDoc) {
   EXPECT_EQ(FloatToHalfBits(dq[14]), 0xc600);
   EXPECT_EQ(FloatToHalfBits(dq[9]), 0x8000);
   ExpectMatchesRecomputed(blk, g, "worked example");
+  // FP8 materialization under the smallest safe FP8 scale, MinFp8Scale(0.5) = 3:
+  // multiplier m = 0.5 / 3, fp8_i = e4m3((e2m1_i * 2) * m).
+  absl::StatusOr<float> fp8_scale = MinFp8Scale(g);
+  ASSERT_TRUE(fp8_scale.ok()) << fp8_scale.status();
+  EXPECT_EQ(*fp8_scale, 3.0f);
+  const float m = Fp8MaterializeMultiplier(g, *fp8_scale);
+  EXPECT_EQ(FloatBits(m), 0x3e2aaaabu);
+  const uint8_t want_fp8[kBlockSize] = {0x2b, 0xb0, 0x33, 0x00, 0xa3, 0x3b, 0xbb, 0x2b,
+                                        0x00, 0x80, 0x40, 0xb8, 0x00, 0x2b, 0xc0, 0x38};
+  for (int i = 0; i < kBlockSize; ++i) {
+    EXPECT_EQ(MaterializeFp8Value(CodeAt(packed, i), E4m3Decode(b), m), want_fp8[i]) << i;
+  }
 }
 
 // ===========================================================================

@@ -413,6 +413,26 @@ TEST(PagedCache, TupleGeometryOffsetsMatchContiguousPools) {
   }
 }
 
+// The placement example of docs/format.md: elements 16..31 (block 1) of
+// head 3 of the token in entry 5 of page 7, H = 8, D = 128, page_size 16.
+TEST(PagedCache, WorkedPlacementOfFormatDoc) {
+  CacheGeometry g;
+  g.num_kv_heads = 8;
+  g.head_dim_k = 128;
+  g.head_dim_v = 128;
+  g.page_size = 16;
+  g.num_pages = 10;
+  g.layout = Layout::kNHD;
+  EXPECT_EQ(g.RowIndex(7, 5, 3), 939);
+  EXPECT_EQ(g.DataOffset(7, 5, 3, false) + 1 * kBlockBytes, 60104);
+  EXPECT_EQ(g.ScaleOffset(7, 5, 3, false) + 1, 7513);
+  g.layout = Layout::kHND;
+  EXPECT_EQ(g.RowIndex(7, 5, 3), 949);
+  EXPECT_EQ(g.DataOffset(7, 5, 3, true) + 1 * kBlockBytes, 60744);
+  EXPECT_EQ(g.ScaleOffset(7, 5, 3, true) + 1, 7593);
+  EXPECT_EQ(g.PageBytes(), 16 * 8 * (64 + 64 + 8 + 8));
+}
+
 TEST(PagedCache, BadViewsAreRejected) {
   const int64_t P = 2, S = 4, H = 2, D = 32;
   StackedPools p = MakeStacked(P, S, H, D);
