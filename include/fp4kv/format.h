@@ -157,13 +157,15 @@ FP4KV_HD float E2m1Decode(uint8_t code) {
 // ---------------------------------------------------------------------------
 // E4M3 (OCP e4m3fn): sign, 4 exponent bits (bias 7), 3 mantissa bits, no
 // infinity, NaN = S.1111.111. Encode: round to nearest, ties to even,
-// saturating to +-448 (inf too); NaN stays NaN with its sign (0x7f / 0xff).
+// saturating to +-448 (inf too); NaN of either sign gives 0x7f, as the CUDA
+// toolkit's conversion and the cvt.rn.satfinite.e4m3x2 instruction do.
+// Decode keeps the sign of both NaN codes (0x7f, 0xff).
 // ---------------------------------------------------------------------------
 FP4KV_HD uint8_t E4m3Encode(float x) {
   const uint32_t bits = FloatBits(x);
   const uint32_t abs_bits = bits & 0x7fffffffu;
   const uint8_t sign = static_cast<uint8_t>((bits >> 24) & 0x80u);
-  if (abs_bits > 0x7f800000u) return sign | 0x7f;  // NaN
+  if (abs_bits > 0x7f800000u) return 0x7f;  // NaN, sign dropped
   if (abs_bits >= 0x43e00000u) return sign | 0x7e;  // >= 448 or inf
   uint32_t m = RoundMagnitude(abs_bits, 3, 7);
   if (m > 0x7eu) m = 0x7eu;
