@@ -373,12 +373,22 @@ TEST(FourOverSix, HeadroomOf256KeepsTheAmaxOver4Option) {
 
 // NaN in a block makes both errors NaN: the comparison is false and the
 // block keeps amax/6 (here amax/4 would otherwise win, see the uniform block).
-TEST(FourOverSix, NanInBlockKeepsAmaxOver6) {
+TEST(FourOverSix, NanAndInfInBlock) {
   float x[kBlockSize];
   Fill(x, {std::nanf("")}, 4.0f);
   for (const Recipe& r : FourOverSixRecipes()) {
     uint32_t p[2];
     EXPECT_EQ(QuantizeBlock(x, 1.0f, r, p), 0x33) << RecipeName(r);  // 0.6875
+  }
+  // An infinite input: amax is infinite and both candidates saturate to 448.
+  Fill(x, {-INFINITY}, 4.0f);
+  const Candidates c = MakeCandidates(x, 1.0f);
+  EXPECT_EQ(c.b6, 0x7e);
+  EXPECT_EQ(c.b4, 0x7e);
+  for (const Recipe& r : AllRecipes()) {
+    uint32_t p[2];
+    EXPECT_EQ(QuantizeBlock(x, 1.0f, r, p), 0x7e) << RecipeName(r);
+    EXPECT_EQ(p[0] & 0xfu, 0xfu);  // -6
   }
 }
 
