@@ -82,8 +82,8 @@ Row Measure(const Dataset& data, const Recipe& quantizer, const Recipe& scale_re
   const fp4kv::TensorView in =
       fp4kv::TensorView::Contiguous(data.bf16.data(), DType::kBF16, {tokens, kDim});
 
-  absl::StatusOr<fp4kv::Calibrator> cal = fp4kv::Calibrator::Create(
-      {in.numel(), DType::kBF16, fp4kv::Device::Cpu(), scale_recipe});
+  absl::StatusOr<fp4kv::Calibrator> cal =
+      fp4kv::Calibrator::Create({in.numel(), DType::kBF16, fp4kv::Device::Cpu(), scale_recipe});
   float amax = 0.0f, g = 0.0f;
   if (!cal.ok() || !cal->Run(in, &amax, &g).ok()) {
     std::fprintf(stderr, "calibration failed\n");
@@ -152,7 +152,9 @@ void Report(const Dataset& data) {
   }
   const double base = rows[0].rel_rms;
   std::printf("\n### %s\n\n", data.name.c_str());
-  std::printf("| recipe | e4m3_max | relative RMS error | vs standard | max abs error | blocks on amax/4 |\n");
+  std::printf(
+      "| recipe | e4m3_max | relative RMS error | vs standard | max abs error | blocks on amax/4 "
+      "|\n");
   std::printf("|---|---:|---:|---:|---:|---:|\n");
   for (const Row& r : rows) {
     std::printf("| %s | %d | %.5f | %+.1f%% | %.4f | %.1f%% |\n", r.label.c_str(), r.e4m3_max,
@@ -171,8 +173,9 @@ int main(int argc, char** argv) {
   }
   std::printf("## fp4kv recipe accuracy (bf16 [%lld, %lld] per dataset, CPU)\n",
               static_cast<long long>(tokens), static_cast<long long>(kDim));
-  std::printf("\nrelative RMS = sqrt(sum (x - dq)^2 / sum x^2); global scale = "
-              "MakeGlobalScale(tensor amax, recipe).\n");
+  std::printf(
+      "\nrelative RMS = sqrt(sum (x - dq)^2 / sum x^2); global scale = "
+      "MakeGlobalScale(tensor amax, recipe).\n");
   Report(Gaussian(tokens));
   Report(StudentT(tokens));
   Report(KeyLike(tokens));

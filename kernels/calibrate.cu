@@ -42,7 +42,9 @@ FP4KV_HD float LoadElement(const void* base, int64_t offset) {
 template <DType kDType>
 struct ContiguousMagnitude {
   const void* base;
-  FP4KV_HD float operator()(int64_t i) const { return MagnitudeOrZero(LoadElement<kDType>(base, i)); }
+  FP4KV_HD float operator()(int64_t i) const {
+    return MagnitudeOrZero(LoadElement<kDType>(base, i));
+  }
 };
 
 // Element i (row-major order) of a strided view with `ndim` collapsed dims.
@@ -125,9 +127,9 @@ absl::Status QueryTempBytes(int64_t n, size_t* bytes) {
   FP4KV_CUDA_RETURN_IF_ERROR(cub::DeviceReduce::Reduce(
       nullptr, contiguous, MakeIterator(ContiguousMagnitude<kDType>{nullptr}),
       static_cast<float*>(nullptr), n, MaxOp{}, 0.0f));
-  FP4KV_CUDA_RETURN_IF_ERROR(cub::DeviceReduce::Reduce(
-      nullptr, strided, MakeIterator(StridedMagnitude<kDType>{}), static_cast<float*>(nullptr), n,
-      MaxOp{}, 0.0f));
+  FP4KV_CUDA_RETURN_IF_ERROR(
+      cub::DeviceReduce::Reduce(nullptr, strided, MakeIterator(StridedMagnitude<kDType>{}),
+                                static_cast<float*>(nullptr), n, MaxOp{}, 0.0f));
   *bytes = contiguous > strided ? contiguous : strided;
   return absl::OkStatus();
 }
@@ -137,13 +139,13 @@ absl::Status ReduceOnDevice(const void* base, const Collapsed& c, int64_t n, voi
                             size_t temp_bytes, float* d_amax, cudaStream_t stream) {
   size_t bytes = temp_bytes;
   if (c.contiguous()) {
-    FP4KV_CUDA_RETURN_IF_ERROR(cub::DeviceReduce::Reduce(
-        d_temp, bytes, MakeIterator(ContiguousMagnitude<kDType>{base}), d_amax, n, MaxOp{}, 0.0f,
-        stream));
+    FP4KV_CUDA_RETURN_IF_ERROR(
+        cub::DeviceReduce::Reduce(d_temp, bytes, MakeIterator(ContiguousMagnitude<kDType>{base}),
+                                  d_amax, n, MaxOp{}, 0.0f, stream));
   } else {
-    FP4KV_CUDA_RETURN_IF_ERROR(cub::DeviceReduce::Reduce(
-        d_temp, bytes, MakeIterator(MakeStrided<kDType>(base, c)), d_amax, n, MaxOp{}, 0.0f,
-        stream));
+    FP4KV_CUDA_RETURN_IF_ERROR(cub::DeviceReduce::Reduce(d_temp, bytes,
+                                                         MakeIterator(MakeStrided<kDType>(base, c)),
+                                                         d_amax, n, MaxOp{}, 0.0f, stream));
   }
   return absl::OkStatus();
 }
@@ -170,7 +172,7 @@ absl::Status CheckCalibrateDType(DType t, const char* name) {
   return absl::OkStatus();
 }
 
-#define FP4KV_CALIBRATE_RETURN_IF_ERROR(expr)  \
+#define FP4KV_CALIBRATE_RETURN_IF_ERROR(expr) \
   do {                                        \
     if (absl::Status s_ = (expr); !s_.ok()) { \
       return s_;                              \
@@ -257,8 +259,8 @@ absl::Status Calibrator::Run(const TensorView& input, float* amax, float* global
   const Options& o = options_;
   for (int d = 0; d < input.ndim; ++d) {
     if (input.shape[d] < 0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "input: expected non-negative extents, got shape ", input.ShapeString()));
+      return absl::InvalidArgumentError(
+          absl::StrCat("input: expected non-negative extents, got shape ", input.ShapeString()));
     }
   }
   const int64_t n = input.numel();
@@ -284,9 +286,15 @@ absl::Status Calibrator::Run(const TensorView& input, float* amax, float* global
     float a = 0.0f;
     if (n > 0) {
       switch (o.dtype) {
-        case DType::kF16: a = ReduceOnHost<DType::kF16>(input.data, c, n); break;
-        case DType::kBF16: a = ReduceOnHost<DType::kBF16>(input.data, c, n); break;
-        default: a = ReduceOnHost<DType::kF32>(input.data, c, n); break;
+        case DType::kF16:
+          a = ReduceOnHost<DType::kF16>(input.data, c, n);
+          break;
+        case DType::kBF16:
+          a = ReduceOnHost<DType::kBF16>(input.data, c, n);
+          break;
+        default:
+          a = ReduceOnHost<DType::kF32>(input.data, c, n);
+          break;
       }
     }
     if (amax != nullptr) *amax = a;

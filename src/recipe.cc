@@ -30,8 +30,8 @@ absl::Status ValidateRecipe(const Recipe& r) {
   }
   if (r.kind == RecipeKind::kStandard) {
     if (r.e4m3_max != 448) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "recipe.e4m3_max: expected 448 for the standard recipe, got ", r.e4m3_max));
+      return absl::InvalidArgumentError(
+          absl::StrCat("recipe.e4m3_max: expected 448 for the standard recipe, got ", r.e4m3_max));
     }
     if (r.metric != ErrorMetric::kMae) {
       return absl::InvalidArgumentError(
@@ -40,7 +40,8 @@ absl::Status ValidateRecipe(const Recipe& r) {
     }
     if (r.fast_math) {
       return absl::InvalidArgumentError(
-          "recipe.fast_math: expected false for the standard recipe (it has no error evaluation), got true");
+          "recipe.fast_math: expected false for the standard recipe (it has no error evaluation), "
+          "got true");
     }
   } else if (r.e4m3_max != 256 && r.e4m3_max != 448) {
     return absl::InvalidArgumentError(
@@ -93,23 +94,23 @@ absl::StatusOr<Recipe> RecipeFromCode(int64_t code) {
   }
   const uint64_t reserved = u >> kReservedShift;
   if (reserved != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "recipe_code: expected zero reserved bits 48..63, got 0x", absl::Hex(reserved), " (code ",
-        code, ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("recipe_code: expected zero reserved bits 48..63, got 0x", absl::Hex(reserved),
+                     " (code ", code, ")"));
   }
   const uint64_t kind = (u >> kKindShift) & kByte;
   const uint64_t metric = (u >> kMetricShift) & kByte;
   const uint64_t flags = (u >> kFlagsShift) & kByte;
   const uint64_t e4m3_max = (u >> kE4m3MaxShift) & 0xffffu;
   if (kind > 1) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "recipe_code: expected kind 0 (standard) or 1 (4over6) in bits 8..15, got ", kind,
-        " (code ", code, ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("recipe_code: expected kind 0 (standard) or 1 (4over6) in bits 8..15, got ",
+                     kind, " (code ", code, ")"));
   }
   if (metric > 1) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "recipe_code: expected metric 0 (MAE) or 1 (MSE) in bits 16..23, got ", metric, " (code ",
-        code, ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("recipe_code: expected metric 0 (MAE) or 1 (MSE) in bits 16..23, got ", metric,
+                     " (code ", code, ")"));
   }
   if ((flags & ~kFastMathFlag) != 0) {
     return absl::InvalidArgumentError(absl::StrCat(

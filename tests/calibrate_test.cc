@@ -29,11 +29,13 @@ Calibrator MakeCpu(int64_t max_elements, DType dtype, const Recipe& recipe = Rec
   return std::move(*c);
 }
 
-uint16_t Enc(DType t, float x) { return t == DType::kF16 ? FloatToHalfBits(x) : FloatToBf16Bits(x); }
+uint16_t Enc(DType t, float x) {
+  return t == DType::kF16 ? FloatToHalfBits(x) : FloatToBf16Bits(x);
+}
 
 TEST(CalibratorCpu, AmaxIgnoresNanAndSign) {
   for (DType t : {DType::kF16, DType::kBF16}) {
-    std::vector<uint16_t> x = {Enc(t, 0.5f), Enc(t, -3.0f), Enc(t, -0.0f), Enc(t, 2.0f),
+    std::vector<uint16_t> x = {Enc(t, 0.5f),     Enc(t, -3.0f),     Enc(t, -0.0f), Enc(t, 2.0f),
                                0x7fff /* NaN */, 0xffff /* -NaN */, Enc(t, 1.0f)};
     Calibrator c = MakeCpu(64, t);
     float amax = kPoisonFloat, g = kPoisonFloat;
@@ -58,7 +60,9 @@ TEST(CalibratorCpu, SpecialInputs) {
   EXPECT_TRUE(std::isfinite(g));
   // Empty view, data may be null.
   amax = g = kPoisonFloat;
-  ASSERT_TRUE(c.Run(TensorView::Contiguous(static_cast<void*>(nullptr), DType::kF32, {0, 4}), &amax, &g).ok());
+  ASSERT_TRUE(
+      c.Run(TensorView::Contiguous(static_cast<void*>(nullptr), DType::kF32, {0, 4}), &amax, &g)
+          .ok());
   EXPECT_EQ(amax, 0.0f);
   EXPECT_EQ(g, 1.0f / 1536.0f);
   // amax may be omitted.
@@ -149,7 +153,9 @@ TEST(CalibratorCpu, InvalidRunWritesNothing) {
   expect_untouched();
   ExpectInvalid(c.Run(TensorView::Contiguous(x.data(), DType::kF16, {8}), &amax, &g), "input");
   expect_untouched();
-  ExpectInvalid(c.Run(TensorView::Contiguous(static_cast<void*>(nullptr), DType::kBF16, {8}), &amax, &g), "input");
+  ExpectInvalid(
+      c.Run(TensorView::Contiguous(static_cast<void*>(nullptr), DType::kBF16, {8}), &amax, &g),
+      "input");
   expect_untouched();
   ExpectInvalid(
       c.Run(TensorView::Contiguous(x.data(), DType::kBF16, {8}, Device::Cuda(0)), &amax, &g),
@@ -159,8 +165,8 @@ TEST(CalibratorCpu, InvalidRunWritesNothing) {
                 "non-negative");
   expect_untouched();
   ExpectInvalid(
-      c.Run(TensorView::Contiguous(reinterpret_cast<char*>(x.data()) + 1, DType::kBF16, {4}),
-            &amax, &g),
+      c.Run(TensorView::Contiguous(reinterpret_cast<char*>(x.data()) + 1, DType::kBF16, {4}), &amax,
+            &g),
       "aligned");
   expect_untouched();
   ExpectInvalid(c.Run(TensorView::Contiguous(x.data(), DType::kBF16, {8}), &amax, nullptr),

@@ -181,8 +181,7 @@ TEST(GpuCalibrator, InvalidRunEnqueuesNothing) {
   DeviceBuffer out(2 * sizeof(float));
   ASSERT_TRUE(in.ok() && out.ok() && in.Fill(0x3c) && out.Fill(kPoisonByte));
   float* d_out = static_cast<float*>(out.get());
-  const TensorView too_big =
-      TensorView::Contiguous(in.get(), DType::kF16, {200}, Device::Cuda(0));
+  const TensorView too_big = TensorView::Contiguous(in.get(), DType::kF16, {200}, Device::Cuda(0));
   EXPECT_EQ(c->Run(too_big, d_out, d_out + 1).code(), absl::StatusCode::kInvalidArgument);
   const TensorView wrong_dtype =
       TensorView::Contiguous(in.get(), DType::kBF16, {100}, Device::Cuda(0));

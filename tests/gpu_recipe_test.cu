@@ -30,7 +30,9 @@ using testing::OnDevice;
 
 // ---------------------------------------------------------------- helpers
 
-float ToFloat(DType t, uint16_t h) { return t == DType::kF16 ? HalfBitsToFloat(h) : Bf16BitsToFloat(h); }
+float ToFloat(DType t, uint16_t h) {
+  return t == DType::kF16 ? HalfBitsToFloat(h) : Bf16BitsToFloat(h);
+}
 
 float Amax(DType t, const std::vector<uint16_t>& v) {
   float a = 0.0f;
@@ -114,9 +116,9 @@ void ExpectSamePools(const HostCache& want, const DeviceCache& got, const std::s
     ASSERT_EQ(dev.size(), pools[i].first->size()) << what << " " << names[i] << ": download failed";
     const auto mismatch = std::mismatch(dev.begin(), dev.end(), pools[i].first->begin());
     EXPECT_TRUE(mismatch.first == dev.end())
-        << what << " " << names[i] << ": first difference at byte " << (mismatch.first - dev.begin())
-        << " (gpu " << static_cast<int>(*mismatch.first) << ", cpu "
-        << static_cast<int>(*mismatch.second) << ")";
+        << what << " " << names[i] << ": first difference at byte "
+        << (mismatch.first - dev.begin()) << " (gpu " << static_cast<int>(*mismatch.first)
+        << ", cpu " << static_cast<int>(*mismatch.second) << ")";
   }
 }
 
@@ -134,7 +136,9 @@ constexpr float kValueScaleV = 0.03125f;
 std::vector<uint16_t> FindNearTie(DType dtype, float g, ErrorMetric metric, uint64_t seed) {
   std::mt19937_64 rng(seed);
   std::normal_distribution<float> normal(0.0f, 4.0f * g);
-  auto enc = [&](float x) { return dtype == DType::kF16 ? FloatToHalfBits(x) : FloatToBf16Bits(x); };
+  auto enc = [&](float x) {
+    return dtype == DType::kF16 ? FloatToHalfBits(x) : FloatToBf16Bits(x);
+  };
   for (int attempt = 0; attempt < 1000000; ++attempt) {
     std::vector<uint16_t> bits(kBlockSize);
     float x[kBlockSize];
@@ -308,12 +312,14 @@ TEST(GpuRecipe, AppendBySlotMatchesCpuForEveryRecipe) {
               mode == ScaleMode::kValue ? GlobalScale::Value(s.k) : GlobalScale::Pointer(d_s);
           const GlobalScale vs =
               mode == ScaleMode::kValue ? GlobalScale::Value(s.v) : GlobalScale::Pointer(d_s + 1);
-          const absl::Status st = QuantizeAppendBySlot(key, value, slots, got.Views(want), ks, vs, r);
+          const absl::Status st =
+              QuantizeAppendBySlot(key, value, slots, got.Views(want), ks, vs, r);
           ASSERT_TRUE(st.ok()) << st;
           FP4KV_ASSERT_CUDA(cudaDeviceSynchronize());
           ExpectSamePools(want, got,
                           RecipeName(r) + " slot " + DTypeName(dtype) + " " + LayoutName(layout) +
-                              " page_size " + std::to_string(page_size) + " " + ScaleModeName(mode));
+                              " page_size " + std::to_string(page_size) + " " +
+                              ScaleModeName(mode));
         }
       }
     }
@@ -387,7 +393,8 @@ TEST(GpuRecipe, QuantizeLinearMatchesCpuForEveryRecipe) {
           std::vector<uint8_t> packed(rows * cols / 2, kPoison), scales(rows * cols / 16, kPoison);
           const TensorView hin = TensorView::Contiguous(in.data(), dtype, {rows, cols});
           const TensorView hp = TensorView::Contiguous(packed.data(), DType::kU8, {rows, cols / 2});
-          const TensorView hs = TensorView::Contiguous(scales.data(), DType::kU8, {rows, cols / 16});
+          const TensorView hs =
+              TensorView::Contiguous(scales.data(), DType::kU8, {rows, cols / 16});
           ASSERT_TRUE(QuantizeLinear(hin, hp, hs, GlobalScale::Pointer(&g), r).ok());
 
           ASSERT_TRUE(d_packed.Fill(kPoison) && d_scales.Fill(kPoison));
@@ -395,8 +402,9 @@ TEST(GpuRecipe, QuantizeLinearMatchesCpuForEveryRecipe) {
           const GlobalScale dg = mode == ScaleMode::kValue
                                      ? GlobalScale::Value(g)
                                      : GlobalScale::Pointer(static_cast<const float*>(d_g.get()));
-          const absl::Status st = QuantizeLinear(OnDevice(hin, d_in.get()), OnDevice(hp, d_packed.get()),
-                                                 OnDevice(hs, d_scales.get()), dg, r);
+          const absl::Status st =
+              QuantizeLinear(OnDevice(hin, d_in.get()), OnDevice(hp, d_packed.get()),
+                             OnDevice(hs, d_scales.get()), dg, r);
           ASSERT_TRUE(st.ok()) << st;
           FP4KV_ASSERT_CUDA(cudaDeviceSynchronize());
           const std::string what = RecipeName(r) + " linear " + DTypeName(dtype) + " " +

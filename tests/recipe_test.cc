@@ -532,7 +532,8 @@ TEST(FourOverSix, LinearOpsOnCpuForEveryRecipe) {
         float y[kBlockSize];
         DequantizeBlock(p, s, g, y);
         for (int i = 0; i < kBlockSize; ++i) {
-          const uint16_t want = dtype == DType::kF16 ? FloatToHalfBits(y[i]) : FloatToBf16Bits(y[i]);
+          const uint16_t want =
+              dtype == DType::kF16 ? FloatToHalfBits(y[i]) : FloatToBf16Bits(y[i]);
           ASSERT_EQ(out[blk * kBlockSize + i], want);
         }
       }

@@ -76,7 +76,7 @@ class Calibrator {
   Options options_;
   void* d_scratch_ = nullptr;  // [internal amax slot | CUB temp storage]
   size_t scratch_bytes_ = 0;
-  size_t temp_bytes_ = 0;      // CUB part of the scratch
+  size_t temp_bytes_ = 0;  // CUB part of the scratch
 };
 
 }  // namespace fp4kv

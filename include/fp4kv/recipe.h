@@ -72,9 +72,7 @@ std::string RecipeName(const Recipe& recipe);
 // Top of the block-scale range a recipe's global scale is sized for: 256.0f
 // when recipe.e4m3_max == 256, else 448.0f. (Defined for any input; only
 // meaningful for a valid recipe.)
-FP4KV_HD float E4m3Max(const Recipe& recipe) {
-  return recipe.e4m3_max == 256 ? 256.0f : 448.0f;
-}
+FP4KV_HD float E4m3Max(const Recipe& recipe) { return recipe.e4m3_max == 256 ? 256.0f : 448.0f; }
 
 // The global decode scale for data whose largest magnitude is `amax`:
 //   g = amax / (6 * E4m3Max(recipe))        (one fp32 division; 6 * 448 and
