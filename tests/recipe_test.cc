@@ -120,6 +120,7 @@ TEST(RecipeCode, DocumentedLayout) {
   EXPECT_EQ(*RecipeToCode(Recipe::Standard()), 0x000001C000000001);
   EXPECT_EQ(*RecipeToCode(Recipe::FourOverSix(256, kMse, true)), 0x0000010001010101);
   EXPECT_EQ(*RecipeToCode(Recipe::FourOverSix(448, kMae, false)), 0x000001C000000101);
+  EXPECT_EQ(*RecipeToCode(Recipe::FourOverSix(256, kMse, false)), 0x0000010000010101);
 }
 
 TEST(RecipeCode, RejectsInvalidRecipesAndCodes) {
