@@ -835,8 +835,10 @@ TEST(KVCacheOps, BoundOpsSurviveMovingTheCache) {
 // truncation, releases and a scale update.
 TEST(KVCacheGpu, CapturedStepReplaysLikeEagerAndCpu) {
   FP4KV_SKIP_WITHOUT_GPU();
+  // A blocking stream: the harness's synchronous cudaMemset/cudaMemcpy (legacy
+  // stream) are ordered with it.
   cudaStream_t cs;
-  FP4KV_ASSERT_CUDA(cudaStreamCreateWithFlags(&cs, cudaStreamNonBlocking));
+  FP4KV_ASSERT_CUDA(cudaStreamCreate(&cs));
   const Stream stream = reinterpret_cast<Stream>(cs);
   KVCacheOptions o = SmallOptions();
   o.num_layers = 3;
