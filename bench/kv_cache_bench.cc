@@ -114,8 +114,8 @@ void BM_PrepareStepDecode(benchmark::State& state) {
   g.num_kv_heads = 1;  // host time does not depend on the row shape
   g.head_dim_k = g.head_dim_v = 16;
   const int growth = static_cast<int>(state.max_iterations) + 16;
-  DecodeSetup s = MakeDecodeSetup(g, 1, kDecodeSeqs, growth, cuda ? Device::Cuda(0) : Device::Cpu(),
-                                  stream);
+  DecodeSetup s =
+      MakeDecodeSetup(g, 1, kDecodeSeqs, growth, cuda ? Device::Cuda(0) : Device::Cpu(), stream);
   if (!s.cache.ok()) {
     state.SkipWithError(s.cache.status().ToString().c_str());
     return;
@@ -166,9 +166,8 @@ void BM_PageAllocator(benchmark::State& state) {
     benchmark::ClobberMemory();
   }
   state.SetItemsProcessed(state.iterations() * n);  // pages allocated and freed
-  state.counters["Mpages_per_s"] =
-      benchmark::Counter(static_cast<double>(state.iterations()) * n / 1e6,
-                         benchmark::Counter::kIsRate);
+  state.counters["Mpages_per_s"] = benchmark::Counter(
+      static_cast<double>(state.iterations()) * n / 1e6, benchmark::Counter::kIsRate);
 }
 BENCHMARK(BM_PageAllocator)->Arg(1)->Arg(16)->Arg(256)->Arg(4096)->Arg(65536);
 
@@ -197,9 +196,8 @@ void BM_CacheAllocateRelease(benchmark::State& state) {
       break;
     }
   }
-  state.counters["Mpages_per_s"] =
-      benchmark::Counter(static_cast<double>(state.iterations()) * pages / 1e6,
-                         benchmark::Counter::kIsRate);
+  state.counters["Mpages_per_s"] = benchmark::Counter(
+      static_cast<double>(state.iterations()) * pages / 1e6, benchmark::Counter::kIsRate);
 }
 BENCHMARK(BM_CacheAllocateRelease)->Arg(1)->Arg(16)->Arg(256);
 

@@ -42,23 +42,22 @@ using fp4kv::SequenceId;
 using fp4kv::StepEntry;
 using fp4kv::TensorView;
 
-#define CHECK_OK(expr)                                                         \
-  do {                                                                         \
-    const absl::Status s_ = (expr);                                            \
-    if (!s_.ok()) {                                                            \
+#define CHECK_OK(expr)                                                                \
+  do {                                                                                \
+    const absl::Status s_ = (expr);                                                   \
+    if (!s_.ok()) {                                                                   \
       std::fprintf(stderr, "%s:%d: %s\n", __FILE__, __LINE__, s_.ToString().c_str()); \
-      std::exit(1);                                                            \
-    }                                                                          \
+      std::exit(1);                                                                   \
+    }                                                                                 \
   } while (0)
 
-#define CHECK_CUDA(expr)                                                            \
-  do {                                                                              \
-    const cudaError_t e_ = (expr);                                                  \
-    if (e_ != cudaSuccess) {                                                        \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #expr,            \
-                   cudaGetErrorString(e_));                                         \
-      std::exit(1);                                                                 \
-    }                                                                               \
+#define CHECK_CUDA(expr)                                                                          \
+  do {                                                                                            \
+    const cudaError_t e_ = (expr);                                                                \
+    if (e_ != cudaSuccess) {                                                                      \
+      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #expr, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                               \
+    }                                                                                             \
   } while (0)
 
 struct Flags {
@@ -80,22 +79,38 @@ struct Flags {
       }
       const std::string k = a.substr(2, eq - 2), v = a.substr(eq + 1);
       const long long n = std::atoll(v.c_str());
-      if (k == "device") device = v;
-      else if (k == "layers") layers = static_cast<int>(n);
-      else if (k == "kv_heads") kv_heads = static_cast<int>(n);
-      else if (k == "head_dim") head_dim = static_cast<int>(n);
-      else if (k == "page_size") page_size = static_cast<int>(n);
-      else if (k == "requests") requests = static_cast<int>(n);
-      else if (k == "max_batch") max_batch = static_cast<int>(n);
-      else if (k == "prompt_min") prompt_min = static_cast<int>(n);
-      else if (k == "prompt_max") prompt_max = static_cast<int>(n);
-      else if (k == "decode_min") decode_min = static_cast<int>(n);
-      else if (k == "decode_max") decode_max = static_cast<int>(n);
-      else if (k == "chunk") chunk = static_cast<int>(n);
-      else if (k == "samples") samples = static_cast<int>(n);
-      else if (k == "pool_pages") pool_pages = n;
-      else if (k == "error_seqs") error_seqs = static_cast<int>(n);
-      else if (k == "seed") seed = static_cast<uint64_t>(n);
+      if (k == "device")
+        device = v;
+      else if (k == "layers")
+        layers = static_cast<int>(n);
+      else if (k == "kv_heads")
+        kv_heads = static_cast<int>(n);
+      else if (k == "head_dim")
+        head_dim = static_cast<int>(n);
+      else if (k == "page_size")
+        page_size = static_cast<int>(n);
+      else if (k == "requests")
+        requests = static_cast<int>(n);
+      else if (k == "max_batch")
+        max_batch = static_cast<int>(n);
+      else if (k == "prompt_min")
+        prompt_min = static_cast<int>(n);
+      else if (k == "prompt_max")
+        prompt_max = static_cast<int>(n);
+      else if (k == "decode_min")
+        decode_min = static_cast<int>(n);
+      else if (k == "decode_max")
+        decode_max = static_cast<int>(n);
+      else if (k == "chunk")
+        chunk = static_cast<int>(n);
+      else if (k == "samples")
+        samples = static_cast<int>(n);
+      else if (k == "pool_pages")
+        pool_pages = n;
+      else if (k == "error_seqs")
+        error_seqs = static_cast<int>(n);
+      else if (k == "seed")
+        seed = static_cast<uint64_t>(n);
       else {
         std::fprintf(stderr, "unknown flag --%s\n", k.c_str());
         return false;
@@ -147,7 +162,8 @@ class RowBank {
         for (int i = 0; i < width_; ++i) {
           const float x = std::max(-4.0f, std::min(4.0f, normal(rng))) * channel[i];
           bank_[kv][static_cast<size_t>(r) * width_ + i] = fp4kv::FloatToBf16Bits(x);
-          amax_[kv] = std::max(amax_[kv], std::fabs(fp4kv::Bf16BitsToFloat(fp4kv::FloatToBf16Bits(x))));
+          amax_[kv] =
+              std::max(amax_[kv], std::fabs(fp4kv::Bf16BitsToFloat(fp4kv::FloatToBf16Bits(x))));
         }
       }
     }
@@ -212,9 +228,9 @@ int main(int argc, char** argv) {
     std::printf("device: CUDA 0 (%s); decode steps replay one captured CUDA graph\n", prop.name);
   } else {
     std::printf("device: CPU (%s): every op runs through the CPU reference; smaller defaults\n",
-                f.device == "cpu" ? "--device=cpu"
-                                  : (probe == cudaSuccess ? "no CUDA GPU present"
-                                                          : cudaGetErrorName(probe)));
+                f.device == "cpu"
+                    ? "--device=cpu"
+                    : (probe == cudaSuccess ? "no CUDA GPU present" : cudaGetErrorName(probe)));
   }
   const fp4kv::Device device = gpu ? fp4kv::Device::Cuda(0) : fp4kv::Device::Cpu();
   const int L = f.layers, H = f.kv_heads, D = f.head_dim, PS = f.page_size;
@@ -250,7 +266,8 @@ int main(int argc, char** argv) {
       "model: %d layers, %d KV heads, head_dim %d, page %d tokens; pool %lld pages (%.1f MiB), "
       "%.1f KiB/token (bf16: %.1f KiB, %.2fx)\n",
       L, H, D, PS, static_cast<long long>(st0.pages_total), st0.pool_bytes / 1048576.0,
-      st0.bytes_per_token / 1024.0, 4.0 * L * H * D / 1024.0, 4.0 * L * H * D / st0.bytes_per_token);
+      st0.bytes_per_token / 1024.0, 4.0 * L * H * D / 1024.0,
+      4.0 * L * H * D / st0.bytes_per_token);
 
   absl::StatusOr<fp4kv::CacheAppender> appender = cache.appender(DType::kBF16);
   CHECK_OK(appender.status());
@@ -331,20 +348,23 @@ int main(int argc, char** argv) {
     const int32_t lens[1] = {len};
     const size_t n = static_cast<size_t>(len) * H * D;
     std::vector<uint16_t> out[2] = {std::vector<uint16_t>(n), std::vector<uint16_t>(n)};
-    void *d_table = table.data(), *d_lens = const_cast<int32_t*>(lens), *d_out[2] = {out[0].data(), out[1].data()};
+    void *d_table = table.data(), *d_lens = const_cast<int32_t*>(lens),
+         *d_out[2] = {out[0].data(), out[1].data()};
     if (gpu) {
       CHECK_CUDA(cudaMalloc(&d_table, table.size() * 4));
       CHECK_CUDA(cudaMalloc(&d_lens, 4));
       CHECK_CUDA(cudaMalloc(&d_out[0], n * 2));
       CHECK_CUDA(cudaMalloc(&d_out[1], n * 2));
       // On the cache's stream (non-blocking: a legacy-stream copy would not be ordered).
-      CHECK_CUDA(cudaMemcpyAsync(d_table, table.data(), table.size() * 4, cudaMemcpyHostToDevice, cs));
+      CHECK_CUDA(
+          cudaMemcpyAsync(d_table, table.data(), table.size() * 4, cudaMemcpyHostToDevice, cs));
       CHECK_CUDA(cudaMemcpyAsync(d_lens, lens, 4, cudaMemcpyHostToDevice, cs));
     }
     for (int layer : {0, L - 1}) {
       CHECK_OK(fp4kv::DequantizePaged(
           cache.LayerCache(layer),
-          TensorView::Contiguous(d_table, DType::kI32, {1, static_cast<int64_t>(table.size())}, device),
+          TensorView::Contiguous(d_table, DType::kI32, {1, static_cast<int64_t>(table.size())},
+                                 device),
           TensorView::Contiguous(d_lens, DType::kI32, {1}, device),
           TensorView::Contiguous(d_out[0], DType::kBF16, {1, len, H, D}, device),
           TensorView::Contiguous(d_out[1], DType::kBF16, {1, len, H, D}, device),
@@ -361,7 +381,8 @@ int main(int argc, char** argv) {
           const uint16_t* y = out[kv].data() + static_cast<size_t>(t) * H * D;
           for (int b = 0; b < H * D; b += 16) {
             float amax = 0;
-            for (int i = b; i < b + 16; ++i) amax = std::max(amax, std::fabs(fp4kv::Bf16BitsToFloat(x[i])));
+            for (int i = b; i < b + 16; ++i)
+              amax = std::max(amax, std::fabs(fp4kv::Bf16BitsToFloat(x[i])));
             for (int i = b; i < b + 16; ++i) {
               const double xv = fp4kv::Bf16BitsToFloat(x[i]);
               const double e = xv - fp4kv::Bf16BitsToFloat(y[i]);
@@ -422,7 +443,8 @@ int main(int argc, char** argv) {
     prepare_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (!info.ok() && info.status().code() == absl::StatusCode::kResourceExhausted) {
       if (active.size() == 1) {
-        std::fprintf(stderr, "the pool cannot hold one request: %s\n", info.status().ToString().c_str());
+        std::fprintf(stderr, "the pool cannot hold one request: %s\n",
+                     info.status().ToString().c_str());
         return 1;
       }
       // Preempt the newest request (recompute later) and retry next round.
@@ -449,12 +471,14 @@ int main(int argc, char** argv) {
           }
           for (int i = 0; i < e.num_new_tokens; ++i) {
             const int pos = reqs[rid].stored + i;
-            std::memcpy(dst + row * H * D, bank.Row(kv, TokenKey(reqs, rid, pos, l) * 2 + kv), H * D * 2);
+            std::memcpy(dst + row * H * D, bank.Row(kv, TokenKey(reqs, rid, pos, l) * 2 + kv),
+                        H * D * 2);
             ++row;
           }
         }
         if (gpu) {
-          CHECK_CUDA(cudaMemcpyAsync(in_ptr[2 * l + kv], dst, row * H * D * 2, cudaMemcpyHostToDevice, cs));
+          CHECK_CUDA(cudaMemcpyAsync(in_ptr[2 * l + kv], dst, row * H * D * 2,
+                                     cudaMemcpyHostToDevice, cs));
           CHECK_CUDA(cudaStreamSynchronize(cs));  // the host row buffer is reused
         }
       }
@@ -524,12 +548,13 @@ int main(int argc, char** argv) {
     }
     if (steps % 50 == 0) {
       const fp4kv::KVCacheStats st = cache.Stats();
-      std::printf("step %5lld: %3zu active, %3zu waiting, pages %lld/%lld in use (%lld shared), "
-                  "%lld tokens stored, %lld wasted slots\n",
-                  static_cast<long long>(steps), active.size(), waiting.size(),
-                  static_cast<long long>(st.pages_used), static_cast<long long>(st.pages_total),
-                  static_cast<long long>(st.pages_shared), static_cast<long long>(st.tokens_stored),
-                  static_cast<long long>(st.wasted_slots));
+      std::printf(
+          "step %5lld: %3zu active, %3zu waiting, pages %lld/%lld in use (%lld shared), "
+          "%lld tokens stored, %lld wasted slots\n",
+          static_cast<long long>(steps), active.size(), waiting.size(),
+          static_cast<long long>(st.pages_used), static_cast<long long>(st.pages_total),
+          static_cast<long long>(st.pages_shared), static_cast<long long>(st.tokens_stored),
+          static_cast<long long>(st.wasted_slots));
     }
   }
   if (gpu) CHECK_CUDA(cudaStreamSynchronize(cs));
@@ -541,25 +566,28 @@ int main(int argc, char** argv) {
       "graph), %lld preemptions\n",
       done, static_cast<int>(reqs.size()) - f.requests, secs, static_cast<long long>(steps),
       static_cast<long long>(replays), static_cast<long long>(preemptions));
-  std::printf("tokens: %lld appended in every layer, %.0f tokens/s (prefill %lld, decode %lld: "
-              "%.0f decode tokens/s)%s\n",
-              static_cast<long long>(prefill_tokens + decode_tokens),
-              (prefill_tokens + decode_tokens) / secs, static_cast<long long>(prefill_tokens),
-              static_cast<long long>(decode_tokens), decode_tokens / secs,
-              gpu ? "" : " [CPU reference speed]");
-  std::printf("time: %.3f s in PrepareStep (%.1f us/step), %.3f s in the layers' append + "
-              "materialize (%.0f tokens/s); the rest is making the synthetic K/V rows\n",
-              prepare_s, 1e6 * prepare_s / std::max<int64_t>(1, steps), layers_s,
-              (prefill_tokens + decode_tokens) / std::max(1e-9, layers_s));
+  std::printf(
+      "tokens: %lld appended in every layer, %.0f tokens/s (prefill %lld, decode %lld: "
+      "%.0f decode tokens/s)%s\n",
+      static_cast<long long>(prefill_tokens + decode_tokens),
+      (prefill_tokens + decode_tokens) / secs, static_cast<long long>(prefill_tokens),
+      static_cast<long long>(decode_tokens), decode_tokens / secs,
+      gpu ? "" : " [CPU reference speed]");
+  std::printf(
+      "time: %.3f s in PrepareStep (%.1f us/step), %.3f s in the layers' append + "
+      "materialize (%.0f tokens/s); the rest is making the synthetic K/V rows\n",
+      prepare_s, 1e6 * prepare_s / std::max<int64_t>(1, steps), layers_s,
+      (prefill_tokens + decode_tokens) / std::max(1e-9, layers_s));
   std::printf("pages: peak %lld of %lld in use, %lld copied on write; now %lld in use\n",
               static_cast<long long>(peak_pages), static_cast<long long>(st.pages_total),
               static_cast<long long>(copies), static_cast<long long>(st.pages_used));
   if (err.seqs > 0) {
-    std::printf("dequantized vs original (%d sequences, layers 0 and %d, %lld rows): "
-                "K rel-RMS %.2f%%, V rel-RMS %.2f%%; max |err| %.3f (K) / %.3f (V) of the block amax\n",
-                err.seqs, L - 1, static_cast<long long>(err.rows),
-                100 * std::sqrt(err.err2[0] / err.sig2[0]), 100 * std::sqrt(err.err2[1] / err.sig2[1]),
-                err.max_rel[0], err.max_rel[1]);
+    std::printf(
+        "dequantized vs original (%d sequences, layers 0 and %d, %lld rows): "
+        "K rel-RMS %.2f%%, V rel-RMS %.2f%%; max |err| %.3f (K) / %.3f (V) of the block amax\n",
+        err.seqs, L - 1, static_cast<long long>(err.rows),
+        100 * std::sqrt(err.err2[0] / err.sig2[0]), 100 * std::sqrt(err.err2[1] / err.sig2[1]),
+        err.max_rel[0], err.max_rel[1]);
   }
   if (graph) CHECK_CUDA(cudaGraphExecDestroy(graph));
   if (gpu) {

@@ -28,7 +28,7 @@ namespace {
   } while (0)
 
 constexpr int64_t kRegionAlign = 256;  // every pool region and step buffer
-constexpr int64_t kHostAlign = 256;  // as cudaMalloc: regions stay 256-byte aligned
+constexpr int64_t kHostAlign = 256;    // as cudaMalloc: regions stay 256-byte aligned
 
 int64_t RoundUp(int64_t x, int64_t a) { return (x + a - 1) / a * a; }
 
@@ -204,8 +204,8 @@ class ScopedDevice {
 
 absl::Status CheckScale(float v, const char* name, int layer) {
   if (!(v > 0.0f) || !std::isfinite(v)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        name, "[", layer, "]: expected a positive finite global scale, got ", v));
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, "[", layer, "]: expected a positive finite global scale, got ", v));
   }
   return absl::OkStatus();
 }
@@ -247,8 +247,8 @@ class KVCacheState {
 
   absl::Status CheckLayer(int layer) const {
     if (layer < 0 || layer >= options.num_layers) {
-      return absl::InvalidArgumentError(absl::StrCat("layer: expected in [0, ", options.num_layers,
-                                                     "), got ", layer));
+      return absl::InvalidArgumentError(
+          absl::StrCat("layer: expected in [0, ", options.num_layers, "), got ", layer));
     }
     return absl::OkStatus();
   }
@@ -300,9 +300,9 @@ class KVCacheState {
             cudaMemcpyDeviceToDevice, reinterpret_cast<cudaStream_t>(stream)));
       } else {  // pitch beyond what a 2-D copy accepts
         for (int l = 0; l < options.num_layers; ++l) {
-          FP4KV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
-              to + l * pool.layer_bytes, from + l * pool.layer_bytes, r.page_bytes,
-              cudaMemcpyDeviceToDevice, reinterpret_cast<cudaStream_t>(stream)));
+          FP4KV_CUDA_RETURN_IF_ERROR(
+              cudaMemcpyAsync(to + l * pool.layer_bytes, from + l * pool.layer_bytes, r.page_bytes,
+                              cudaMemcpyDeviceToDevice, reinterpret_cast<cudaStream_t>(stream)));
         }
       }
     }
@@ -328,7 +328,7 @@ class KVCacheState {
   int32_t* h_tables = nullptr;
   // Device pointers.
   uint8_t* d_step = nullptr;
-  float* d_scales = nullptr;  // [L, 4]: K global, V global, K fp8, V fp8
+  float* d_scales = nullptr;       // [L, 4]: K global, V global, K fp8, V fp8
   std::vector<float> host_scales;  // mirror of d_scales
 
   StepViews views;
@@ -342,10 +342,10 @@ class KVCacheState {
   int rows_used = 0;
   uint64_t stamp = 0;
   // PrepareStep scratch (sized once).
-  std::vector<int32_t> claim;          // [num_pages]
-  std::vector<Sequence*> step_seqs;    // [max_seqs_per_step]
-  std::vector<int32_t> cow_src;        // pages to copy, in entry order
-  std::vector<int> cow_entry;          // entry index of each copy
+  std::vector<int32_t> claim;        // [num_pages]
+  std::vector<Sequence*> step_seqs;  // [max_seqs_per_step]
+  std::vector<int32_t> cow_src;      // pages to copy, in entry order
+  std::vector<int> cow_entry;        // entry index of each copy
   std::vector<int32_t> cow_dst;
 };
 
@@ -362,9 +362,8 @@ absl::StatusOr<KVCache> KVCache::Create(const KVCacheOptions& o) {
   }
   CacheGeometry g = o.geometry;
   if (g.num_pages < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("geometry.num_pages: expected >= 0 (0: from memory_budget_bytes), got ",
-                     g.num_pages));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "geometry.num_pages: expected >= 0 (0: from memory_budget_bytes), got ", g.num_pages));
   }
   if (o.memory_budget_bytes < 0) {
     return absl::InvalidArgumentError(
@@ -386,7 +385,8 @@ absl::StatusOr<KVCache> KVCache::Create(const KVCacheOptions& o) {
     for (;;) {
       CacheGeometry t = g;
       t.num_pages = p;
-      if (p < 1 || internal::ComputePoolLayout(t, o.num_layers).total_bytes <= o.memory_budget_bytes) {
+      if (p < 1 ||
+          internal::ComputePoolLayout(t, o.num_layers).total_bytes <= o.memory_budget_bytes) {
         break;
       }
       --p;
@@ -394,26 +394,25 @@ absl::StatusOr<KVCache> KVCache::Create(const KVCacheOptions& o) {
     if (p < 1) {
       CacheGeometry t = g;
       t.num_pages = 1;
-      return absl::InvalidArgumentError(absl::StrCat(
-          "memory_budget_bytes: expected at least ",
-          internal::ComputePoolLayout(t, o.num_layers).total_bytes,
-          " bytes (one page of every layer), got ", o.memory_budget_bytes));
+      return absl::InvalidArgumentError(
+          absl::StrCat("memory_budget_bytes: expected at least ",
+                       internal::ComputePoolLayout(t, o.num_layers).total_bytes,
+                       " bytes (one page of every layer), got ", o.memory_budget_bytes));
     }
     g.num_pages = std::min<int64_t>(p, INT32_MAX);
   }
   if (g.num_pages > INT32_MAX) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "geometry.num_pages: expected at most ", INT32_MAX, " (i32 block tables), got ", g.num_pages));
+    return absl::InvalidArgumentError(absl::StrCat("geometry.num_pages: expected at most ",
+                                                   INT32_MAX, " (i32 block tables), got ",
+                                                   g.num_pages));
   }
   FP4KV_KV_RETURN_IF_ERROR(ValidateRecipe(o.recipe));
-  for (const auto& [v, name] : {std::pair<const std::vector<float>&, const char*>{
-                                    o.k_global_scales, "k_global_scales"},
-                                std::pair<const std::vector<float>&, const char*>{
-                                    o.v_global_scales, "v_global_scales"}}) {
+  for (const auto& [v, name] :
+       {std::pair<const std::vector<float>&, const char*>{o.k_global_scales, "k_global_scales"},
+        std::pair<const std::vector<float>&, const char*>{o.v_global_scales, "v_global_scales"}}) {
     if (!v.empty() && static_cast<int64_t>(v.size()) != o.num_layers) {
-      return absl::InvalidArgumentError(absl::StrCat(name, ": expected ", o.num_layers,
-                                                     " values (one per layer) or none, got ",
-                                                     v.size()));
+      return absl::InvalidArgumentError(absl::StrCat(
+          name, ": expected ", o.num_layers, " values (one per layer) or none, got ", v.size()));
     }
     for (size_t l = 0; l < v.size(); ++l) {
       FP4KV_KV_RETURN_IF_ERROR(internal::CheckScale(v[l], name, static_cast<int>(l)));
@@ -426,9 +425,9 @@ absl::StatusOr<KVCache> KVCache::Create(const KVCacheOptions& o) {
     if (v < 1) return absl::InvalidArgumentError(absl::StrCat(name, ": expected >= 1, got ", v));
   }
   if (static_cast<int64_t>(o.max_pages_per_seq) * g.page_size > INT32_MAX) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "max_pages_per_seq: expected max_pages_per_seq * page_size <= ", INT32_MAX,
-        " (i32 lengths), got ", o.max_pages_per_seq, " * ", g.page_size));
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_pages_per_seq: expected max_pages_per_seq * page_size <= ", INT32_MAX,
+                     " (i32 lengths), got ", o.max_pages_per_seq, " * ", g.page_size));
   }
   if (static_cast<int64_t>(o.max_pages_per_seq) * o.max_seqs_per_step >= INT32_MAX) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -462,8 +461,7 @@ absl::StatusOr<KVCache> KVCache::Create(const KVCacheOptions& o) {
     FP4KV_KV_RETURN_IF_ERROR(
         s->staging.Allocate(Kind::kPinned, sl.staging_bytes, "the pinned step staging"));
     host = s->staging.get();
-    FP4KV_CUDA_RETURN_IF_ERROR(
-        cudaEventCreateWithFlags(&s->upload_done, cudaEventDisableTiming));
+    FP4KV_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&s->upload_done, cudaEventDisableTiming));
   }
   s->d_step = s->device_step.get();
   s->d_scales = reinterpret_cast<float*>(s->d_step + sl.scales);
@@ -601,8 +599,8 @@ absl::StatusOr<absl::Span<const int32_t>> KVCache::SequencePages(SequenceId seq)
 
 absl::StatusOr<int32_t> KVCache::PageRefCount(int64_t page) const {
   if (page < 0 || page >= state_->geometry.num_pages) {
-    return absl::InvalidArgumentError(absl::StrCat("page: expected in [0, ",
-                                                   state_->geometry.num_pages, "), got ", page));
+    return absl::InvalidArgumentError(
+        absl::StrCat("page: expected in [0, ", state_->geometry.num_pages, "), got ", page));
   }
   return state_->allocator.RefCount(static_cast<int32_t>(page));
 }
@@ -615,8 +613,8 @@ absl::StatusOr<StepInfo> KVCache::PrepareStep(absl::Span<const StepEntry> entrie
   const int ps = s.geometry.page_size;
   const int64_t max_len = static_cast<int64_t>(M) * ps;
   if (entries.size() > static_cast<size_t>(S)) {
-    return absl::InvalidArgumentError(absl::StrCat("entries: expected at most max_seqs_per_step = ",
-                                                   S, " entries, got ", entries.size()));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "entries: expected at most max_seqs_per_step = ", S, " entries, got ", entries.size()));
   }
   const int n = static_cast<int>(entries.size());
 
@@ -636,8 +634,8 @@ absl::StatusOr<StepInfo> KVCache::PrepareStep(absl::Span<const StepEntry> entrie
   for (int i = 0; i < n; ++i) {
     const StepEntry& e = entries[i];
     if (e.num_new_tokens < 0) {
-      return absl::InvalidArgumentError(absl::StrCat("entries[", i, "].num_new_tokens: expected >= 0, got ",
-                                                     e.num_new_tokens));
+      return absl::InvalidArgumentError(
+          absl::StrCat("entries[", i, "].num_new_tokens: expected >= 0, got ", e.num_new_tokens));
     }
     KVCacheState::Sequence* q = s.Find(e.seq);
     if (q == nullptr) {
@@ -653,10 +651,10 @@ absl::StatusOr<StepInfo> KVCache::PrepareStep(absl::Span<const StepEntry> entrie
     tokens += e.num_new_tokens;
     const int64_t new_len = q->length + e.num_new_tokens;
     if (new_len > max_len) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "entries[", i, "].num_new_tokens: expected at most ", max_len - q->length,
-          " (max_pages_per_seq * page_size = ", max_len, " minus the length ", q->length,
-          " of sequence ", e.seq, "), got ", e.num_new_tokens));
+      return absl::InvalidArgumentError(
+          absl::StrCat("entries[", i, "].num_new_tokens: expected at most ", max_len - q->length,
+                       " (max_pages_per_seq * page_size = ", max_len, " minus the length ",
+                       q->length, " of sequence ", e.seq, "), got ", e.num_new_tokens));
     }
     need += CeilDiv(new_len, ps) - static_cast<int64_t>(q->pages.size());
     if (e.num_new_tokens > 0 && q->length % ps != 0) {
@@ -675,10 +673,10 @@ absl::StatusOr<StepInfo> KVCache::PrepareStep(absl::Span<const StepEntry> entrie
         " new tokens in all, got ", tokens));
   }
   if (need > s.allocator.free_count()) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "PrepareStep: needs ", need, " free pages (", s.cow_src.size(),
-        " of them copies of shared pages), the pool has ", s.allocator.free_count(), " of ",
-        s.allocator.num_pages(), "; nothing changed"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("PrepareStep: needs ", need, " free pages (", s.cow_src.size(),
+                     " of them copies of shared pages), the pool has ", s.allocator.free_count(),
+                     " of ", s.allocator.num_pages(), "; nothing changed"));
   }
 
   // The previous upload may still read the staging buffer.
@@ -767,8 +765,8 @@ absl::StatusOr<StepInfo> KVCache::PrepareStep(absl::Span<const StepEntry> entrie
     const cudaStream_t cs = reinterpret_cast<cudaStream_t>(stream);
     const internal::StepLayout& sl = s.step_layout;
     const uint8_t* host = s.staging.get();
-    FP4KV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(s.d_step, host, sl.slots + 8 * slot_upload,
-                                               cudaMemcpyHostToDevice, cs));
+    FP4KV_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(s.d_step, host, sl.slots + 8 * slot_upload, cudaMemcpyHostToDevice, cs));
     if (dirty_hi >= dirty_lo) {
       const int64_t row_bytes = 4 * static_cast<int64_t>(M);
       const int64_t off = sl.tables + dirty_lo * row_bytes;
@@ -870,9 +868,9 @@ absl::Status CacheMaterializer::Run(int layer, const TensorView& out, Stream str
   const KVCacheState& s = *state_;
   FP4KV_KV_RETURN_IF_ERROR(s.CheckLayer(layer));
   if (out.ndim >= 1 && out.shape[0] < s.step.fp8_workspace_pages) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "out: expected at least ", s.step.fp8_workspace_pages,
-        " pages (the step's fp8_workspace_pages), got shape ", out.ShapeString()));
+    return absl::InvalidArgumentError(
+        absl::StrCat("out: expected at least ", s.step.fp8_workspace_pages,
+                     " pages (the step's fp8_workspace_pages), got shape ", out.ShapeString()));
   }
   MaterializeArgs a;
   a.block_tables = s.views.block_tables;
@@ -901,9 +899,9 @@ absl::Status CacheDequantizer::Run(int layer, const TensorView& k_out, const Ten
           "] (the step's sequences .. max_seqs_per_step), got shape ", k_out.ShapeString()));
     }
     if (k_out.shape[1] < s.step.max_seq_len) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "k_out: expected dimension 1 >= ", s.step.max_seq_len,
-          " (the step's longest sequence), got shape ", k_out.ShapeString()));
+      return absl::InvalidArgumentError(
+          absl::StrCat("k_out: expected dimension 1 >= ", s.step.max_seq_len,
+                       " (the step's longest sequence), got shape ", k_out.ShapeString()));
     }
   }
   DequantArgs a;
@@ -947,8 +945,9 @@ absl::Status KVCache::UpdateGlobalScales(absl::Span<const float> k_scales,
                                          absl::Span<const float> v_scales, Stream stream) {
   KVCacheState& s = *state_;
   const int L = s.options.num_layers;
-  for (const auto& [v, name] : {std::pair<absl::Span<const float>, const char*>{k_scales, "k_scales"},
-                                std::pair<absl::Span<const float>, const char*>{v_scales, "v_scales"}}) {
+  for (const auto& [v, name] :
+       {std::pair<absl::Span<const float>, const char*>{k_scales, "k_scales"},
+        std::pair<absl::Span<const float>, const char*>{v_scales, "v_scales"}}) {
     if (static_cast<int64_t>(v.size()) != L) {
       return absl::InvalidArgumentError(
           absl::StrCat(name, ": expected ", L, " values (one per layer), got ", v.size()));
@@ -969,8 +968,7 @@ absl::Status KVCache::UpdateGlobalScales(absl::Span<const float> k_scales,
   if (s.cuda) {
     internal::ScopedDevice scoped;
     FP4KV_KV_RETURN_IF_ERROR(scoped.Set(s.options.device));
-    FP4KV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(s.d_scales, vals.data(),
-                                               vals.size() * sizeof(float),
+    FP4KV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(s.d_scales, vals.data(), vals.size() * sizeof(float),
                                                cudaMemcpyHostToDevice,
                                                reinterpret_cast<cudaStream_t>(stream)));
   } else {
@@ -1018,8 +1016,8 @@ KVCacheStats KVCache::Stats() const {
     const KVCacheState::Sequence& q = s.seqs[slot];
     if (!q.live) continue;
     st.tokens_stored += q.length;
-    st.sequence_lengths.emplace_back(KVCacheState::MakeId(static_cast<uint32_t>(slot), q.generation),
-                                     q.length);
+    st.sequence_lengths.emplace_back(
+        KVCacheState::MakeId(static_cast<uint32_t>(slot), q.generation), q.length);
     if (q.length % ps != 0) {
       Partial& p = partial[q.pages.back()];
       ++p.owners;

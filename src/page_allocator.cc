@@ -13,8 +13,8 @@ PageAllocator::PageAllocator(int32_t num_pages)
 
 absl::Status PageAllocator::Validate() const {
   if (free_top_ < 0 || free_top_ > num_pages()) {
-    return absl::InternalError(absl::StrCat("free stack size ", free_top_, " outside [0, ",
-                                            num_pages(), "]"));
+    return absl::InternalError(
+        absl::StrCat("free stack size ", free_top_, " outside [0, ", num_pages(), "]"));
   }
   std::vector<char> on_stack(ref_.size(), 0);
   for (int32_t i = 0; i < free_top_; ++i) {
@@ -25,14 +25,12 @@ absl::Status PageAllocator::Validate() const {
     if (on_stack[p]) return absl::InternalError(absl::StrCat("page ", p, " is free twice"));
     on_stack[p] = 1;
     if (ref_[p] != 0) {
-      return absl::InternalError(
-          absl::StrCat("free page ", p, " has reference count ", ref_[p]));
+      return absl::InternalError(absl::StrCat("free page ", p, " has reference count ", ref_[p]));
     }
   }
   for (int32_t p = 0; p < num_pages(); ++p) {
     if (!on_stack[p] && ref_[p] <= 0) {
-      return absl::InternalError(
-          absl::StrCat("used page ", p, " has reference count ", ref_[p]));
+      return absl::InternalError(absl::StrCat("used page ", p, " has reference count ", ref_[p]));
     }
   }
   return absl::OkStatus();

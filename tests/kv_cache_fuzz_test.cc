@@ -125,8 +125,8 @@ class Fuzzer {
   }
 
   // Expects `st` to be an error of `code` and the cache unchanged.
-  void ExpectRejected(const absl::Status& st, absl::StatusCode code, const testing::Snapshot& before,
-                      const char* what) {
+  void ExpectRejected(const absl::Status& st, absl::StatusCode code,
+                      const testing::Snapshot& before, const char* what) {
     EXPECT_EQ(st.code(), code) << what << ": " << st;
     EXPECT_FALSE(st.message().empty()) << what;
     Sync();
@@ -152,8 +152,8 @@ class Fuzzer {
     ModelSeq& s = seqs_[Uniform(0, static_cast<int>(seqs_.size()) - 1)];
     const int64_t len = static_cast<int64_t>(s.tokens.size());
     // Mostly small rollbacks (speculative tokens), sometimes to anywhere.
-    const int64_t new_len =
-        Uniform(0, 3) == 0 ? Uniform(0, static_cast<int>(len)) : std::max<int64_t>(0, len - Uniform(0, 3));
+    const int64_t new_len = Uniform(0, 3) == 0 ? Uniform(0, static_cast<int>(len))
+                                               : std::max<int64_t>(0, len - Uniform(0, 3));
     ASSERT_TRUE(cache_->Truncate(s.id, new_len).ok());
     s.tokens.resize(new_len);
     s.pages.resize(PagesFor(new_len));
@@ -181,7 +181,8 @@ class Fuzzer {
       const ModelSeq& s = seqs_[idx[i]];
       const int r = Uniform(0, 99);
       int64_t n = r < 65 ? 1 : r < 80 ? 0 : Uniform(2, 9);
-      n = std::min<int64_t>({n, cap - static_cast<int64_t>(s.tokens.size()), o.max_tokens_per_step - tokens});
+      n = std::min<int64_t>(
+          {n, cap - static_cast<int64_t>(s.tokens.size()), o.max_tokens_per_step - tokens});
       tokens += n;
       e.push_back(StepEntry{s.id, static_cast<int32_t>(n)});
     }
@@ -223,7 +224,8 @@ class Fuzzer {
       ++exhausted_;
       return;
     }
-    ASSERT_TRUE(info.ok()) << info.status() << " (model: need " << need << ", free " << free_pages << ")";
+    ASSERT_TRUE(info.ok()) << info.status() << " (model: need " << need << ", free " << free_pages
+                           << ")";
     ++steps_ok_;
     cows_ += cows;
     EXPECT_EQ(info->pages_allocated, need);
@@ -247,10 +249,12 @@ class Fuzzer {
       for (size_t j = 0; j < now->size(); ++j) {
         const bool replaced = j + 1 == old.size() && cow[i];
         if (j < old.size() && !replaced) {
-          ASSERT_EQ((*now)[j], old[j]) << "kept page " << j << " of sequence " << s.id << " changed";
+          ASSERT_EQ((*now)[j], old[j])
+              << "kept page " << j << " of sequence " << s.id << " changed";
         } else {
           ASSERT_EQ(used_before.count((*now)[j]), 0u) << "new page " << (*now)[j] << " was in use";
-          ASSERT_TRUE(fresh.insert((*now)[j]).second) << "page " << (*now)[j] << " handed out twice";
+          ASSERT_TRUE(fresh.insert((*now)[j]).second)
+              << "page " << (*now)[j] << " handed out twice";
         }
       }
       s.pages.assign(now->begin(), now->end());
@@ -311,7 +315,8 @@ class Fuzzer {
       ASSERT_EQ(kvp[b + 1], pages);
       ASSERT_EQ(tok[b + 1], t);
     }
-    for (int64_t i = t; i < o.max_tokens_per_step; ++i) ASSERT_EQ(slots[i], -1) << "padding slot " << i;
+    for (int64_t i = t; i < o.max_tokens_per_step; ++i)
+      ASSERT_EQ(slots[i], -1) << "padding slot " << i;
     for (int b = static_cast<int>(entries.size()); b < o.max_seqs_per_step; ++b) {
       ASSERT_EQ(lens[b], 0) << "unused row " << b;
       ASSERT_EQ(kvp[b + 1], pages) << "unused row " << b;
@@ -321,20 +326,21 @@ class Fuzzer {
 
   void CheckMaterialize(int layer, const StepRows& rows) {
     const CacheGeometry& g = cache_->geometry();
-    const int64_t w = Uniform(0, 1) ? cache_->step().fp8_workspace_pages
-                                    : cache_->Fp8WorkspacePagesAtCapacity();
+    const int64_t w =
+        Uniform(0, 1) ? cache_->step().fp8_workspace_pages : cache_->Fp8WorkspacePagesAtCapacity();
     const int64_t page_bytes = 2LL * g.num_kv_heads * g.page_size * g.head_dim_k;
     Buffer out(cache_->device(), static_cast<size_t>(w * page_bytes));
     ASSERT_TRUE(out.Fill(testing::kPoison));
     const std::vector<int64_t> shape = cache_->Fp8WorkspaceShape(w);
-    const TensorView view = TensorView::Contiguous(out.get(), DType::kE4M3,
-                                                   {shape[0], shape[1], shape[2], shape[3], shape[4]},
-                                                   cache_->device());
+    const TensorView view = TensorView::Contiguous(
+        out.get(), DType::kE4M3, {shape[0], shape[1], shape[2], shape[3], shape[4]},
+        cache_->device());
     // One page short of the step's need: rejected.
     if (cache_->step().fp8_workspace_pages > 1) {
       TensorView small = view;
       small.shape[0] = cache_->step().fp8_workspace_pages - 1;
-      EXPECT_EQ(materializer_->Run(layer, small, stream_).code(), absl::StatusCode::kInvalidArgument);
+      EXPECT_EQ(materializer_->Run(layer, small, stream_).code(),
+                absl::StatusCode::kInvalidArgument);
     }
     const absl::Status st = materializer_->Run(layer, view, stream_);
     ASSERT_TRUE(st.ok()) << st;
@@ -351,8 +357,10 @@ class Fuzzer {
     const int64_t batch = Uniform(cache_->step().num_seqs, cache_->options().max_seqs_per_step);
     const int64_t len = cache_->step().max_seq_len + Uniform(0, 2);
     if (batch == 0 || len == 0) return;
-    Buffer k(cache_->device(), static_cast<size_t>(batch * len * g.num_kv_heads * g.head_dim_k * 2));
-    Buffer v(cache_->device(), static_cast<size_t>(batch * len * g.num_kv_heads * g.head_dim_v * 2));
+    Buffer k(cache_->device(),
+             static_cast<size_t>(batch * len * g.num_kv_heads * g.head_dim_k * 2));
+    Buffer v(cache_->device(),
+             static_cast<size_t>(batch * len * g.num_kv_heads * g.head_dim_v * 2));
     ASSERT_TRUE(k.Fill(0xA5) && v.Fill(0xA5));
     const TensorView kv = k.View(DType::kBF16, {batch, len, g.num_kv_heads, g.head_dim_k});
     const TensorView vv = v.View(DType::kBF16, {batch, len, g.num_kv_heads, g.head_dim_v});
@@ -368,8 +376,9 @@ class Fuzzer {
   void InvalidOp() {
     const testing::Snapshot before = TakeSnapshot(*cache_);
     const KVCacheOptions& o = cache_->options();
-    const SequenceId unknown = released_.empty() ? SequenceId{0xdead00000001ull}
-                                                 : released_[Uniform(0, static_cast<int>(released_.size()) - 1)];
+    const SequenceId unknown = released_.empty()
+                                   ? SequenceId{0xdead00000001ull}
+                                   : released_[Uniform(0, static_cast<int>(released_.size()) - 1)];
     switch (Uniform(0, 10)) {
       case 0:
         ExpectRejected(cache_->ForkSequence(unknown).status(), absl::StatusCode::kNotFound, before,
@@ -387,8 +396,9 @@ class Fuzzer {
         if (seqs_.empty()) break;
         {
           const ModelSeq& s = seqs_[Uniform(0, static_cast<int>(seqs_.size()) - 1)];
-          ExpectRejected(cache_->Truncate(s.id, static_cast<int64_t>(s.tokens.size()) + Uniform(1, 5)),
-                         absl::StatusCode::kInvalidArgument, before, "Truncate past the end");
+          ExpectRejected(
+              cache_->Truncate(s.id, static_cast<int64_t>(s.tokens.size()) + Uniform(1, 5)),
+              absl::StatusCode::kInvalidArgument, before, "Truncate past the end");
           ExpectRejected(cache_->Truncate(s.id, -1), absl::StatusCode::kInvalidArgument, before,
                          "Truncate(-1)");
         }
@@ -414,8 +424,8 @@ class Fuzzer {
         std::vector<StepEntry> e = seqs_.empty() ? std::vector<StepEntry>{} : RandomEntries();
         if (static_cast<int>(e.size()) >= o.max_seqs_per_step) e.pop_back();
         e.insert(e.begin() + Uniform(0, static_cast<int>(e.size())), StepEntry{unknown, 1});
-        ExpectRejected(cache_->PrepareStep(e, stream_).status(), absl::StatusCode::kNotFound, before,
-                       "PrepareStep(unknown)");
+        ExpectRejected(cache_->PrepareStep(e, stream_).status(), absl::StatusCode::kNotFound,
+                       before, "PrepareStep(unknown)");
         break;
       }
       case 7: {  // too many tokens
@@ -439,8 +449,9 @@ class Fuzzer {
         const int64_t cap = static_cast<int64_t>(o.max_pages_per_seq) * o.geometry.page_size;
         const int64_t n = cap - static_cast<int64_t>(s.tokens.size()) + 1;
         if (n > o.max_tokens_per_step) break;
-        ExpectRejected(cache_->PrepareStep({StepEntry{s.id, static_cast<int32_t>(n)}}, stream_).status(),
-                       absl::StatusCode::kInvalidArgument, before, "PrepareStep(past max_pages_per_seq)");
+        ExpectRejected(
+            cache_->PrepareStep({StepEntry{s.id, static_cast<int32_t>(n)}}, stream_).status(),
+            absl::StatusCode::kInvalidArgument, before, "PrepareStep(past max_pages_per_seq)");
         break;
       }
       default: {  // bad scales
@@ -490,7 +501,8 @@ class Fuzzer {
   void CheckAllData() {
     Sync();
     const testing::PoolCopy pools = DownloadPools(*cache_);
-    for (const ModelSeq& s : seqs_) ASSERT_EQ(CheckSequenceBytes(*cache_, pools, s.id, s.tokens), "");
+    for (const ModelSeq& s : seqs_)
+      ASSERT_EQ(CheckSequenceBytes(*cache_, pools, s.id, s.tokens), "");
   }
 
   KVCache* cache_;

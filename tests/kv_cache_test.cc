@@ -154,11 +154,12 @@ TEST(KVCacheCreate, RejectsBadOptionsNamingThem) {
     const char* names;
   };
   const Case cases[] = {
-      {[](KVCacheOptions& o) { o.num_layers = 0; }, absl::StatusCode::kInvalidArgument, "num_layers"},
+      {[](KVCacheOptions& o) { o.num_layers = 0; }, absl::StatusCode::kInvalidArgument,
+       "num_layers"},
       {[](KVCacheOptions& o) { o.geometry.num_pages = 0; }, absl::StatusCode::kInvalidArgument,
        "memory_budget_bytes"},
-      {[](KVCacheOptions& o) { o.memory_budget_bytes = 1 << 20; }, absl::StatusCode::kInvalidArgument,
-       "memory_budget_bytes"},
+      {[](KVCacheOptions& o) { o.memory_budget_bytes = 1 << 20; },
+       absl::StatusCode::kInvalidArgument, "memory_budget_bytes"},
       {[](KVCacheOptions& o) { o.geometry.num_pages = -3; }, absl::StatusCode::kInvalidArgument,
        "geometry.num_pages"},
       {[](KVCacheOptions& o) {
@@ -180,8 +181,8 @@ TEST(KVCacheCreate, RejectsBadOptionsNamingThem) {
        "v_global_scales[1]"},
       {[](KVCacheOptions& o) { o.k_global_scales[0] = std::nanf(""); },
        absl::StatusCode::kInvalidArgument, "k_global_scales[0]"},
-      {[](KVCacheOptions& o) { o.k_global_scales[0] = INFINITY; }, absl::StatusCode::kInvalidArgument,
-       "k_global_scales[0]"},
+      {[](KVCacheOptions& o) { o.k_global_scales[0] = INFINITY; },
+       absl::StatusCode::kInvalidArgument, "k_global_scales[0]"},
       {[](KVCacheOptions& o) { o.max_seqs_per_step = 0; }, absl::StatusCode::kInvalidArgument,
        "max_seqs_per_step"},
       {[](KVCacheOptions& o) { o.max_tokens_per_step = -1; }, absl::StatusCode::kInvalidArgument,
@@ -190,7 +191,8 @@ TEST(KVCacheCreate, RejectsBadOptionsNamingThem) {
        "max_pages_per_seq"},
       {[](KVCacheOptions& o) { o.max_pages_per_seq = 1 << 30; }, absl::StatusCode::kInvalidArgument,
        "max_pages_per_seq"},
-      {[](KVCacheOptions& o) { o.recipe.e4m3_max = 100; }, absl::StatusCode::kInvalidArgument, "e4m3_max"},
+      {[](KVCacheOptions& o) { o.recipe.e4m3_max = 100; }, absl::StatusCode::kInvalidArgument,
+       "e4m3_max"},
   };
   for (const Case& c : cases) {
     KVCacheOptions o = SmallOptions();
@@ -625,38 +627,80 @@ TEST(KVCacheErrors, EveryErrorPathLeavesTheStateUnchanged) {
     const char* names;
   };
   const Case cases[] = {
-      {"fork unknown", [&] { return c.ForkSequence(never).status(); }, absl::StatusCode::kNotFound, "parent"},
-      {"fork released", [&] { return c.ForkSequence(gone).status(); }, absl::StatusCode::kNotFound, "parent"},
-      {"fork id 0", [&] { return c.ForkSequence(0).status(); }, absl::StatusCode::kNotFound, "parent"},
-      {"truncate unknown", [&] { return c.Truncate(never, 0); }, absl::StatusCode::kNotFound, "seq"},
-      {"truncate past end", [&] { return c.Truncate(a, 6); }, absl::StatusCode::kInvalidArgument, "new_len"},
-      {"truncate negative", [&] { return c.Truncate(a, -1); }, absl::StatusCode::kInvalidArgument, "new_len"},
-      {"double release", [&] { return c.ReleaseSequence(gone); }, absl::StatusCode::kNotFound, "seq"},
-      {"release unknown", [&] { return c.ReleaseSequence(never); }, absl::StatusCode::kNotFound, "seq"},
-      {"length unknown", [&] { return c.SequenceLength(gone).status(); }, absl::StatusCode::kNotFound, "seq"},
-      {"pages unknown", [&] { return c.SequencePages(gone).status(); }, absl::StatusCode::kNotFound, "seq"},
-      {"refcount range", [&] { return c.PageRefCount(6).status(); }, absl::StatusCode::kInvalidArgument, "page"},
-      {"refcount negative", [&] { return c.PageRefCount(-1).status(); }, absl::StatusCode::kInvalidArgument, "page"},
+      {"fork unknown", [&] { return c.ForkSequence(never).status(); }, absl::StatusCode::kNotFound,
+       "parent"},
+      {"fork released", [&] { return c.ForkSequence(gone).status(); }, absl::StatusCode::kNotFound,
+       "parent"},
+      {"fork id 0", [&] { return c.ForkSequence(0).status(); }, absl::StatusCode::kNotFound,
+       "parent"},
+      {"truncate unknown", [&] { return c.Truncate(never, 0); }, absl::StatusCode::kNotFound,
+       "seq"},
+      {"truncate past end", [&] { return c.Truncate(a, 6); }, absl::StatusCode::kInvalidArgument,
+       "new_len"},
+      {"truncate negative", [&] { return c.Truncate(a, -1); }, absl::StatusCode::kInvalidArgument,
+       "new_len"},
+      {"double release", [&] { return c.ReleaseSequence(gone); }, absl::StatusCode::kNotFound,
+       "seq"},
+      {"release unknown", [&] { return c.ReleaseSequence(never); }, absl::StatusCode::kNotFound,
+       "seq"},
+      {"length unknown", [&] { return c.SequenceLength(gone).status(); },
+       absl::StatusCode::kNotFound, "seq"},
+      {"pages unknown", [&] { return c.SequencePages(gone).status(); }, absl::StatusCode::kNotFound,
+       "seq"},
+      {"refcount range", [&] { return c.PageRefCount(6).status(); },
+       absl::StatusCode::kInvalidArgument, "page"},
+      {"refcount negative", [&] { return c.PageRefCount(-1).status(); },
+       absl::StatusCode::kInvalidArgument, "page"},
       {"step too many entries",
-       [&] { return c.PrepareStep({{a, 1}, {b, 1}, {f, 1}, {never, 1}, {gone, 1}}).status(); },
+       [&] {
+         return c.PrepareStep({{a, 1}, {b, 1}, {f, 1}, {never, 1}, {gone, 1}}).status();
+       },
        absl::StatusCode::kInvalidArgument, "max_seqs_per_step"},
-      {"step negative", [&] { return c.PrepareStep({{a, 1}, {b, -1}}).status(); },
+      {"step negative",
+       [&] {
+         return c.PrepareStep({{a, 1}, {b, -1}}).status();
+       },
        absl::StatusCode::kInvalidArgument, "entries[1].num_new_tokens"},
-      {"step unknown", [&] { return c.PrepareStep({{a, 1}, {gone, 1}}).status(); },
+      {"step unknown",
+       [&] {
+         return c.PrepareStep({{a, 1}, {gone, 1}}).status();
+       },
        absl::StatusCode::kNotFound, "entries[1].seq"},
-      {"step duplicate", [&] { return c.PrepareStep({{a, 1}, {b, 1}, {a, 1}}).status(); },
+      {"step duplicate",
+       [&] {
+         return c.PrepareStep({{a, 1}, {b, 1}, {a, 1}}).status();
+       },
        absl::StatusCode::kInvalidArgument, "entries[2].seq"},
-      {"step too many tokens", [&] { return c.PrepareStep({{a, 10}, {b, 7}}).status(); },
+      {"step too many tokens",
+       [&] {
+         return c.PrepareStep({{a, 10}, {b, 7}}).status();
+       },
        absl::StatusCode::kInvalidArgument, "max_tokens_per_step"},
-      {"step past max_pages_per_seq", [&] { return c.PrepareStep({{b, 1}, {a, 28}}).status(); },
+      {"step past max_pages_per_seq",
+       [&] {
+         return c.PrepareStep({{b, 1}, {a, 28}}).status();
+       },
        absl::StatusCode::kInvalidArgument, "entries[1].num_new_tokens"},
-      {"step exhausts (with a copy)", [&] { return c.PrepareStep({{f, 4}, {a, 4}, {b, 7}}).status(); },
+      {"step exhausts (with a copy)",
+       [&] {
+         return c.PrepareStep({{f, 4}, {a, 4}, {b, 7}}).status();
+       },
        absl::StatusCode::kResourceExhausted, "free pages"},
-      {"scale layer", [&] { return c.UpdateGlobalScales(2, 1.0f, 1.0f); }, absl::StatusCode::kInvalidArgument, "layer"},
-      {"scale zero", [&] { return c.UpdateGlobalScales(0, 0.0f, 1.0f); }, absl::StatusCode::kInvalidArgument, "k_scale"},
-      {"scale inf", [&] { return c.UpdateGlobalScales(1, 1.0f, INFINITY); }, absl::StatusCode::kInvalidArgument, "v_scale"},
-      {"scales size", [&] { return c.UpdateGlobalScales({1.0f}, {1.0f, 1.0f}); }, absl::StatusCode::kInvalidArgument, "k_scales"},
-      {"scales value", [&] { return c.UpdateGlobalScales({1.0f, 2.0f}, {1.0f, -1.0f}); },
+      {"scale layer", [&] { return c.UpdateGlobalScales(2, 1.0f, 1.0f); },
+       absl::StatusCode::kInvalidArgument, "layer"},
+      {"scale zero", [&] { return c.UpdateGlobalScales(0, 0.0f, 1.0f); },
+       absl::StatusCode::kInvalidArgument, "k_scale"},
+      {"scale inf", [&] { return c.UpdateGlobalScales(1, 1.0f, INFINITY); },
+       absl::StatusCode::kInvalidArgument, "v_scale"},
+      {"scales size",
+       [&] {
+         return c.UpdateGlobalScales({1.0f}, {1.0f, 1.0f});
+       },
+       absl::StatusCode::kInvalidArgument, "k_scales"},
+      {"scales value",
+       [&] {
+         return c.UpdateGlobalScales({1.0f, 2.0f}, {1.0f, -1.0f});
+       },
        absl::StatusCode::kInvalidArgument, "v_scales[1]"},
   };
   for (const Case& k : cases) {
@@ -700,15 +744,21 @@ TEST(KVCacheOps, BoundOpsCheckTheirArguments) {
   ASSERT_TRUE(d.Step({{s, 6}}).ok());
   const CacheGeometry& g = c.geometry();
   Buffer k(c.device(), 16 * 2 * 64 * 2), v(c.device(), 16 * 2 * 64 * 2);
-  EXPECT_EQ(d.appender().Run(2, k.View(DType::kBF16, {16, 2, 64}), v.View(DType::kBF16, {16, 2, 64})).code(),
+  EXPECT_EQ(d.appender()
+                .Run(2, k.View(DType::kBF16, {16, 2, 64}), v.View(DType::kBF16, {16, 2, 64}))
+                .code(),
             absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(d.appender().Run(-1, k.View(DType::kBF16, {16, 2, 64}), v.View(DType::kBF16, {16, 2, 64})).code(),
+  EXPECT_EQ(d.appender()
+                .Run(-1, k.View(DType::kBF16, {16, 2, 64}), v.View(DType::kBF16, {16, 2, 64}))
+                .code(),
             absl::StatusCode::kInvalidArgument);
   const absl::Status few =
       d.appender().Run(0, k.View(DType::kBF16, {5, 2, 64}), v.View(DType::kBF16, {5, 2, 64}));
   EXPECT_EQ(few.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(few.message().find("append_key"), std::string::npos) << few;
-  EXPECT_EQ(d.appender().Run(0, k.View(DType::kF16, {16, 2, 64}), v.View(DType::kF16, {16, 2, 64})).code(),
+  EXPECT_EQ(d.appender()
+                .Run(0, k.View(DType::kF16, {16, 2, 64}), v.View(DType::kF16, {16, 2, 64}))
+                .code(),
             absl::StatusCode::kInvalidArgument);  // the appender was made for bf16
   EXPECT_EQ(c.appender(DType::kF32).status().code(), absl::StatusCode::kInvalidArgument);
 
@@ -786,19 +836,22 @@ TEST(KVCacheOps, BoundOpsMatchTheFunctionalApiOnExplicitMetadata) {
                     .ok());
     absl::StatusOr<CacheMaterializer> m = c.materializer();
     ASSERT_TRUE(m.ok());
-    ASSERT_TRUE(m->Run(layer, TensorView::Contiguous(got.data(), DType::kE4M3, {w, 2, 2, 4, 64})).ok());
+    ASSERT_TRUE(
+        m->Run(layer, TensorView::Contiguous(got.data(), DType::kE4M3, {w, 2, 2, 4, 64})).ok());
     EXPECT_EQ(got, want) << "layer " << layer;
     const int32_t* ft = c.step_views().fp8_block_tables.ptr<const int32_t>();
     for (int r = 0; r < 2; ++r) {
-      for (int j = 0; j < indptr[r + 1] - indptr[r]; ++j) EXPECT_EQ(ft[r * 8 + j], want_t[r * 8 + j]);
+      for (int j = 0; j < indptr[r + 1] - indptr[r]; ++j)
+        EXPECT_EQ(ft[r * 8 + j], want_t[r * 8 + j]);
     }
     ASSERT_EQ(CheckMaterialized(c, layer, got, std::vector<int32_t>(ft, ft + 4 * 8), d.rows()), "");
     // Dequantize.
     const int64_t n = 2 * 12 * g.num_kv_heads * 64;
     std::vector<uint16_t> wk(n, 0xA5A5), wv(n, 0xA5A5), gk_out(n, 0xA5A5), gv_out(n, 0xA5A5);
-    ASSERT_TRUE(DequantizePaged(pc, tv, lv, TensorView::Contiguous(wk.data(), DType::kBF16, {2, 12, 2, 64}),
-                                TensorView::Contiguous(wv.data(), DType::kBF16, {2, 12, 2, 64}), gk, gv)
-                    .ok());
+    ASSERT_TRUE(
+        DequantizePaged(pc, tv, lv, TensorView::Contiguous(wk.data(), DType::kBF16, {2, 12, 2, 64}),
+                        TensorView::Contiguous(wv.data(), DType::kBF16, {2, 12, 2, 64}), gk, gv)
+            .ok());
     absl::StatusOr<CacheDequantizer> dq = c.dequantizer();
     ASSERT_TRUE(dq.ok());
     ASSERT_TRUE(dq->Run(layer, TensorView::Contiguous(gk_out.data(), DType::kBF16, {2, 12, 2, 64}),
@@ -987,7 +1040,8 @@ TEST(KVCacheGpu, CapturedStepReplaysLikeEagerAndCpu) {
     const testing::PoolCopy ref = DownloadPools(cpu);
     for (SequenceId id : live) ASSERT_EQ(CheckSequenceBytes(cpu, ref, id, model[id]), "");
     for (int i = 1; i < 3; ++i) {
-      ASSERT_TRUE(DownloadPools(*caches[i]).regions == ref.regions) << "cache " << i << " step " << step;
+      ASSERT_TRUE(DownloadPools(*caches[i]).regions == ref.regions)
+          << "cache " << i << " step " << step;
     }
     const int64_t used = infos[0].fp8_workspace_pages * page_bytes;
     for (int l = 0; l < L; ++l) {

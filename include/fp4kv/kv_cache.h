@@ -68,10 +68,10 @@ struct StepEntry {
 
 // What PrepareStep did; host values, valid until the next PrepareStep.
 struct StepInfo {
-  int num_seqs = 0;            // rows used in the step buffers
-  int64_t num_tokens = 0;      // new K/V rows the appender reads
-  int32_t max_seq_len = 0;     // longest sequence after the append
-  int64_t num_pages = 0;       // kv_page_indptr[num_seqs]: pages the step reads
+  int num_seqs = 0;                 // rows used in the step buffers
+  int64_t num_tokens = 0;           // new K/V rows the appender reads
+  int32_t max_seq_len = 0;          // longest sequence after the append
+  int64_t num_pages = 0;            // kv_page_indptr[num_seqs]: pages the step reads
   int64_t fp8_workspace_pages = 1;  // out pages the materializer writes: 1 + num_pages
   int64_t pages_allocated = 0;      // new pages taken from the pool (including copies)
   int64_t pages_copied = 0;         // shared partial pages copied on write
@@ -81,12 +81,13 @@ struct StepInfo {
 // Rows [0, num_seqs) are the step's entries in order; their new K/V rows are
 // token_indptr[b] .. token_indptr[b+1] of the appender's input.
 struct StepViews {
-  TensorView slot_mapping;      // [max_tokens_per_step] i64; -1 = padding
-  TensorView block_tables;      // [max_seqs_per_step, max_pages_per_seq] i32 (K and V share pages)
-  TensorView seq_lens;          // [max_seqs_per_step] i32, length after the append; 0 = unused row
-  TensorView kv_page_indptr;    // [max_seqs_per_step + 1] i32, prefix sum of ceil(seq_len/page_size)
-  TensorView token_indptr;      // [max_seqs_per_step + 1] i32, prefix sum of num_new_tokens
-  TensorView fp8_block_tables;  // [max_seqs_per_step, max_pages_per_seq] i32, written by the materializer
+  TensorView slot_mapping;    // [max_tokens_per_step] i64; -1 = padding
+  TensorView block_tables;    // [max_seqs_per_step, max_pages_per_seq] i32 (K and V share pages)
+  TensorView seq_lens;        // [max_seqs_per_step] i32, length after the append; 0 = unused row
+  TensorView kv_page_indptr;  // [max_seqs_per_step + 1] i32, prefix sum of ceil(seq_len/page_size)
+  TensorView token_indptr;    // [max_seqs_per_step + 1] i32, prefix sum of num_new_tokens
+  TensorView
+      fp8_block_tables;  // [max_seqs_per_step, max_pages_per_seq] i32, written by the materializer
 };
 
 struct KVCacheStats {
@@ -140,7 +141,8 @@ class CacheAppender {
 
  private:
   friend class KVCache;
-  CacheAppender(const internal::KVCacheState* state, Appender op) : state_(state), op_(std::move(op)) {}
+  CacheAppender(const internal::KVCacheState* state, Appender op)
+      : state_(state), op_(std::move(op)) {}
   const internal::KVCacheState* state_;
   Appender op_;
 };
@@ -159,7 +161,8 @@ class CacheMaterializer {
 
  private:
   friend class KVCache;
-  CacheMaterializer(const internal::KVCacheState* state, Materializer op) : state_(state), op_(std::move(op)) {}
+  CacheMaterializer(const internal::KVCacheState* state, Materializer op)
+      : state_(state), op_(std::move(op)) {}
   const internal::KVCacheState* state_;
   Materializer op_;
 };
@@ -177,7 +180,8 @@ class CacheDequantizer {
 
  private:
   friend class KVCache;
-  CacheDequantizer(const internal::KVCacheState* state, Dequantizer op) : state_(state), op_(std::move(op)) {}
+  CacheDequantizer(const internal::KVCacheState* state, Dequantizer op)
+      : state_(state), op_(std::move(op)) {}
   const internal::KVCacheState* state_;
   Dequantizer op_;
 };
@@ -246,8 +250,8 @@ class KVCache {
   const StepViews& step_views() const;
   // Host copies of the current step's staging (the same memory as the
   // device views on the CPU device): valid until the next PrepareStep.
-  absl::Span<const int64_t> host_slot_mapping() const;  // [num_tokens]
-  absl::Span<const int32_t> host_seq_lens() const;      // [num_seqs]
+  absl::Span<const int64_t> host_slot_mapping() const;    // [num_tokens]
+  absl::Span<const int32_t> host_seq_lens() const;        // [num_seqs]
   absl::Span<const int32_t> host_kv_page_indptr() const;  // [num_seqs + 1]
   absl::Span<const int32_t> host_token_indptr() const;    // [num_seqs + 1]
   // Row b of the host block tables ([max_pages_per_seq] entries; the first
@@ -275,8 +279,7 @@ class KVCache {
   // `stream` from host memory that may be reused on return; ordered with the
   // kernels on that stream. Existing tokens dequantize with the new scales,
   // so change them only before storing tokens (or knowingly).
-  absl::Status UpdateGlobalScales(int layer, float k_scale, float v_scale,
-                                  Stream stream = nullptr);
+  absl::Status UpdateGlobalScales(int layer, float k_scale, float v_scale, Stream stream = nullptr);
   // All layers at once ([num_layers] each).
   absl::Status UpdateGlobalScales(absl::Span<const float> k_scales,
                                   absl::Span<const float> v_scales, Stream stream = nullptr);
@@ -301,7 +304,6 @@ class KVCache {
   int num_layers() const;
   Device device() const;
   KVCacheStats Stats() const;
-
 
  private:
   explicit KVCache(std::unique_ptr<internal::KVCacheState> state);

@@ -23,8 +23,7 @@ Buffer::Buffer(const Device& device, size_t bytes) : device_(device), bytes_(byt
 }
 
 void* Buffer::get() const {
-  return device_.is_cuda() ? dev_.get()
-                           : const_cast<void*>(static_cast<const void*>(host_.data()));
+  return device_.is_cuda() ? dev_.get() : const_cast<void*>(static_cast<const void*>(host_.data()));
 }
 
 bool Buffer::Upload(const void* host, size_t bytes) {
@@ -118,18 +117,19 @@ Token TokenFactory::Make(uint64_t seed) const {
       std::memcpy(rec->original.data() + OriginalOffset(l, kv), x.data(), x.size() * 2);
       std::vector<uint64_t> packed(static_cast<size_t>(H) * d / 16);  // 8-byte aligned
       std::vector<uint8_t> scales(static_cast<size_t>(H) * d / kBlockSize);
-      const absl::Status s = QuantizeLinear(
-          TensorView::Contiguous(x.data(), DType::kBF16, {H, d}),
-          TensorView::Contiguous(packed.data(), DType::kU8, {H, d / 2}),
-          TensorView::Contiguous(scales.data(), DType::kE4M3, {H, d / kBlockSize}),
-          GlobalScale::Value(GlobalOf(*cache_, l, kv)), cache_->options().recipe);
+      const absl::Status s =
+          QuantizeLinear(TensorView::Contiguous(x.data(), DType::kBF16, {H, d}),
+                         TensorView::Contiguous(packed.data(), DType::kU8, {H, d / 2}),
+                         TensorView::Contiguous(scales.data(), DType::kE4M3, {H, d / kBlockSize}),
+                         GlobalScale::Value(GlobalOf(*cache_, l, kv)), cache_->options().recipe);
       if (!s.ok()) {
         ADD_FAILURE() << "QuantizeLinear: " << s;
         return nullptr;
       }
       std::memcpy(rec->expected.data() + ExpectedOffset(l, kv ? 2 : 0), packed.data(),
                   static_cast<size_t>(H) * d / 2);
-      std::memcpy(rec->expected.data() + ExpectedOffset(l, kv ? 3 : 1), scales.data(), scales.size());
+      std::memcpy(rec->expected.data() + ExpectedOffset(l, kv ? 3 : 1), scales.data(),
+                  scales.size());
     }
   }
   return rec;
@@ -152,7 +152,10 @@ PoolCopy DownloadPools(const KVCache& cache) {
 const uint8_t* PoolRow(const PoolCopy& pools, const CacheGeometry& g, int layer, int kind,
                        int64_t page, int64_t entry, int64_t head) {
   const PagedCache& c = pools.views[layer];
-  const TensorView& v = kind == 0 ? c.k_data : kind == 1 ? c.k_scales : kind == 2 ? c.v_data : c.v_scales;
+  const TensorView& v = kind == 0   ? c.k_data
+                        : kind == 1 ? c.k_scales
+                        : kind == 2 ? c.v_data
+                                    : c.v_scales;
   const bool nhd = g.layout == Layout::kNHD;
   const int64_t off = page * v.strides[0] + (nhd ? entry * v.strides[1] + head * v.strides[2]
                                                  : head * v.strides[1] + entry * v.strides[2]);
@@ -196,8 +199,8 @@ std::string CheckSequenceBytes(const KVCache& cache, const PoolCopy& pools, Sequ
 }
 
 // -------------------------------------------------------------------- steps
-absl::Status FillStepInputs(const KVCache& cache, const std::vector<Token>& tokens,
-                            StepInputs* in, Stream stream) {
+absl::Status FillStepInputs(const KVCache& cache, const std::vector<Token>& tokens, StepInputs* in,
+                            Stream stream) {
   const CacheGeometry& g = cache.geometry();
   const int L = cache.num_layers();
   const int64_t T = cache.options().max_tokens_per_step;
@@ -230,14 +233,14 @@ absl::Status FillStepInputs(const KVCache& cache, const std::vector<Token>& toke
   return absl::OkStatus();
 }
 
-absl::Status RunAppendAllLayers(const KVCache& cache, const CacheAppender& appender,
-                                StepInputs* in, Stream stream) {
+absl::Status RunAppendAllLayers(const KVCache& cache, const CacheAppender& appender, StepInputs* in,
+                                Stream stream) {
   const CacheGeometry& g = cache.geometry();
   const int64_t T = cache.options().max_tokens_per_step;
   for (int l = 0; l < cache.num_layers(); ++l) {
-    absl::Status s = appender.Run(l, in->k[l].View(DType::kBF16, {T, g.num_kv_heads, g.head_dim_k}),
-                                  in->v[l].View(DType::kBF16, {T, g.num_kv_heads, g.head_dim_v}),
-                                  stream);
+    absl::Status s =
+        appender.Run(l, in->k[l].View(DType::kBF16, {T, g.num_kv_heads, g.head_dim_k}),
+                     in->v[l].View(DType::kBF16, {T, g.num_kv_heads, g.head_dim_v}), stream);
     if (!s.ok()) return s;
   }
   return absl::OkStatus();
@@ -282,15 +285,16 @@ std::string CheckMaterialized(const KVCache& cache, int layer, const std::vector
       for (int kv = 0; kv < 2; ++kv) {
         for (int h = 0; h < H; ++h) {
           for (int e = 0; e < S; ++e) {
-            const uint8_t* got = out.data() + o * page_stride + kv * kv_stride + h * head_stride +
-                                 e * entry_stride;
+            const uint8_t* got =
+                out.data() + o * page_stride + kv * kv_stride + h * head_stride + e * entry_stride;
             const int64_t t = j * S + e;
             for (int blk = 0; blk < D / kBlockSize; ++blk) {
               uint8_t scale = 0;
               const uint8_t* data = nullptr;
               if (t < len) {
                 const TokenRecord& r = *rows[b][t];
-                scale = r.expected[f.ExpectedOffset(layer, kv ? 3 : 1) + h * (D / kBlockSize) + blk];
+                scale =
+                    r.expected[f.ExpectedOffset(layer, kv ? 3 : 1) + h * (D / kBlockSize) + blk];
                 data = r.expected.data() + f.ExpectedOffset(layer, kv ? 2 : 0) + h * (D / 2) +
                        blk * kBlockBytes;
               }
@@ -351,7 +355,8 @@ std::string CheckDequantized(const KVCache& cache, int layer, const std::vector<
             const uint8_t scale =
                 r.expected[f.ExpectedOffset(layer, kv ? 3 : 1) + h * (D / kBlockSize) + blk];
             uint32_t packed[2] = {0, 0};
-            for (int i = 0; i < kBlockBytes; ++i) packed[i / 4] |= uint32_t{data[i]} << (8 * (i % 4));
+            for (int i = 0; i < kBlockBytes; ++i)
+              packed[i / 4] |= uint32_t{data[i]} << (8 * (i % 4));
             float y[kBlockSize];
             DequantizeBlock(packed, scale, gs, y);
             float amax = 0;
@@ -390,9 +395,11 @@ Snapshot TakeSnapshot(const KVCache& cache) {
   s.lengths = st.sequence_lengths;
   for (const auto& [id, len] : s.lengths) {
     absl::StatusOr<absl::Span<const int32_t>> p = cache.SequencePages(id);
-    s.pages.emplace_back(p.ok() ? std::vector<int32_t>(p->begin(), p->end()) : std::vector<int32_t>{});
+    s.pages.emplace_back(p.ok() ? std::vector<int32_t>(p->begin(), p->end())
+                                : std::vector<int32_t>{});
   }
-  for (int64_t p = 0; p < cache.geometry().num_pages; ++p) s.ref_counts.push_back(*cache.PageRefCount(p));
+  for (int64_t p = 0; p < cache.geometry().num_pages; ++p)
+    s.ref_counts.push_back(*cache.PageRefCount(p));
   s.pages_free = st.pages_free;
   s.pages_used = st.pages_used;
   s.pages_shared = st.pages_shared;
@@ -434,13 +441,15 @@ std::string DiffSnapshots(const Snapshot& a, const Snapshot& b) {
   if (a.pages != b.pages) return "sequence pages differ";
   if (a.ref_counts != b.ref_counts) return "page reference counts differ";
   if (a.pages_free != b.pages_free || a.pages_used != b.pages_used ||
-      a.pages_shared != b.pages_shared || a.tokens_stored != b.tokens_stored || a.wasted != b.wasted) {
+      a.pages_shared != b.pages_shared || a.tokens_stored != b.tokens_stored ||
+      a.wasted != b.wasted) {
     return "stats differ";
   }
   if (a.step.num_seqs != b.step.num_seqs || a.step.num_tokens != b.step.num_tokens ||
       a.step.max_seq_len != b.step.max_seq_len || a.step.num_pages != b.step.num_pages ||
       a.step.fp8_workspace_pages != b.step.fp8_workspace_pages ||
-      a.step.pages_allocated != b.step.pages_allocated || a.step.pages_copied != b.step.pages_copied) {
+      a.step.pages_allocated != b.step.pages_allocated ||
+      a.step.pages_copied != b.step.pages_copied) {
     return "step info differs";
   }
   if (a.host_slots != b.host_slots || a.host_lens != b.host_lens ||
