@@ -32,6 +32,9 @@ constexpr int kDecodeSeqs = 256;
 constexpr int kPageSize = 16;
 constexpr int kMinContext = 2048;
 constexpr int kMaxContext = 8192;
+// Step capacity in tokens: a decode step's K/V input buffer (the captured
+// appender covers all of it; padding rows are skipped).
+constexpr int kStepTokens = 512;
 
 bool HaveGpu() {
   int n = 0;
@@ -55,8 +58,8 @@ double Percentile(std::vector<double> v, double q) {
 }
 
 // A cache whose `seqs` sequences hold random contexts in [kMinContext,
-// kMaxContext] (prefilled through PrepareStep only: the pool bytes do not
-// matter for host time), with room for `growth` more tokens each.
+// kMaxContext] (prefilled in chunks through PrepareStep only: the pool bytes
+// do not matter for the timings), with room for `growth` more tokens each.
 struct DecodeSetup {
   absl::StatusOr<KVCache> cache = absl::UnknownError("unset");
   std::vector<StepEntry> entries;
@@ -81,16 +84,18 @@ DecodeSetup MakeDecodeSetup(const CacheGeometry& shape, int layers, int seqs, in
   o.max_pages_per_seq = (kMaxContext + growth + kPageSize - 1) / kPageSize;
   o.device = device;
   o.max_seqs_per_step = seqs;
-  o.max_tokens_per_step = kMaxContext;
+  o.max_tokens_per_step = kStepTokens;
   s.cache = KVCache::Create(o);
   if (!s.cache.ok()) return s;
   for (int i = 0; i < seqs; ++i) {
     const SequenceId id = s.cache->CreateSequence();
-    const StepEntry prefill{id, contexts[i]};
-    absl::StatusOr<StepInfo> info = s.cache->PrepareStep({&prefill, 1}, stream);
-    if (!info.ok()) {
-      s.cache = info.status();
-      return s;
+    for (int done = 0; done < contexts[i]; done += kStepTokens) {  // chunked prefill
+      const StepEntry prefill{id, std::min(kStepTokens, contexts[i] - done)};
+      absl::StatusOr<StepInfo> info = s.cache->PrepareStep({&prefill, 1}, stream);
+      if (!info.ok()) {
+        s.cache = info.status();
+        return s;
+      }
     }
     s.entries.push_back({id, 1});
   }

@@ -78,40 +78,29 @@ struct Flags {
         return false;
       }
       const std::string k = a.substr(2, eq - 2), v = a.substr(eq + 1);
-      const long long n = std::atoll(v.c_str());
-      if (k == "device")
+      if (k == "device") {
         device = v;
-      else if (k == "layers")
-        layers = static_cast<int>(n);
-      else if (k == "kv_heads")
-        kv_heads = static_cast<int>(n);
-      else if (k == "head_dim")
-        head_dim = static_cast<int>(n);
-      else if (k == "page_size")
-        page_size = static_cast<int>(n);
-      else if (k == "requests")
-        requests = static_cast<int>(n);
-      else if (k == "max_batch")
-        max_batch = static_cast<int>(n);
-      else if (k == "prompt_min")
-        prompt_min = static_cast<int>(n);
-      else if (k == "prompt_max")
-        prompt_max = static_cast<int>(n);
-      else if (k == "decode_min")
-        decode_min = static_cast<int>(n);
-      else if (k == "decode_max")
-        decode_max = static_cast<int>(n);
-      else if (k == "chunk")
-        chunk = static_cast<int>(n);
-      else if (k == "samples")
-        samples = static_cast<int>(n);
-      else if (k == "pool_pages")
-        pool_pages = n;
-      else if (k == "error_seqs")
-        error_seqs = static_cast<int>(n);
-      else if (k == "seed")
-        seed = static_cast<uint64_t>(n);
-      else {
+        continue;
+      }
+      const struct {
+        const char* name;
+        int* value;
+      } ints[] = {
+          {"layers", &layers},         {"kv_heads", &kv_heads},     {"head_dim", &head_dim},
+          {"page_size", &page_size},   {"requests", &requests},     {"max_batch", &max_batch},
+          {"prompt_min", &prompt_min}, {"prompt_max", &prompt_max}, {"decode_min", &decode_min},
+          {"decode_max", &decode_max}, {"chunk", &chunk},           {"samples", &samples},
+          {"error_seqs", &error_seqs}};
+      bool known = false;
+      for (const auto& f : ints) {
+        if (k == f.name) {
+          *f.value = std::atoi(v.c_str());
+          known = true;
+        }
+      }
+      if (k == "pool_pages") pool_pages = std::atoll(v.c_str()), known = true;
+      if (k == "seed") seed = std::strtoull(v.c_str(), nullptr, 10), known = true;
+      if (!known) {
         std::fprintf(stderr, "unknown flag --%s\n", k.c_str());
         return false;
       }
@@ -222,6 +211,14 @@ int main(int argc, char** argv) {
     return 1;
   }
   f.FillDefaults(gpu);
+  if (f.layers < 1 || f.requests < 1 || f.max_batch < 1 || f.prompt_min < 1 ||
+      f.prompt_max < f.prompt_min || f.decode_min < 1 || f.decode_max < f.decode_min ||
+      f.samples < 0 || f.error_seqs < 0) {
+    std::fprintf(stderr,
+                 "bad flags: need layers, requests, max_batch, prompt_min, decode_min >= 1, "
+                 "prompt_max >= prompt_min, decode_max >= decode_min, samples >= 0\n");
+    return 2;
+  }
   if (gpu) {
     cudaDeviceProp prop;
     CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
@@ -360,7 +357,7 @@ int main(int argc, char** argv) {
           cudaMemcpyAsync(d_table, table.data(), table.size() * 4, cudaMemcpyHostToDevice, cs));
       CHECK_CUDA(cudaMemcpyAsync(d_lens, lens, 4, cudaMemcpyHostToDevice, cs));
     }
-    for (int layer : {0, L - 1}) {
+    for (int layer = 0; layer < L; layer += std::max(1, L - 1)) {  // first and last
       CHECK_OK(fp4kv::DequantizePaged(
           cache.LayerCache(layer),
           TensorView::Contiguous(d_table, DType::kI32, {1, static_cast<int64_t>(table.size())},

@@ -958,6 +958,7 @@ TEST(KVCacheGpu, CapturedStepReplaysLikeEagerAndCpu) {
   std::map<SequenceId, std::vector<Token>> model;  // ids agree across caches
   cudaGraphExec_t exec = nullptr;
   uint64_t next = 1;
+  int64_t copies = 0;
   std::mt19937 rng(3);
   std::vector<SequenceId> live;
   auto all = [&](const std::function<void(KVCache&)>& f) {
@@ -971,7 +972,7 @@ TEST(KVCacheGpu, CapturedStepReplaysLikeEagerAndCpu) {
       model[id];
       live.push_back(id);
     }
-    if (rng() % 5 == 0 && live.size() < 5) {
+    if ((step == 2 || rng() % 5 == 0) && live.size() < 5) {  // step 2: a fork for sure
       const SequenceId p = live[rng() % live.size()];
       SequenceId id = 0;
       all([&](KVCache& c) { id = *c.ForkSequence(p); });
@@ -991,7 +992,21 @@ TEST(KVCacheGpu, CapturedStepReplaysLikeEagerAndCpu) {
       live.erase(live.begin() + i);
     }
     if (step == 20) {
+      // New scales (which the replayed graph must read from the device array)
+      // apply to tokens stored from now on; stored tokens would dequantize
+      // with them too, so start from an empty cache.
+      for (SequenceId id : live) {
+        all([&](KVCache& c) { ASSERT_TRUE(c.ReleaseSequence(id).ok()); });
+        model.erase(id);
+      }
+      live.clear();
       all([&](KVCache& c) { ASSERT_TRUE(c.UpdateGlobalScales(1, 7.0f, 1.5f, stream).ok()); });
+      for (int i = 0; i < 3; ++i) {
+        SequenceId id = 0;
+        all([&](KVCache& c) { id = c.CreateSequence(); });
+        model[id];
+        live.push_back(id);
+      }
     }
     std::vector<SequenceId> order = live;
     std::shuffle(order.begin(), order.end(), rng);
@@ -1022,6 +1037,8 @@ TEST(KVCacheGpu, CapturedStepReplaysLikeEagerAndCpu) {
       }
     }
     EXPECT_EQ(infos[1].pages_copied, infos[0].pages_copied);
+    EXPECT_EQ(infos[2].pages_copied, infos[0].pages_copied);
+    copies += infos[0].pages_copied;
     ASSERT_TRUE(run_layers(0, nullptr).ok());
     ASSERT_TRUE(run_layers(1, stream).ok());
     if (exec == nullptr) {  // capture once, on the first step
@@ -1064,6 +1081,7 @@ TEST(KVCacheGpu, CapturedStepReplaysLikeEagerAndCpu) {
     }
     if (HasFailure()) break;
   }
+  EXPECT_GT(copies, 0) << "the scenario never copied a shared page";
   if (exec != nullptr) FP4KV_ASSERT_CUDA(cudaGraphExecDestroy(exec));
   FP4KV_ASSERT_CUDA(cudaStreamDestroy(cs));
 }
