@@ -1,0 +1,596 @@
+// A serving loop on a model-shaped NVFP4 KV cache.
+//
+// Requests arrive with random prompt lengths, are prefilled in chunks, then
+// decode while others finish and new ones join; one request is forked for
+// parallel sampling (its children share the prompt's pages and copy a shared
+// partial page on their first write). Every step, every layer appends its new
+// K/V rows and materializes the step's sequences as FP8 pages (what an FP8
+// attention kernel would read next). On a GPU, the decode step (all layers)
+// is captured once as a CUDA graph and replayed; prefill steps run eagerly.
+// Without a GPU the same loop runs on the CPU device (the CPU reference), with
+// smaller defaults. At the end it prints tokens/s, pages in use and the error
+// of dequantized K/V against the original rows.
+//
+// Flags (--name=value): device (auto|cpu|cuda), layers, kv_heads, head_dim,
+// page_size, requests, max_batch, prompt_min, prompt_max, decode_min,
+// decode_max, chunk (max tokens per step), samples (forked children),
+// pool_pages (0: enough for max_batch + samples full-length sequences),
+// error_seqs (finished sequences whose error is measured), seed.
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "fp4kv/format.h"
+#include "fp4kv/kv_cache.h"
+#include "fp4kv/ops.h"
+
+namespace {
+
+using fp4kv::DType;
+using fp4kv::KVCache;
+using fp4kv::SequenceId;
+using fp4kv::StepEntry;
+using fp4kv::TensorView;
+
+#define CHECK_OK(expr)                                                                \
+  do {                                                                                \
+    const absl::Status s_ = (expr);                                                   \
+    if (!s_.ok()) {                                                                   \
+      std::fprintf(stderr, "%s:%d: %s\n", __FILE__, __LINE__, s_.ToString().c_str()); \
+      std::exit(1);                                                                   \
+    }                                                                                 \
+  } while (0)
+
+#define CHECK_CUDA(expr)                                                                          \
+  do {                                                                                            \
+    const cudaError_t e_ = (expr);                                                                \
+    if (e_ != cudaSuccess) {                                                                      \
+      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #expr, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                               \
+    }                                                                                             \
+  } while (0)
+
+struct Flags {
+  std::string device = "auto";
+  int layers = -1, kv_heads = 8, head_dim = 128, page_size = 16;
+  int requests = -1, max_batch = -1, prompt_min = -1, prompt_max = -1;
+  int decode_min = -1, decode_max = -1, chunk = -1, samples = 4;
+  int64_t pool_pages = 0;
+  int error_seqs = 8;
+  uint64_t seed = 1;
+
+  bool Parse(int argc, char** argv) {
+    for (int i = 1; i < argc; ++i) {
+      const std::string a = argv[i];
+      const size_t eq = a.find('=');
+      if (a.rfind("--", 0) != 0 || eq == std::string::npos) {
+        std::fprintf(stderr, "unknown argument %s (flags are --name=value)\n", a.c_str());
+        return false;
+      }
+      const std::string k = a.substr(2, eq - 2), v = a.substr(eq + 1);
+      if (k == "device") {
+        device = v;
+        continue;
+      }
+      const struct {
+        const char* name;
+        int* value;
+      } ints[] = {
+          {"layers", &layers},         {"kv_heads", &kv_heads},     {"head_dim", &head_dim},
+          {"page_size", &page_size},   {"requests", &requests},     {"max_batch", &max_batch},
+          {"prompt_min", &prompt_min}, {"prompt_max", &prompt_max}, {"decode_min", &decode_min},
+          {"decode_max", &decode_max}, {"chunk", &chunk},           {"samples", &samples},
+          {"error_seqs", &error_seqs}};
+      bool known = false;
+      for (const auto& f : ints) {
+        if (k == f.name) {
+          *f.value = std::atoi(v.c_str());
+          known = true;
+        }
+      }
+      if (k == "pool_pages") pool_pages = std::atoll(v.c_str()), known = true;
+      if (k == "seed") seed = std::strtoull(v.c_str(), nullptr, 10), known = true;
+      if (!known) {
+        std::fprintf(stderr, "unknown flag --%s\n", k.c_str());
+        return false;
+      }
+    }
+    return true;
+  }
+  // Model-shaped defaults on a GPU; fewer layers and requests on the CPU.
+  void FillDefaults(bool gpu) {
+    auto def = [](int& x, int v) {
+      if (x < 0) x = v;
+    };
+    def(layers, gpu ? 32 : 4);
+    def(requests, gpu ? 96 : 10);
+    def(max_batch, gpu ? 48 : 5);
+    def(prompt_min, gpu ? 128 : 24);
+    def(prompt_max, gpu ? 2048 : 200);
+    def(decode_min, gpu ? 64 : 8);
+    def(decode_max, gpu ? 384 : 32);
+    def(chunk, gpu ? 2048 : 256);
+  }
+};
+
+uint64_t Mix(uint64_t x) {  // splitmix64 finalizer
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+// Synthetic K/V rows with a model-like shape: per-channel magnitudes with a
+// few outlier channels (stronger in K), normal values, clipped at 4 sigma.
+// A token's row is one of `rows` precomputed rows picked by a hash of
+// (sequence lineage, position, layer), so originals can be looked up again.
+class RowBank {
+ public:
+  RowBank(int heads, int dim, int rows, uint64_t seed) : width_(heads * dim), rows_(rows) {
+    std::mt19937_64 rng(seed);
+    std::normal_distribution<float> normal;
+    for (int kv = 0; kv < 2; ++kv) {
+      std::vector<float> channel(width_);
+      for (float& c : channel) {
+        c = std::exp(0.5f * normal(rng));
+        if (rng() % (kv == 0 ? 24 : 96) == 0) c *= kv == 0 ? 12.0f : 4.0f;
+      }
+      amax_[kv] = 0;
+      bank_[kv].resize(static_cast<size_t>(rows) * width_);
+      for (int r = 0; r < rows; ++r) {
+        for (int i = 0; i < width_; ++i) {
+          const float x = std::max(-4.0f, std::min(4.0f, normal(rng))) * channel[i];
+          bank_[kv][static_cast<size_t>(r) * width_ + i] = fp4kv::FloatToBf16Bits(x);
+          amax_[kv] =
+              std::max(amax_[kv], std::fabs(fp4kv::Bf16BitsToFloat(fp4kv::FloatToBf16Bits(x))));
+        }
+      }
+    }
+  }
+  const uint16_t* Row(int kv, uint64_t key) const {
+    return bank_[kv].data() + static_cast<size_t>(Mix(key) % rows_) * width_;
+  }
+  int width() const { return width_; }
+  float amax(int kv) const { return amax_[kv]; }
+
+ private:
+  int width_, rows_;
+  std::vector<uint16_t> bank_[2];
+  float amax_[2];
+};
+
+struct Request {
+  enum State { kWaiting, kPrefill, kDecode, kDone };
+  int id = 0;
+  int prompt = 0, decode = 0;
+  int stored = 0;     // tokens in the cache
+  int generated = 0;  // decode tokens appended
+  int parent = -1;    // forked from this request at `fork_len` tokens
+  int fork_len = 0;
+  State state = kWaiting;
+  SequenceId seq = 0;
+};
+
+// Key of token `pos` of request `r`: tokens before a fork belong to the
+// parent's lineage.
+uint64_t TokenKey(const std::vector<Request>& reqs, int r, int pos, int layer) {
+  while (reqs[r].parent >= 0 && pos < reqs[r].fork_len) r = reqs[r].parent;
+  return (static_cast<uint64_t>(r) << 40) ^ (static_cast<uint64_t>(pos) << 8) ^ layer;
+}
+
+struct ErrorStats {
+  double err2[2] = {0, 0}, sig2[2] = {0, 0};
+  double max_rel[2] = {0, 0};  // max |err| / amax of the row's 16-block
+  int64_t rows = 0;
+  int seqs = 0;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Flags f;
+  if (!f.Parse(argc, argv)) return 2;
+  int gpu_count = 0;
+  const cudaError_t probe = cudaGetDeviceCount(&gpu_count);
+  if (probe != cudaSuccess) (void)cudaGetLastError();
+  const bool have_gpu = probe == cudaSuccess && gpu_count > 0;
+  bool gpu = f.device == "cuda" || (f.device == "auto" && have_gpu);
+  if (gpu && !have_gpu) {
+    std::fprintf(stderr, "--device=cuda: no usable CUDA GPU (%s)\n",
+                 probe == cudaSuccess ? "none present" : cudaGetErrorName(probe));
+    return 1;
+  }
+  f.FillDefaults(gpu);
+  if (f.layers < 1 || f.requests < 1 || f.max_batch < 1 || f.prompt_min < 1 ||
+      f.prompt_max < f.prompt_min || f.decode_min < 1 || f.decode_max < f.decode_min ||
+      f.samples < 0 || f.error_seqs < 0) {
+    std::fprintf(stderr,
+                 "bad flags: need layers, requests, max_batch, prompt_min, decode_min >= 1, "
+                 "prompt_max >= prompt_min, decode_max >= decode_min, samples >= 0\n");
+    return 2;
+  }
+  if (gpu) {
+    cudaDeviceProp prop;
+    CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
+    std::printf("device: CUDA 0 (%s); decode steps replay one captured CUDA graph\n", prop.name);
+  } else {
+    std::printf("device: CPU (%s): every op runs through the CPU reference; smaller defaults\n",
+                f.device == "cpu"
+                    ? "--device=cpu"
+                    : (probe == cudaSuccess ? "no CUDA GPU present" : cudaGetErrorName(probe)));
+  }
+  const fp4kv::Device device = gpu ? fp4kv::Device::Cuda(0) : fp4kv::Device::Cpu();
+  const int L = f.layers, H = f.kv_heads, D = f.head_dim, PS = f.page_size;
+  const int total_requests = f.requests + std::max(0, f.samples);
+  const int max_seq = f.prompt_max + f.decode_max;
+  const int M = (max_seq + PS - 1) / PS;
+  const int S = f.max_batch + std::max(0, f.samples);
+  const int T = f.chunk;
+  if (T < S) {
+    std::fprintf(stderr, "--chunk must be at least max_batch + samples (%d)\n", S);
+    return 2;
+  }
+
+  RowBank bank(H, D, 2048, f.seed);
+  fp4kv::KVCacheOptions o;
+  o.num_layers = L;
+  o.geometry.num_kv_heads = H;
+  o.geometry.head_dim_k = o.geometry.head_dim_v = D;
+  o.geometry.page_size = PS;
+  o.geometry.num_pages = f.pool_pages > 0 ? f.pool_pages : static_cast<int64_t>(S) * M;
+  o.device = device;
+  // Global decode scales from the calibration amax: amax / (6 * 448).
+  o.k_global_scales.assign(L, bank.amax(0) / (6.0f * 448.0f));
+  o.v_global_scales.assign(L, bank.amax(1) / (6.0f * 448.0f));
+  o.max_seqs_per_step = S;
+  o.max_tokens_per_step = T;
+  o.max_pages_per_seq = M;
+  absl::StatusOr<KVCache> created = KVCache::Create(o);
+  CHECK_OK(created.status());
+  KVCache& cache = *created;
+  const fp4kv::KVCacheStats st0 = cache.Stats();
+  std::printf(
+      "model: %d layers, %d KV heads, head_dim %d, page %d tokens; pool %lld pages (%.1f MiB), "
+      "%.1f KiB/token (bf16: %.1f KiB, %.2fx)\n",
+      L, H, D, PS, static_cast<long long>(st0.pages_total), st0.pool_bytes / 1048576.0,
+      st0.bytes_per_token / 1024.0, 4.0 * L * H * D / 1024.0,
+      4.0 * L * H * D / st0.bytes_per_token);
+
+  absl::StatusOr<fp4kv::CacheAppender> appender = cache.appender(DType::kBF16);
+  CHECK_OK(appender.status());
+  absl::StatusOr<fp4kv::CacheMaterializer> materializer = cache.materializer();
+  if (!materializer.ok()) {
+    std::printf("no FP8 materialization: %s\n", materializer.status().ToString().c_str());
+  }
+
+  // Fixed buffers: per-layer K/V inputs [T, H, D] and the FP8 workspace at
+  // capacity (a captured graph bakes these addresses in).
+  cudaStream_t cs = nullptr;
+  if (gpu) CHECK_CUDA(cudaStreamCreateWithFlags(&cs, cudaStreamNonBlocking));
+  const fp4kv::Stream stream = reinterpret_cast<fp4kv::Stream>(cs);
+  const size_t in_elems = static_cast<size_t>(T) * H * D;
+  std::vector<std::vector<uint16_t>> host_in(gpu ? 1 : 2 * L, std::vector<uint16_t>(in_elems));
+  std::vector<void*> in_ptr(2 * L);
+  for (int i = 0; i < 2 * L; ++i) {
+    if (gpu) {
+      CHECK_CUDA(cudaMalloc(&in_ptr[i], in_elems * 2));
+    } else {
+      in_ptr[i] = host_in[i].data();
+    }
+  }
+  const int64_t W = cache.Fp8WorkspacePagesAtCapacity();
+  const size_t ws_bytes = static_cast<size_t>(W) * 2 * H * PS * D;
+  void* ws = nullptr;
+  std::vector<uint8_t> host_ws;
+  if (materializer.ok()) {
+    if (gpu) {
+      CHECK_CUDA(cudaMalloc(&ws, ws_bytes));
+    } else {
+      host_ws.resize(ws_bytes);
+      ws = host_ws.data();
+    }
+  }
+  auto view = [&](void* p) { return TensorView::Contiguous(p, DType::kBF16, {T, H, D}, device); };
+  auto run_layers = [&]() {
+    for (int l = 0; l < L; ++l) {
+      CHECK_OK(appender->Run(l, view(in_ptr[2 * l]), view(in_ptr[2 * l + 1]), stream));
+      if (materializer.ok()) {
+        const std::vector<int64_t> s = cache.Fp8WorkspaceShape(W);
+        CHECK_OK(materializer->Run(
+            l, TensorView::Contiguous(ws, DType::kE4M3, {s[0], s[1], s[2], s[3], s[4]}, device),
+            stream));
+      }
+    }
+  };
+
+  // Requests: f.requests arrive over time; request 0 is forked into
+  // f.samples children once its prompt is in.
+  std::mt19937_64 rng(f.seed);
+  std::vector<Request> reqs;
+  for (int i = 0; i < f.requests; ++i) {
+    Request r;
+    r.id = i;
+    r.prompt = std::uniform_int_distribution<int>(f.prompt_min, f.prompt_max)(rng);
+    r.decode = std::uniform_int_distribution<int>(f.decode_min, f.decode_max)(rng);
+    reqs.push_back(r);
+  }
+  reqs.reserve(total_requests);
+  std::deque<int> waiting;
+  int arrived = 0;
+  std::vector<int> active;
+  bool forked = f.samples <= 0;
+  ErrorStats err;
+  int64_t prefill_tokens = 0, decode_tokens = 0, steps = 0, replays = 0, preemptions = 0;
+  int64_t peak_pages = 0, copies = 0;
+  double prepare_s = 0, layers_s = 0;  // host time in PrepareStep; the layers' ops (synchronized)
+  int done = 0;
+  cudaGraphExec_t graph = nullptr;
+
+  // Error of a finished request's dequantized K/V (layers 0 and L-1).
+  auto measure = [&](const Request& r) {
+    const int len = r.stored;
+    absl::StatusOr<absl::Span<const int32_t>> pages = cache.SequencePages(r.seq);
+    CHECK_OK(pages.status());
+    std::vector<int32_t> table(pages->begin(), pages->end());
+    const int32_t lens[1] = {len};
+    const size_t n = static_cast<size_t>(len) * H * D;
+    std::vector<uint16_t> out[2] = {std::vector<uint16_t>(n), std::vector<uint16_t>(n)};
+    void *d_table = table.data(), *d_lens = const_cast<int32_t*>(lens),
+         *d_out[2] = {out[0].data(), out[1].data()};
+    if (gpu) {
+      CHECK_CUDA(cudaMalloc(&d_table, table.size() * 4));
+      CHECK_CUDA(cudaMalloc(&d_lens, 4));
+      CHECK_CUDA(cudaMalloc(&d_out[0], n * 2));
+      CHECK_CUDA(cudaMalloc(&d_out[1], n * 2));
+      // On the cache's stream (non-blocking: a legacy-stream copy would not be ordered).
+      CHECK_CUDA(
+          cudaMemcpyAsync(d_table, table.data(), table.size() * 4, cudaMemcpyHostToDevice, cs));
+      CHECK_CUDA(cudaMemcpyAsync(d_lens, lens, 4, cudaMemcpyHostToDevice, cs));
+    }
+    for (int layer = 0; layer < L; layer += std::max(1, L - 1)) {  // first and last
+      CHECK_OK(fp4kv::DequantizePaged(
+          cache.LayerCache(layer),
+          TensorView::Contiguous(d_table, DType::kI32, {1, static_cast<int64_t>(table.size())},
+                                 device),
+          TensorView::Contiguous(d_lens, DType::kI32, {1}, device),
+          TensorView::Contiguous(d_out[0], DType::kBF16, {1, len, H, D}, device),
+          TensorView::Contiguous(d_out[1], DType::kBF16, {1, len, H, D}, device),
+          fp4kv::GlobalScale::Pointer(cache.global_scale_ptr(layer, 0)),
+          fp4kv::GlobalScale::Pointer(cache.global_scale_ptr(layer, 1)), stream));
+      if (gpu) {
+        CHECK_CUDA(cudaStreamSynchronize(cs));
+        CHECK_CUDA(cudaMemcpy(out[0].data(), d_out[0], n * 2, cudaMemcpyDeviceToHost));
+        CHECK_CUDA(cudaMemcpy(out[1].data(), d_out[1], n * 2, cudaMemcpyDeviceToHost));
+      }
+      for (int kv = 0; kv < 2; ++kv) {
+        for (int t = 0; t < len; ++t) {
+          const uint16_t* x = bank.Row(kv, TokenKey(reqs, r.id, t, layer) * 2 + kv);
+          const uint16_t* y = out[kv].data() + static_cast<size_t>(t) * H * D;
+          for (int b = 0; b < H * D; b += 16) {
+            float amax = 0;
+            for (int i = b; i < b + 16; ++i)
+              amax = std::max(amax, std::fabs(fp4kv::Bf16BitsToFloat(x[i])));
+            for (int i = b; i < b + 16; ++i) {
+              const double xv = fp4kv::Bf16BitsToFloat(x[i]);
+              const double e = xv - fp4kv::Bf16BitsToFloat(y[i]);
+              err.err2[kv] += e * e;
+              err.sig2[kv] += xv * xv;
+              if (amax > 0) err.max_rel[kv] = std::max(err.max_rel[kv], std::fabs(e) / amax);
+            }
+          }
+        }
+      }
+      err.rows += 2 * len;
+    }
+    ++err.seqs;
+    if (gpu) {
+      CHECK_CUDA(cudaFree(d_table));
+      CHECK_CUDA(cudaFree(d_lens));
+      CHECK_CUDA(cudaFree(d_out[0]));
+      CHECK_CUDA(cudaFree(d_out[1]));
+    }
+  };
+
+  const auto t_start = std::chrono::steady_clock::now();
+  while (done < static_cast<int>(reqs.size()) || arrived < f.requests) {
+    // Arrivals: one or two new requests every few steps.
+    if (arrived < f.requests && (steps % 3 == 0 || waiting.empty())) {
+      const int n = 1 + static_cast<int>(rng() % 2);
+      for (int i = 0; i < n && arrived < f.requests; ++i) waiting.push_back(arrived++);
+    }
+    // Admission: a new request joins when a slot is free.
+    while (!waiting.empty() && static_cast<int>(active.size()) < f.max_batch) {
+      Request& r = reqs[waiting.front()];
+      waiting.pop_front();
+      r.seq = cache.CreateSequence();
+      r.state = Request::kPrefill;
+      active.push_back(r.id);
+    }
+    // The step: one token for each decoding request, then prefill chunks.
+    std::vector<StepEntry> entries;
+    int budget = T;
+    bool decode_only = true;
+    for (int id : active) {
+      if (reqs[id].state == Request::kDecode) {
+        entries.push_back({reqs[id].seq, 1});
+        --budget;
+      }
+    }
+    for (int id : active) {
+      Request& r = reqs[id];
+      if (r.state != Request::kPrefill || budget == 0) continue;
+      const int n = std::min(budget, r.prompt - r.stored);
+      entries.push_back({r.seq, n});
+      budget -= n;
+      decode_only = false;
+    }
+    if (entries.empty()) continue;
+    const auto t0 = std::chrono::steady_clock::now();
+    absl::StatusOr<fp4kv::StepInfo> info = cache.PrepareStep(entries, stream);
+    prepare_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (!info.ok() && info.status().code() == absl::StatusCode::kResourceExhausted) {
+      if (active.size() == 1) {
+        std::fprintf(stderr, "the pool cannot hold one request: %s\n",
+                     info.status().ToString().c_str());
+        return 1;
+      }
+      // Preempt the newest request (recompute later) and retry next round.
+      const int id = active.back();
+      active.pop_back();
+      CHECK_OK(cache.ReleaseSequence(reqs[id].seq));
+      reqs[id].stored = reqs[id].generated = 0;
+      reqs[id].state = Request::kWaiting;
+      waiting.push_front(id);
+      ++preemptions;
+      continue;
+    }
+    CHECK_OK(info.status());
+    copies += info->pages_copied;
+    // New K/V rows of every layer, in the step's token order.
+    for (int l = 0; l < L; ++l) {
+      for (int kv = 0; kv < 2; ++kv) {
+        uint16_t* dst = gpu ? host_in[0].data() : host_in[2 * l + kv].data();
+        int64_t row = 0;
+        for (const StepEntry& e : entries) {
+          int rid = -1;
+          for (int id : active) {
+            if (reqs[id].seq == e.seq) rid = id;
+          }
+          for (int i = 0; i < e.num_new_tokens; ++i) {
+            const int pos = reqs[rid].stored + i;
+            std::memcpy(dst + row * H * D, bank.Row(kv, TokenKey(reqs, rid, pos, l) * 2 + kv),
+                        H * D * 2);
+            ++row;
+          }
+        }
+        if (gpu) {
+          CHECK_CUDA(cudaMemcpyAsync(in_ptr[2 * l + kv], dst, row * H * D * 2,
+                                     cudaMemcpyHostToDevice, cs));
+          CHECK_CUDA(cudaStreamSynchronize(cs));  // the host row buffer is reused
+        }
+      }
+    }
+    const auto t1 = std::chrono::steady_clock::now();
+    if (gpu && decode_only) {
+      if (graph == nullptr) {
+        cudaGraph_t g;
+        CHECK_CUDA(cudaStreamBeginCapture(cs, cudaStreamCaptureModeThreadLocal));
+        run_layers();
+        CHECK_CUDA(cudaStreamEndCapture(cs, &g));
+        CHECK_CUDA(cudaGraphInstantiate(&graph, g, 0));
+        CHECK_CUDA(cudaGraphDestroy(g));
+      }
+      CHECK_CUDA(cudaGraphLaunch(graph, cs));
+      ++replays;
+    } else {
+      run_layers();
+    }
+    if (gpu) CHECK_CUDA(cudaStreamSynchronize(cs));
+    layers_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count();
+    ++steps;
+    peak_pages = std::max(peak_pages, cache.Stats().pages_used);
+    // Advance the requests.
+    std::vector<int> finished;
+    for (const StepEntry& e : entries) {
+      for (int id : active) {
+        Request& r = reqs[id];
+        if (r.seq != e.seq) continue;
+        r.stored += e.num_new_tokens;
+        if (r.state == Request::kDecode) {
+          decode_tokens += e.num_new_tokens;
+          if (++r.generated >= r.decode) finished.push_back(id);
+        } else {
+          prefill_tokens += e.num_new_tokens;
+          if (r.stored == r.prompt) r.state = Request::kDecode;
+        }
+      }
+    }
+    // Parallel sampling: fork request 0 once its prompt is in.
+    if (!forked && reqs[0].state == Request::kDecode &&
+        static_cast<int>(active.size()) + f.samples <= S) {
+      for (int k = 0; k < f.samples; ++k) {
+        Request c;
+        c.id = static_cast<int>(reqs.size());
+        c.parent = 0;
+        c.fork_len = reqs[0].stored;
+        c.prompt = reqs[0].prompt;
+        c.stored = reqs[0].stored;
+        c.decode = std::uniform_int_distribution<int>(f.decode_min, f.decode_max)(rng);
+        c.state = Request::kDecode;
+        absl::StatusOr<SequenceId> child = cache.ForkSequence(reqs[0].seq);
+        CHECK_OK(child.status());
+        c.seq = *child;
+        reqs.push_back(c);
+        active.push_back(c.id);
+      }
+      forked = true;
+    }
+    if (gpu) CHECK_CUDA(cudaStreamSynchronize(cs));
+    for (int id : finished) {
+      if (err.seqs < f.error_seqs) measure(reqs[id]);
+      CHECK_OK(cache.ReleaseSequence(reqs[id].seq));
+      reqs[id].state = Request::kDone;
+      active.erase(std::find(active.begin(), active.end(), id));
+      ++done;
+    }
+    if (steps % 50 == 0) {
+      const fp4kv::KVCacheStats st = cache.Stats();
+      std::printf(
+          "step %5lld: %3zu active, %3zu waiting, pages %lld/%lld in use (%lld shared), "
+          "%lld tokens stored, %lld wasted slots\n",
+          static_cast<long long>(steps), active.size(), waiting.size(),
+          static_cast<long long>(st.pages_used), static_cast<long long>(st.pages_total),
+          static_cast<long long>(st.pages_shared), static_cast<long long>(st.tokens_stored),
+          static_cast<long long>(st.wasted_slots));
+    }
+  }
+  if (gpu) CHECK_CUDA(cudaStreamSynchronize(cs));
+  const double secs =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
+  const fp4kv::KVCacheStats st = cache.Stats();
+  std::printf(
+      "done: %d requests (%d forked samples) in %.2f s, %lld steps (%lld replayed from one CUDA "
+      "graph), %lld preemptions\n",
+      done, static_cast<int>(reqs.size()) - f.requests, secs, static_cast<long long>(steps),
+      static_cast<long long>(replays), static_cast<long long>(preemptions));
+  std::printf(
+      "tokens: %lld appended in every layer, %.0f tokens/s (prefill %lld, decode %lld: "
+      "%.0f decode tokens/s)%s\n",
+      static_cast<long long>(prefill_tokens + decode_tokens),
+      (prefill_tokens + decode_tokens) / secs, static_cast<long long>(prefill_tokens),
+      static_cast<long long>(decode_tokens), decode_tokens / secs,
+      gpu ? "" : " [CPU reference speed]");
+  std::printf(
+      "time: %.3f s in PrepareStep (%.1f us/step), %.3f s in the layers' append + "
+      "materialize (%.0f tokens/s); the rest is making the synthetic K/V rows\n",
+      prepare_s, 1e6 * prepare_s / std::max<int64_t>(1, steps), layers_s,
+      (prefill_tokens + decode_tokens) / std::max(1e-9, layers_s));
+  std::printf("pages: peak %lld of %lld in use, %lld copied on write; now %lld in use\n",
+              static_cast<long long>(peak_pages), static_cast<long long>(st.pages_total),
+              static_cast<long long>(copies), static_cast<long long>(st.pages_used));
+  if (err.seqs > 0) {
+    std::printf(
+        "dequantized vs original (%d sequences, layers 0 and %d, %lld rows): "
+        "K rel-RMS %.2f%%, V rel-RMS %.2f%%; max |err| %.3f (K) / %.3f (V) of the block amax\n",
+        err.seqs, L - 1, static_cast<long long>(err.rows),
+        100 * std::sqrt(err.err2[0] / err.sig2[0]), 100 * std::sqrt(err.err2[1] / err.sig2[1]),
+        err.max_rel[0], err.max_rel[1]);
+  }
+  if (graph) CHECK_CUDA(cudaGraphExecDestroy(graph));
+  if (gpu) {
+    for (void* p : in_ptr) CHECK_CUDA(cudaFree(p));
+    if (ws) CHECK_CUDA(cudaFree(ws));
+    CHECK_CUDA(cudaStreamDestroy(cs));
+  }
+  return 0;
+}

@@ -1,0 +1,315 @@
+// KVCache: the stateful NVFP4 KV cache of a whole model.
+//
+// It owns the page pools of every layer (K and V packed data and block scales,
+// allocated once at Create), the per-layer global scales (in device memory, so
+// a captured CUDA graph reads updates), a reference-counted page allocator,
+// the sequences and their block tables, and fixed-address step buffers that
+// hold the metadata of one step.
+//
+// One step (the hot path):
+//
+//   PrepareStep({{seq, n_new}, ...}, stream)  // host: pages, indices; async upload
+//   for layer in 0..L-1:                      // capturable once as a CUDA graph
+//     appender.Run(layer, k_new, v_new, stream)
+//     materializer.Run(layer, fp8_workspace, stream)   (and/or dequantizer.Run)
+//     <server's attention kernel reads the step views>
+//
+// Ordering contract: the Run() calls of a step go on the stream given to its
+// PrepareStep (or a stream synchronized with it), and every step uses the
+// same stream. PrepareStep enqueues its uploads (and any copy-on-write page
+// copies) on that stream, so they run after the previous step's kernels and
+// before this step's. The pinned staging buffer is reused: PrepareStep first
+// waits for the previous step's upload (an event recorded right after it,
+// normally long done), then rewrites it.
+//
+// Graph capture: the step buffers have fixed addresses and capacity-sized
+// shapes (max_seqs_per_step rows, max_tokens_per_step slots; unused slots are
+// -1 and unused rows have seq_len 0 and a repeated kv_page_indptr), so the
+// kernels' launch shapes depend only on the capacities and a step captured
+// once replays correctly for later steps with other sequences and lengths.
+// A captured graph also bakes in the K/V input buffers and the FP8 workspace:
+// the server must reuse the same buffers (of capacity size) at every replay.
+//
+// CPU device: the same cache lives in host memory, the step buffers are the
+// staging buffers (nothing is copied), and every op runs synchronously
+// through the CPU reference; streams are ignored.
+//
+// Thread safety: none; calls on one cache must be serialized by the caller.
+// The bound op objects (appender(), materializer(), dequantizer()) may be used
+// from any thread while no mutating cache call runs.
+#ifndef FP4KV_KV_CACHE_H_
+#define FP4KV_KV_CACHE_H_
+
+#include <cstdint>
+#include <memory>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "fp4kv/format.h"
+#include "fp4kv/geometry.h"
+#include "fp4kv/ops.h"
+#include "fp4kv/tensor.h"
+
+namespace fp4kv {
+
+// Names a sequence of a KVCache. Ids are never reused: a released id stays
+// invalid (NotFound) forever. 0 is never a valid id.
+using SequenceId = uint64_t;
+
+// One sequence of a step and how many new tokens it appends (0 is allowed:
+// the sequence is then only read by the step's kernels).
+struct StepEntry {
+  SequenceId seq = 0;
+  int32_t num_new_tokens = 0;
+};
+
+// What PrepareStep did; host values, valid until the next PrepareStep.
+struct StepInfo {
+  int num_seqs = 0;                 // rows used in the step buffers
+  int64_t num_tokens = 0;           // new K/V rows the appender reads
+  int32_t max_seq_len = 0;          // longest sequence after the append
+  int64_t num_pages = 0;            // kv_page_indptr[num_seqs]: pages the step reads
+  int64_t fp8_workspace_pages = 1;  // out pages the materializer writes: 1 + num_pages
+  int64_t pages_allocated = 0;      // new pages taken from the pool (including copies)
+  int64_t pages_copied = 0;         // shared partial pages copied on write
+};
+
+// Device views of the step buffers (on the cache's device, fixed addresses).
+// Rows [0, num_seqs) are the step's entries in order; their new K/V rows are
+// token_indptr[b] .. token_indptr[b+1] of the appender's input.
+struct StepViews {
+  TensorView slot_mapping;    // [max_tokens_per_step] i64; -1 = padding
+  TensorView block_tables;    // [max_seqs_per_step, max_pages_per_seq] i32 (K and V share pages)
+  TensorView seq_lens;        // [max_seqs_per_step] i32, length after the append; 0 = unused row
+  TensorView kv_page_indptr;  // [max_seqs_per_step + 1] i32, prefix sum of ceil(seq_len/page_size)
+  TensorView token_indptr;    // [max_seqs_per_step + 1] i32, prefix sum of num_new_tokens
+  TensorView
+      fp8_block_tables;  // [max_seqs_per_step, max_pages_per_seq] i32, written by the materializer
+};
+
+struct KVCacheStats {
+  int64_t pages_total = 0;
+  int64_t pages_free = 0;
+  int64_t pages_used = 0;    // pages_total - pages_free
+  int64_t pages_shared = 0;  // used pages referenced by more than one sequence
+  int64_t num_sequences = 0;
+  int64_t tokens_stored = 0;    // sum of sequence lengths (shared prefixes counted per sequence)
+  int64_t tokens_resident = 0;  // token slots holding data (shared pages counted once)
+  int64_t wasted_slots = 0;     // pages_used * page_size - tokens_resident
+  double bytes_per_token = 0;   // all layers, K and V, data and scales
+  int64_t pool_bytes = 0;       // bytes of all pools (data and scales, all layers)
+  std::vector<std::pair<SequenceId, int64_t>> sequence_lengths;  // by id
+};
+
+struct KVCacheOptions {
+  int num_layers = 0;
+  // Heads, head dims, page size and layout of every layer. num_pages == 0:
+  // derived from memory_budget_bytes (exactly one of the two must be given).
+  CacheGeometry geometry;
+  int64_t memory_budget_bytes = 0;  // bytes for all pools of all layers
+  Device device = Device::Cpu();
+  Recipe recipe;  // fixed for the life of the cache
+  // Global decode scales per layer ([num_layers] each, positive, finite);
+  // empty means 1.0 for every layer. See UpdateGlobalScales.
+  std::vector<float> k_global_scales;
+  std::vector<float> v_global_scales;
+  // Step capacities: they fix the shapes of the step buffers.
+  int max_seqs_per_step = 256;
+  int max_tokens_per_step = 8192;
+  int max_pages_per_seq = 0;  // longest sequence: max_pages_per_seq * page_size tokens
+};
+
+class KVCache;
+namespace internal {
+class KVCacheState;
+}  // namespace internal
+
+// The Appender of a cache (AppendIndexing::kSlot on the step's slot_mapping).
+class CacheAppender {
+ public:
+  // key: [R, H, Dk], value: [R, H, Dv] (input dtype of appender()), rows
+  // 0 .. num_tokens-1 of the current step in the order of its entries; R >=
+  // the step's num_tokens and rows past it are ignored (R = max_tokens_per_step
+  // for a buffer that serves every step, as graph capture needs). Quantizes
+  // with the layer's global scales from device memory. Graph-safe.
+  absl::Status Run(int layer, const TensorView& key, const TensorView& value,
+                   Stream stream = nullptr) const;
+  const Appender& op() const { return op_; }
+
+ private:
+  friend class KVCache;
+  CacheAppender(const internal::KVCacheState* state, Appender op)
+      : state_(state), op_(std::move(op)) {}
+  const internal::KVCacheState* state_;
+  Appender op_;
+};
+
+// The Materializer of a cache: writes the step's sequences as FP8 pages.
+class CacheMaterializer {
+ public:
+  // out: [W, 2, H, page_size, D] e4m3 (u8 accepted), caller-owned, with W >=
+  // the step's fp8_workspace_pages (W = KVCache::Fp8WorkspacePagesAtCapacity()
+  // serves every step). Writes the cache's fp8_block_tables step buffer; FP8
+  // decode scales are the cache's (KVCache::fp8_scale_ptr). Graph-safe; a
+  // replayed graph whose W is below a later step's need drops the pages past
+  // W (the op's defined behaviour), so capture with the capacity.
+  absl::Status Run(int layer, const TensorView& out, Stream stream = nullptr) const;
+  const Materializer& op() const { return op_; }
+
+ private:
+  friend class KVCache;
+  CacheMaterializer(const internal::KVCacheState* state, Materializer op)
+      : state_(state), op_(std::move(op)) {}
+  const internal::KVCacheState* state_;
+  Materializer op_;
+};
+
+// The Dequantizer of a cache: gathers the step's sequences into contiguous
+// f16/bf16 tensors.
+class CacheDequantizer {
+ public:
+  // k_out: [B, T, H, Dk], v_out: [B, T, H, Dv] with num_seqs <= B <=
+  // max_seqs_per_step and T >= the step's max_seq_len; row b is the step's
+  // entry b. Positions past a sequence's length are left unchanged. Graph-safe.
+  absl::Status Run(int layer, const TensorView& k_out, const TensorView& v_out,
+                   Stream stream = nullptr) const;
+  const Dequantizer& op() const { return op_; }
+
+ private:
+  friend class KVCache;
+  CacheDequantizer(const internal::KVCacheState* state, Dequantizer op)
+      : state_(state), op_(std::move(op)) {}
+  const internal::KVCacheState* state_;
+  Dequantizer op_;
+};
+
+// Invariants: every page is free (reference count 0) or referenced by the
+// sequences that hold it in their block tables, and by no other; a sequence of
+// length n holds exactly ceil(n / page_size) pages; pages are written only
+// through a sequence that is their sole owner (a shared partial last page is
+// copied first); pages_free + pages_used == pages_total.
+// A call that returns an error changes nothing (but see PrepareStep on CUDA
+// errors).
+class KVCache {
+ public:
+  // Validates the options and allocates everything: pools (one allocation),
+  // step buffers (one device allocation, one pinned host allocation), the
+  // allocator and an event. Errors: InvalidArgument naming the option;
+  // FailedPrecondition for a CUDA device that is not there; ResourceExhausted
+  // when the allocation fails.
+  static absl::StatusOr<KVCache> Create(const KVCacheOptions& options);
+
+  KVCache(KVCache&&) noexcept;
+  KVCache& operator=(KVCache&&) noexcept;
+  KVCache(const KVCache&) = delete;
+  KVCache& operator=(const KVCache&) = delete;
+  ~KVCache();
+
+  // ----------------------------------------------------------- sequences
+  // A new empty sequence.
+  SequenceId CreateSequence();
+  // A child holding the parent's tokens: it shares every page of the parent
+  // (reference counts go up; no data is copied now). A shared partially
+  // filled last page is copied on the device when either side appends to it.
+  // NotFound for an unknown parent.
+  absl::StatusOr<SequenceId> ForkSequence(SequenceId parent);
+  // Shortens a sequence to new_len tokens (e.g. rejected speculative tokens);
+  // pages past the new end lose this sequence's reference. NotFound for an
+  // unknown id; InvalidArgument unless 0 <= new_len <= length.
+  absl::Status Truncate(SequenceId seq, int64_t new_len);
+  // Drops the sequence and its page references. NotFound for an unknown or
+  // already released id. The current step's buffers still name its pages:
+  // release it only after the kernels of the step that used it are enqueued.
+  absl::Status ReleaseSequence(SequenceId seq);
+
+  absl::StatusOr<int64_t> SequenceLength(SequenceId seq) const;
+  // The sequence's block table (page ids, ceil(length / page_size) of them);
+  // valid until the next mutating call.
+  absl::StatusOr<absl::Span<const int32_t>> SequencePages(SequenceId seq) const;
+  // Sequences holding `page`; 0 for a free page. InvalidArgument out of range.
+  absl::StatusOr<int32_t> PageRefCount(int64_t page) const;
+
+  // ---------------------------------------------------------------- steps
+  // Reserves pages for the entries, advances their lengths, fills the step
+  // staging buffers (slots of the new tokens, block tables, lengths, indptrs)
+  // and uploads them with one or two async copies on `stream` (CUDA) — after
+  // any copy-on-write page copies, also on `stream`. All or nothing: on an
+  // argument error (InvalidArgument: too many entries or tokens, negative
+  // counts, duplicate sequence, a sequence past max_pages_per_seq; NotFound:
+  // unknown sequence) or when the free pages do not suffice
+  // (ResourceExhausted), nothing changes. A CUDA error while enqueueing the
+  // upload is returned as Internal after the host state was committed (the
+  // stream is then unusable anyway).
+  absl::StatusOr<StepInfo> PrepareStep(absl::Span<const StepEntry> entries,
+                                       Stream stream = nullptr);
+  const StepInfo& step() const;
+  // Fixed-address device views of the step buffers (see StepViews).
+  const StepViews& step_views() const;
+  // Host copies of the current step's staging (the same memory as the
+  // device views on the CPU device): valid until the next PrepareStep.
+  absl::Span<const int64_t> host_slot_mapping() const;    // [num_tokens]
+  absl::Span<const int32_t> host_seq_lens() const;        // [num_seqs]
+  absl::Span<const int32_t> host_kv_page_indptr() const;  // [num_seqs + 1]
+  absl::Span<const int32_t> host_token_indptr() const;    // [num_seqs + 1]
+  // Row b of the host block tables ([max_pages_per_seq] entries; the first
+  // ceil(seq_len / page_size) are meaningful).
+  absl::Span<const int32_t> host_block_table(int row) const;
+
+  // ------------------------------------------------------------------ ops
+  // Op objects bound to this cache; they stay valid while the cache lives
+  // (also across moves of the KVCache object). FailedPrecondition from
+  // materializer() when the geometry does not allow FP8 materialization
+  // (head_dim_k == head_dim_v, a multiple of 64; page_size % 4 == 0).
+  absl::StatusOr<CacheAppender> appender(DType input_dtype = DType::kBF16) const;
+  absl::StatusOr<CacheMaterializer> materializer() const;
+  absl::StatusOr<CacheDequantizer> dequantizer(DType output_dtype = DType::kBF16) const;
+
+  // FP8 workspace for the materializer: out pages any step can need
+  // (1 + max_seqs_per_step * max_pages_per_seq), and the shape of the
+  // workspace tensor for `pages` out pages: [pages, 2, H, page_size, D] e4m3.
+  int64_t Fp8WorkspacePagesAtCapacity() const;
+  std::vector<int64_t> Fp8WorkspaceShape(int64_t pages) const;
+
+  // ------------------------------------------------------ scales and views
+  // Sets layer `layer`'s global decode scales (positive, finite) and the FP8
+  // decode scales derived from them (MinFp8Scale). CUDA: an async copy on
+  // `stream` from host memory that may be reused on return; ordered with the
+  // kernels on that stream. Existing tokens dequantize with the new scales,
+  // so change them only before storing tokens (or knowingly).
+  absl::Status UpdateGlobalScales(int layer, float k_scale, float v_scale, Stream stream = nullptr);
+  // All layers at once ([num_layers] each).
+  absl::Status UpdateGlobalScales(absl::Span<const float> k_scales,
+                                  absl::Span<const float> v_scales, Stream stream = nullptr);
+  // Host values of the scales (what was last set).
+  float k_global_scale(int layer) const;
+  float v_global_scale(int layer) const;
+  float k_fp8_scale(int layer) const;
+  float v_fp8_scale(int layer) const;
+  // Device pointers (fixed addresses): the global decode scale of layer's K
+  // (kv = 0) or V (kv = 1), and the FP8 decode scale of the materialized
+  // pages, for an attention kernel.
+  const float* global_scale_ptr(int layer, int kv) const;
+  const float* fp8_scale_ptr(int layer, int kv) const;
+
+  // Layer `layer`'s pools as the four tuple views ([P, S, H, D/2] u8 and
+  // [P, S, H, D/16] e4m3 for NHD; [P, H, S, ...] for HND), for an external
+  // attention kernel. Precondition: 0 <= layer < num_layers.
+  PagedCache LayerCache(int layer) const;
+
+  const KVCacheOptions& options() const;  // with geometry.num_pages resolved
+  const CacheGeometry& geometry() const;
+  int num_layers() const;
+  Device device() const;
+  KVCacheStats Stats() const;
+
+ private:
+  explicit KVCache(std::unique_ptr<internal::KVCacheState> state);
+  std::unique_ptr<internal::KVCacheState> state_;
+};
+
+}  // namespace fp4kv
+
+#endif  // FP4KV_KV_CACHE_H_

@@ -1,0 +1,1039 @@
+// KVCache: pools, page allocator, sequences and step buffers (see
+// include/fp4kv/kv_cache.h for the contracts).
+#include "fp4kv/kv_cache.h"
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <climits>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <unordered_map>
+
+#include "absl/strings/str_cat.h"
+#include "fp4kv/recipe.h"
+#include "src/cuda_util.h"
+#include "src/page_allocator.h"
+
+namespace fp4kv {
+namespace internal {
+namespace {
+
+#define FP4KV_KV_RETURN_IF_ERROR(expr)        \
+  do {                                        \
+    if (absl::Status s_ = (expr); !s_.ok()) { \
+      return s_;                              \
+    }                                         \
+  } while (0)
+
+constexpr int64_t kRegionAlign = 256;  // every pool region and step buffer
+constexpr int64_t kHostAlign = 256;    // as cudaMalloc: regions stay 256-byte aligned
+
+int64_t RoundUp(int64_t x, int64_t a) { return (x + a - 1) / a * a; }
+
+int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Where one kind of bytes lives in a layer of the pool.
+struct Region {
+  int64_t offset = 0;      // bytes from the start of the layer
+  int64_t page_bytes = 0;  // bytes of one page of this kind
+};
+
+// Byte layout of the pools: layer l's region r is at l * layer_bytes +
+// regions[r].offset, pages contiguous inside it ([P, ...] row-major).
+struct PoolLayout {
+  Region regions[4];  // K data, V data, K scales, V scales
+  int64_t layer_bytes = 0;
+  int64_t total_bytes = 0;
+};
+
+PoolLayout ComputePoolLayout(const CacheGeometry& g, int num_layers) {
+  const int64_t rows = static_cast<int64_t>(g.page_size) * g.num_kv_heads;
+  const int64_t per_page[4] = {rows * g.DataRowBytes(false), rows * g.DataRowBytes(true),
+                               rows * g.ScaleRowBytes(false), rows * g.ScaleRowBytes(true)};
+  PoolLayout l;
+  int64_t off = 0;
+  for (int r = 0; r < 4; ++r) {
+    l.regions[r] = Region{off, per_page[r]};
+    off += RoundUp(per_page[r] * g.num_pages, kRegionAlign);
+  }
+  l.layer_bytes = off;
+  l.total_bytes = off * num_layers;
+  return l;
+}
+
+// Byte offsets of the step buffers. The staging (host) copy holds
+// [0, staging_bytes); the device copy also holds the FP8 block tables (written
+// by the materializer) and the scales.
+struct StepLayout {
+  int64_t seq_lens = 0, kv_indptr = 0, token_indptr = 0, slots = 0, tables = 0;
+  int64_t staging_bytes = 0;
+  int64_t fp8_tables = 0, scales = 0;
+  int64_t device_bytes = 0;
+};
+
+StepLayout ComputeStepLayout(int64_t seqs, int64_t tokens, int64_t pages_per_seq, int layers) {
+  StepLayout s;
+  s.seq_lens = 0;
+  s.kv_indptr = s.seq_lens + 4 * seqs;
+  s.token_indptr = s.kv_indptr + 4 * (seqs + 1);
+  s.slots = RoundUp(s.token_indptr + 4 * (seqs + 1), 16);
+  s.tables = RoundUp(s.slots + 8 * tokens, kRegionAlign);
+  s.staging_bytes = s.tables + 4 * seqs * pages_per_seq;
+  s.fp8_tables = RoundUp(s.staging_bytes, kRegionAlign);
+  s.scales = RoundUp(s.fp8_tables + 4 * seqs * pages_per_seq, kRegionAlign);
+  s.device_bytes = s.scales + 4 * 4 * static_cast<int64_t>(layers);
+  return s;
+}
+
+// One owned allocation: host (256-byte aligned), pinned host, or device.
+class Memory {
+ public:
+  enum class Kind { kNone, kHost, kPinned, kDevice };
+
+  Memory() = default;
+  ~Memory() { Reset(); }
+  Memory(Memory&& o) noexcept : kind_(o.kind_), ptr_(o.ptr_) {
+    o.kind_ = Kind::kNone;
+    o.ptr_ = nullptr;
+  }
+  Memory& operator=(Memory&& o) noexcept {
+    if (this != &o) {
+      Reset();
+      kind_ = o.kind_;
+      ptr_ = o.ptr_;
+      o.kind_ = Kind::kNone;
+      o.ptr_ = nullptr;
+    }
+    return *this;
+  }
+  Memory(const Memory&) = delete;
+  Memory& operator=(const Memory&) = delete;
+
+  // Allocates and zeroes `bytes` (> 0). Device memory goes on the current
+  // CUDA device.
+  absl::Status Allocate(Kind kind, int64_t bytes, const char* what) {
+    Reset();
+    void* p = nullptr;
+    const size_t n = static_cast<size_t>(RoundUp(bytes, kHostAlign));
+    cudaError_t err = cudaSuccess;
+    switch (kind) {
+      case Kind::kHost:
+        p = std::aligned_alloc(kHostAlign, n);
+        if (p != nullptr) std::memset(p, 0, n);
+        break;
+      case Kind::kPinned:
+        err = cudaHostAlloc(&p, n, cudaHostAllocDefault);
+        if (err == cudaSuccess) std::memset(p, 0, n);
+        break;
+      case Kind::kDevice:
+        err = cudaMalloc(&p, n);
+        if (err == cudaSuccess) {
+          err = cudaMemset(p, 0, n);
+          if (err != cudaSuccess) {
+            (void)cudaFree(p);
+            return CudaStatus(err, "cudaMemset");
+          }
+        }
+        break;
+      case Kind::kNone:
+        break;
+    }
+    if (err != cudaSuccess) (void)cudaGetLastError();
+    if (p == nullptr || err != cudaSuccess) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("KVCache::Create: cannot allocate ", bytes, " bytes for ", what,
+                       err != cudaSuccess ? absl::StrCat(" (", cudaGetErrorName(err), ")") : ""));
+    }
+    kind_ = kind;
+    ptr_ = static_cast<uint8_t*>(p);
+    return absl::OkStatus();
+  }
+
+  uint8_t* get() const { return ptr_; }
+
+ private:
+  void Reset() {
+    if (ptr_ == nullptr) return;
+    switch (kind_) {
+      case Kind::kHost:
+        std::free(ptr_);
+        break;
+      case Kind::kPinned:
+        (void)cudaFreeHost(ptr_);
+        break;
+      case Kind::kDevice:
+        (void)cudaFree(ptr_);
+        break;
+      case Kind::kNone:
+        break;
+    }
+    ptr_ = nullptr;
+    kind_ = Kind::kNone;
+  }
+
+  Kind kind_ = Kind::kNone;
+  uint8_t* ptr_ = nullptr;
+};
+
+// Makes `device` current for a scope (CUDA only) and restores the previous
+// device at exit.
+class ScopedDevice {
+ public:
+  ScopedDevice() = default;
+  absl::Status Set(const Device& device) {
+    if (!device.is_cuda()) return absl::OkStatus();
+    FP4KV_CUDA_RETURN_IF_ERROR(cudaGetDevice(&previous_));
+    if (previous_ != device.ordinal) {
+      FP4KV_CUDA_RETURN_IF_ERROR(cudaSetDevice(device.ordinal));
+      changed_ = true;
+    }
+    return absl::OkStatus();
+  }
+  ~ScopedDevice() {
+    if (changed_) (void)cudaSetDevice(previous_);
+  }
+  ScopedDevice(const ScopedDevice&) = delete;
+  ScopedDevice& operator=(const ScopedDevice&) = delete;
+
+ private:
+  int previous_ = 0;
+  bool changed_ = false;
+};
+
+absl::Status CheckScale(float v, const char* name, int layer) {
+  if (!(v > 0.0f) || !std::isfinite(v)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, "[", layer, "]: expected a positive finite global scale, got ", v));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+// The whole state of a KVCache; heap-allocated so that its address (held by
+// the bound op objects) survives moves of the KVCache.
+class KVCacheState {
+ public:
+  struct Sequence {
+    uint32_t generation = 1;  // id = generation << 32 | slot
+    bool live = false;
+    int64_t length = 0;
+    std::vector<int32_t> pages;  // ceil(length / page_size) entries
+    // Bumped whenever an existing block-table entry changes or pages are
+    // removed (copy on write, truncation); appends only push.
+    uint64_t epoch = 0;
+    uint64_t mark = 0;  // step stamp: duplicate detection
+  };
+  // What row b of the staging block tables holds: the first `count` pages of
+  // sequence `seq` as of `epoch`.
+  struct Row {
+    SequenceId seq = 0;
+    uint64_t epoch = 0;
+    int32_t count = 0;
+  };
+
+  explicit KVCacheState(int32_t num_pages) : allocator(num_pages) {}
+  ~KVCacheState() {
+    if (upload_done != nullptr) {
+      ScopedDevice d;
+      (void)d.Set(options.device);
+      // The pinned staging must outlive the last upload that reads it.
+      if (upload_pending) (void)cudaEventSynchronize(upload_done);
+      (void)cudaEventDestroy(upload_done);
+    }
+  }
+
+  absl::Status CheckLayer(int layer) const {
+    if (layer < 0 || layer >= options.num_layers) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("layer: expected in [0, ", options.num_layers, "), got ", layer));
+    }
+    return absl::OkStatus();
+  }
+
+  static SequenceId MakeId(uint32_t slot, uint32_t generation) {
+    return (static_cast<uint64_t>(generation) << 32) | slot;
+  }
+  Sequence* Find(SequenceId id) {
+    const uint64_t slot = id & 0xffffffffu;
+    if (slot >= seqs.size()) return nullptr;
+    Sequence& s = seqs[slot];
+    return s.live && s.generation == (id >> 32) ? &s : nullptr;
+  }
+  const Sequence* Find(SequenceId id) const { return const_cast<KVCacheState*>(this)->Find(id); }
+  static absl::Status Unknown(const char* name, SequenceId id) {
+    return absl::NotFoundError(
+        absl::StrCat(name, ": unknown sequence id ", id, " (never created or already released)"));
+  }
+
+  PagedCache LayerCache(int layer) const {
+    const CacheGeometry& g = geometry;
+    uint8_t* base = pools.get() + layer * pool.layer_bytes;
+    const bool nhd = g.layout == Layout::kNHD;
+    const int64_t a = nhd ? g.page_size : g.num_kv_heads;
+    const int64_t b = nhd ? g.num_kv_heads : g.page_size;
+    auto view = [&](int r, DType t, int64_t inner) {
+      return TensorView::Contiguous(base + pool.regions[r].offset, t, {g.num_pages, a, b, inner},
+                                    options.device);
+    };
+    return PagedCache::FromTuple(view(0, DType::kU8, g.head_dim_k / 2),
+                                 view(1, DType::kU8, g.head_dim_v / 2),
+                                 view(2, DType::kE4M3, g.head_dim_k / kBlockSize),
+                                 view(3, DType::kE4M3, g.head_dim_v / kBlockSize), g.layout);
+  }
+
+  // Copies page `src` to page `dst` in every layer, K and V, data and scales:
+  // on `stream` for CUDA, now for the CPU.
+  absl::Status CopyPage(int32_t src, int32_t dst, Stream stream) {
+    for (const Region& r : pool.regions) {
+      uint8_t* from = pools.get() + r.offset + src * r.page_bytes;
+      uint8_t* to = pools.get() + r.offset + dst * r.page_bytes;
+      if (!cuda) {
+        for (int l = 0; l < options.num_layers; ++l) {
+          std::memcpy(to + l * pool.layer_bytes, from + l * pool.layer_bytes, r.page_bytes);
+        }
+      } else if (pool.layer_bytes <= INT32_MAX) {
+        FP4KV_CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(
+            to, pool.layer_bytes, from, pool.layer_bytes, r.page_bytes, options.num_layers,
+            cudaMemcpyDeviceToDevice, reinterpret_cast<cudaStream_t>(stream)));
+      } else {  // pitch beyond what a 2-D copy accepts
+        for (int l = 0; l < options.num_layers; ++l) {
+          FP4KV_CUDA_RETURN_IF_ERROR(
+              cudaMemcpyAsync(to + l * pool.layer_bytes, from + l * pool.layer_bytes, r.page_bytes,
+                              cudaMemcpyDeviceToDevice, reinterpret_cast<cudaStream_t>(stream)));
+        }
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  KVCacheOptions options;
+  CacheGeometry geometry;
+  PoolLayout pool;
+  StepLayout step_layout;
+  bool cuda = false;
+  Memory pools;
+  Memory device_step;  // CPU: also the staging
+  Memory staging;      // CUDA only (pinned)
+  cudaEvent_t upload_done = nullptr;
+  bool upload_pending = false;
+
+  // Staging (host) pointers.
+  int32_t* h_seq_lens = nullptr;
+  int32_t* h_kv_indptr = nullptr;
+  int32_t* h_token_indptr = nullptr;
+  int64_t* h_slots = nullptr;
+  int32_t* h_tables = nullptr;
+  // Device pointers.
+  uint8_t* d_step = nullptr;
+  float* d_scales = nullptr;       // [L, 4]: K global, V global, K fp8, V fp8
+  std::vector<float> host_scales;  // mirror of d_scales
+
+  StepViews views;
+  StepInfo step;
+  PageAllocator allocator;
+  std::vector<Sequence> seqs;
+  std::vector<uint32_t> free_slots;
+  int64_t live_sequences = 0;
+  std::vector<Row> rows;
+  int64_t slot_extent = 0;  // staging slots [0, slot_extent) may be >= 0
+  int rows_used = 0;
+  uint64_t stamp = 0;
+  // PrepareStep scratch (sized once).
+  std::vector<int32_t> claim;        // [num_pages]
+  std::vector<Sequence*> step_seqs;  // [max_seqs_per_step]
+  std::vector<int32_t> cow_src;      // pages to copy, in entry order
+  std::vector<int> cow_entry;        // entry index of each copy
+  std::vector<int32_t> cow_dst;
+};
+
+}  // namespace internal
+
+using internal::CeilDiv;
+using internal::KVCacheState;
+
+// ------------------------------------------------------------------ Create
+absl::StatusOr<KVCache> KVCache::Create(const KVCacheOptions& o) {
+  if (o.num_layers < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("num_layers: expected >= 1, got ", o.num_layers));
+  }
+  CacheGeometry g = o.geometry;
+  if (g.num_pages < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "geometry.num_pages: expected >= 0 (0: from memory_budget_bytes), got ", g.num_pages));
+  }
+  if (o.memory_budget_bytes < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("memory_budget_bytes: expected >= 0, got ", o.memory_budget_bytes));
+  }
+  if ((g.num_pages > 0) == (o.memory_budget_bytes > 0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "geometry.num_pages, memory_budget_bytes: expected exactly one of them positive, got ",
+        g.num_pages, " and ", o.memory_budget_bytes));
+  }
+  {
+    CacheGeometry probe = g;
+    probe.num_pages = 1;
+    FP4KV_KV_RETURN_IF_ERROR(probe.Validate());
+  }
+  if (g.num_pages == 0) {
+    const int64_t per_page = g.PageBytes() * o.num_layers;
+    int64_t p = o.memory_budget_bytes / per_page;
+    for (;;) {
+      CacheGeometry t = g;
+      t.num_pages = p;
+      if (p < 1 ||
+          internal::ComputePoolLayout(t, o.num_layers).total_bytes <= o.memory_budget_bytes) {
+        break;
+      }
+      --p;
+    }
+    if (p < 1) {
+      CacheGeometry t = g;
+      t.num_pages = 1;
+      return absl::InvalidArgumentError(
+          absl::StrCat("memory_budget_bytes: expected at least ",
+                       internal::ComputePoolLayout(t, o.num_layers).total_bytes,
+                       " bytes (one page of every layer), got ", o.memory_budget_bytes));
+    }
+    g.num_pages = std::min<int64_t>(p, INT32_MAX);
+  }
+  if (g.num_pages > INT32_MAX) {
+    return absl::InvalidArgumentError(absl::StrCat("geometry.num_pages: expected at most ",
+                                                   INT32_MAX, " (i32 block tables), got ",
+                                                   g.num_pages));
+  }
+  FP4KV_KV_RETURN_IF_ERROR(ValidateRecipe(o.recipe));
+  for (const auto& [v, name] :
+       {std::pair<const std::vector<float>&, const char*>{o.k_global_scales, "k_global_scales"},
+        std::pair<const std::vector<float>&, const char*>{o.v_global_scales, "v_global_scales"}}) {
+    if (!v.empty() && static_cast<int64_t>(v.size()) != o.num_layers) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          name, ": expected ", o.num_layers, " values (one per layer) or none, got ", v.size()));
+    }
+    for (size_t l = 0; l < v.size(); ++l) {
+      FP4KV_KV_RETURN_IF_ERROR(internal::CheckScale(v[l], name, static_cast<int>(l)));
+    }
+  }
+  for (const auto& [v, name] :
+       {std::pair<int, const char*>{o.max_seqs_per_step, "max_seqs_per_step"},
+        std::pair<int, const char*>{o.max_tokens_per_step, "max_tokens_per_step"},
+        std::pair<int, const char*>{o.max_pages_per_seq, "max_pages_per_seq"}}) {
+    if (v < 1) return absl::InvalidArgumentError(absl::StrCat(name, ": expected >= 1, got ", v));
+  }
+  if (static_cast<int64_t>(o.max_pages_per_seq) * g.page_size > INT32_MAX) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_pages_per_seq: expected max_pages_per_seq * page_size <= ", INT32_MAX,
+                     " (i32 lengths), got ", o.max_pages_per_seq, " * ", g.page_size));
+  }
+  if (static_cast<int64_t>(o.max_pages_per_seq) * o.max_seqs_per_step >= INT32_MAX) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "max_seqs_per_step, max_pages_per_seq: expected a product below ", INT32_MAX,
+        " (i32 kv_page_indptr), got ", o.max_seqs_per_step, " * ", o.max_pages_per_seq));
+  }
+  FP4KV_KV_RETURN_IF_ERROR(internal::CheckDeviceAvailable(o.device));
+
+  auto s = std::make_unique<KVCacheState>(static_cast<int32_t>(g.num_pages));
+  s->options = o;
+  s->options.geometry = g;
+  s->options.memory_budget_bytes = o.memory_budget_bytes;
+  s->geometry = g;
+  s->cuda = o.device.is_cuda();
+  s->pool = internal::ComputePoolLayout(g, o.num_layers);
+  const int S = o.max_seqs_per_step;
+  const int T = o.max_tokens_per_step;
+  const int M = o.max_pages_per_seq;
+  s->step_layout = internal::ComputeStepLayout(S, T, M, o.num_layers);
+  const internal::StepLayout& sl = s->step_layout;
+
+  internal::ScopedDevice scoped;
+  FP4KV_KV_RETURN_IF_ERROR(scoped.Set(o.device));
+  using Kind = internal::Memory::Kind;
+  FP4KV_KV_RETURN_IF_ERROR(
+      s->pools.Allocate(s->cuda ? Kind::kDevice : Kind::kHost, s->pool.total_bytes, "the pools"));
+  FP4KV_KV_RETURN_IF_ERROR(s->device_step.Allocate(s->cuda ? Kind::kDevice : Kind::kHost,
+                                                   sl.device_bytes, "the step buffers"));
+  uint8_t* host = s->device_step.get();
+  if (s->cuda) {
+    FP4KV_KV_RETURN_IF_ERROR(
+        s->staging.Allocate(Kind::kPinned, sl.staging_bytes, "the pinned step staging"));
+    host = s->staging.get();
+    FP4KV_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&s->upload_done, cudaEventDisableTiming));
+  }
+  s->d_step = s->device_step.get();
+  s->d_scales = reinterpret_cast<float*>(s->d_step + sl.scales);
+  s->h_seq_lens = reinterpret_cast<int32_t*>(host + sl.seq_lens);
+  s->h_kv_indptr = reinterpret_cast<int32_t*>(host + sl.kv_indptr);
+  s->h_token_indptr = reinterpret_cast<int32_t*>(host + sl.token_indptr);
+  s->h_slots = reinterpret_cast<int64_t*>(host + sl.slots);
+  s->h_tables = reinterpret_cast<int32_t*>(host + sl.tables);
+  // Zeroed memory is already a valid empty step but for the padding slots.
+  std::fill(s->h_slots, s->h_slots + T, int64_t{-1});
+
+  s->host_scales.assign(4 * static_cast<size_t>(o.num_layers), 1.0f);
+  for (int l = 0; l < o.num_layers; ++l) {
+    const float k = o.k_global_scales.empty() ? 1.0f : o.k_global_scales[l];
+    const float v = o.v_global_scales.empty() ? 1.0f : o.v_global_scales[l];
+    absl::StatusOr<float> kf = MinFp8Scale(k);
+    absl::StatusOr<float> vf = MinFp8Scale(v);
+    if (!kf.ok()) return kf.status();
+    if (!vf.ok()) return vf.status();
+    s->host_scales[4 * l + 0] = k;
+    s->host_scales[4 * l + 1] = v;
+    s->host_scales[4 * l + 2] = *kf;
+    s->host_scales[4 * l + 3] = *vf;
+  }
+  if (s->cuda) {
+    FP4KV_CUDA_RETURN_IF_ERROR(
+        cudaMemcpy(s->d_step, host, sl.staging_bytes, cudaMemcpyHostToDevice));
+    FP4KV_CUDA_RETURN_IF_ERROR(cudaMemcpy(s->d_scales, s->host_scales.data(),
+                                          s->host_scales.size() * sizeof(float),
+                                          cudaMemcpyHostToDevice));
+  } else {
+    std::memcpy(s->d_scales, s->host_scales.data(), s->host_scales.size() * sizeof(float));
+  }
+
+  const Device dev = o.device;
+  uint8_t* d = s->d_step;
+  StepViews& v = s->views;
+  v.slot_mapping = TensorView::Contiguous(d + sl.slots, DType::kI64, {T}, dev);
+  v.block_tables = TensorView::Contiguous(d + sl.tables, DType::kI32, {S, M}, dev);
+  v.seq_lens = TensorView::Contiguous(d + sl.seq_lens, DType::kI32, {S}, dev);
+  v.kv_page_indptr = TensorView::Contiguous(d + sl.kv_indptr, DType::kI32, {S + 1}, dev);
+  v.token_indptr = TensorView::Contiguous(d + sl.token_indptr, DType::kI32, {S + 1}, dev);
+  v.fp8_block_tables = TensorView::Contiguous(d + sl.fp8_tables, DType::kI32, {S, M}, dev);
+
+  s->rows.assign(S, KVCacheState::Row{});
+  s->claim.assign(g.num_pages, 0);
+  s->step_seqs.assign(S, nullptr);
+  s->cow_src.reserve(S);
+  s->cow_entry.reserve(S);
+  s->cow_dst.reserve(S);
+  return KVCache(std::move(s));
+}
+
+KVCache::KVCache(std::unique_ptr<KVCacheState> state) : state_(std::move(state)) {}
+KVCache::KVCache(KVCache&&) noexcept = default;
+KVCache& KVCache::operator=(KVCache&&) noexcept = default;
+KVCache::~KVCache() = default;
+
+// --------------------------------------------------------------- sequences
+SequenceId KVCache::CreateSequence() {
+  KVCacheState& s = *state_;
+  uint32_t slot;
+  if (!s.free_slots.empty()) {
+    slot = s.free_slots.back();
+    s.free_slots.pop_back();
+  } else {
+    slot = static_cast<uint32_t>(s.seqs.size());
+    s.seqs.emplace_back();
+  }
+  KVCacheState::Sequence& q = s.seqs[slot];
+  q.live = true;
+  q.length = 0;
+  q.pages.clear();
+  ++q.epoch;
+  ++s.live_sequences;
+  return KVCacheState::MakeId(slot, q.generation);
+}
+
+absl::StatusOr<SequenceId> KVCache::ForkSequence(SequenceId parent) {
+  KVCacheState& s = *state_;
+  if (s.Find(parent) == nullptr) return KVCacheState::Unknown("parent", parent);
+  const SequenceId child = CreateSequence();  // may move s.seqs: look the parent up again
+  const KVCacheState::Sequence& p = *s.Find(parent);
+  KVCacheState::Sequence& c = *s.Find(child);
+  c.length = p.length;
+  c.pages = p.pages;
+  for (int32_t page : c.pages) s.allocator.Retain(page);
+  return child;
+}
+
+absl::Status KVCache::Truncate(SequenceId seq, int64_t new_len) {
+  KVCacheState& s = *state_;
+  KVCacheState::Sequence* q = s.Find(seq);
+  if (q == nullptr) return KVCacheState::Unknown("seq", seq);
+  if (new_len < 0 || new_len > q->length) {
+    return absl::InvalidArgumentError(absl::StrCat("new_len: expected in [0, ", q->length,
+                                                   "] (the sequence's length), got ", new_len));
+  }
+  const size_t keep = static_cast<size_t>(CeilDiv(new_len, s.geometry.page_size));
+  if (keep < q->pages.size()) {
+    for (size_t j = keep; j < q->pages.size(); ++j) s.allocator.Release(q->pages[j]);
+    q->pages.resize(keep);
+    ++q->epoch;
+  }
+  q->length = new_len;
+  return absl::OkStatus();
+}
+
+absl::Status KVCache::ReleaseSequence(SequenceId seq) {
+  KVCacheState& s = *state_;
+  KVCacheState::Sequence* q = s.Find(seq);
+  if (q == nullptr) return KVCacheState::Unknown("seq", seq);
+  for (int32_t page : q->pages) s.allocator.Release(page);
+  q->pages.clear();  // keeps the capacity for the next sequence in this slot
+  q->length = 0;
+  q->live = false;
+  ++q->generation;
+  if (q->generation == 0) q->generation = 1;  // wrapped: id 0 stays invalid
+  s.free_slots.push_back(static_cast<uint32_t>(seq & 0xffffffffu));
+  --s.live_sequences;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<int64_t> KVCache::SequenceLength(SequenceId seq) const {
+  const KVCacheState::Sequence* q = state_->Find(seq);
+  if (q == nullptr) return KVCacheState::Unknown("seq", seq);
+  return q->length;
+}
+
+absl::StatusOr<absl::Span<const int32_t>> KVCache::SequencePages(SequenceId seq) const {
+  const KVCacheState::Sequence* q = state_->Find(seq);
+  if (q == nullptr) return KVCacheState::Unknown("seq", seq);
+  return absl::Span<const int32_t>(q->pages);
+}
+
+absl::StatusOr<int32_t> KVCache::PageRefCount(int64_t page) const {
+  if (page < 0 || page >= state_->geometry.num_pages) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("page: expected in [0, ", state_->geometry.num_pages, "), got ", page));
+  }
+  return state_->allocator.RefCount(static_cast<int32_t>(page));
+}
+
+// ------------------------------------------------------------------- steps
+absl::StatusOr<StepInfo> KVCache::PrepareStep(absl::Span<const StepEntry> entries, Stream stream) {
+  KVCacheState& s = *state_;
+  const int S = s.options.max_seqs_per_step;
+  const int M = s.options.max_pages_per_seq;
+  const int ps = s.geometry.page_size;
+  const int64_t max_len = static_cast<int64_t>(M) * ps;
+  if (entries.size() > static_cast<size_t>(S)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "entries: expected at most max_seqs_per_step = ", S, " entries, got ", entries.size()));
+  }
+  const int n = static_cast<int>(entries.size());
+
+  // Pass 1: check everything and count the pages; change nothing (claims and
+  // marks are scratch).
+  const uint64_t stamp = ++s.stamp;
+  s.cow_src.clear();
+  s.cow_entry.clear();
+  struct ClaimReset {  // claims are undone on every exit
+    KVCacheState& s;
+    ~ClaimReset() {
+      for (int32_t p : s.cow_src) s.claim[p] = 0;
+    }
+  } claim_reset{s};
+  int64_t tokens = 0;
+  int64_t need = 0;
+  for (int i = 0; i < n; ++i) {
+    const StepEntry& e = entries[i];
+    if (e.num_new_tokens < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("entries[", i, "].num_new_tokens: expected >= 0, got ", e.num_new_tokens));
+    }
+    KVCacheState::Sequence* q = s.Find(e.seq);
+    if (q == nullptr) {
+      return KVCacheState::Unknown(absl::StrCat("entries[", i, "].seq").c_str(), e.seq);
+    }
+    if (q->mark == stamp) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "entries[", i, "].seq: expected each sequence at most once per step, got id ", e.seq,
+          " again"));
+    }
+    q->mark = stamp;
+    s.step_seqs[i] = q;
+    tokens += e.num_new_tokens;
+    const int64_t new_len = q->length + e.num_new_tokens;
+    if (new_len > max_len) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("entries[", i, "].num_new_tokens: expected at most ", max_len - q->length,
+                       " (max_pages_per_seq * page_size = ", max_len, " minus the length ",
+                       q->length, " of sequence ", e.seq, "), got ", e.num_new_tokens));
+    }
+    need += CeilDiv(new_len, ps) - static_cast<int64_t>(q->pages.size());
+    if (e.num_new_tokens > 0 && q->length % ps != 0) {
+      const int32_t last = q->pages.back();
+      if (s.allocator.RefCount(last) - s.claim[last] > 1) {  // still shared when we get to it
+        ++s.claim[last];
+        s.cow_src.push_back(last);
+        s.cow_entry.push_back(i);
+        ++need;
+      }
+    }
+  }
+  if (tokens > s.options.max_tokens_per_step) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "entries: expected at most max_tokens_per_step = ", s.options.max_tokens_per_step,
+        " new tokens in all, got ", tokens));
+  }
+  if (need > s.allocator.free_count()) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("PrepareStep: needs ", need, " free pages (", s.cow_src.size(),
+                     " of them copies of shared pages), the pool has ", s.allocator.free_count(),
+                     " of ", s.allocator.num_pages(), "; nothing changed"));
+  }
+
+  // The previous upload may still read the staging buffer.
+  internal::ScopedDevice scoped;
+  if (s.cuda) {
+    FP4KV_KV_RETURN_IF_ERROR(scoped.Set(s.options.device));
+    if (s.upload_pending) {
+      FP4KV_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(s.upload_done));
+      s.upload_pending = false;
+    }
+  }
+
+  // Copies on write first: undone if one cannot be enqueued.
+  s.cow_dst.clear();
+  for (size_t k = 0; k < s.cow_src.size(); ++k) {
+    const int32_t dst = s.allocator.Allocate();
+    s.cow_dst.push_back(dst);
+    if (absl::Status st = s.CopyPage(s.cow_src[k], dst, stream); !st.ok()) {
+      for (int32_t p : s.cow_dst) s.allocator.Release(p);
+      return st;
+    }
+  }
+
+  // Pass 2: commit. Nothing below fails until the upload.
+  StepInfo info;
+  info.num_seqs = n;
+  info.pages_copied = static_cast<int64_t>(s.cow_dst.size());
+  const int32_t free_before = s.allocator.free_count() + static_cast<int32_t>(s.cow_dst.size());
+  int64_t tok = 0;
+  int dirty_lo = S;
+  int dirty_hi = -1;
+  size_t next_cow = 0;
+  for (int i = 0; i < n; ++i) {
+    KVCacheState::Sequence& q = *s.step_seqs[i];
+    const SequenceId id = entries[i].seq;
+    if (next_cow < s.cow_entry.size() && s.cow_entry[next_cow] == i) {
+      s.allocator.Release(q.pages.back());  // stays >= 1: another sequence holds it
+      q.pages.back() = s.cow_dst[next_cow++];
+      ++q.epoch;
+    }
+    const int64_t old_len = q.length;
+    const int64_t new_len = old_len + entries[i].num_new_tokens;
+    const size_t pages_after = static_cast<size_t>(CeilDiv(new_len, ps));
+    while (q.pages.size() < pages_after) q.pages.push_back(s.allocator.Allocate());
+    int64_t j = old_len / ps;
+    int64_t e = old_len % ps;
+    for (int64_t pos = old_len; pos < new_len; ++pos) {
+      s.h_slots[tok++] = static_cast<int64_t>(q.pages[j]) * ps + e;
+      if (++e == ps) {
+        e = 0;
+        ++j;
+      }
+    }
+    q.length = new_len;
+    const int32_t count = static_cast<int32_t>(q.pages.size());
+    s.h_seq_lens[i] = static_cast<int32_t>(new_len);
+    s.h_token_indptr[i + 1] = static_cast<int32_t>(tok);
+    s.h_kv_indptr[i + 1] = s.h_kv_indptr[i] + count;
+    info.max_seq_len = std::max(info.max_seq_len, static_cast<int32_t>(new_len));
+    KVCacheState::Row& r = s.rows[i];
+    const int32_t from = (r.seq == id && r.epoch == q.epoch && r.count <= count) ? r.count : 0;
+    if (from < count) {
+      std::memcpy(s.h_tables + static_cast<int64_t>(i) * M + from, q.pages.data() + from,
+                  sizeof(int32_t) * (count - from));
+      dirty_lo = std::min(dirty_lo, i);
+      dirty_hi = i;
+    }
+    r = KVCacheState::Row{id, q.epoch, count};
+  }
+  // Padding: unused rows read nothing, unused slots write nothing.
+  for (int i = n; i < s.rows_used; ++i) s.h_seq_lens[i] = 0;
+  std::fill(s.h_kv_indptr + n + 1, s.h_kv_indptr + S + 1, s.h_kv_indptr[n]);
+  std::fill(s.h_token_indptr + n + 1, s.h_token_indptr + S + 1, s.h_token_indptr[n]);
+  const int64_t slot_upload = std::max(tok, s.slot_extent);
+  if (tok < s.slot_extent) std::fill(s.h_slots + tok, s.h_slots + s.slot_extent, int64_t{-1});
+  s.slot_extent = tok;
+  s.rows_used = n;
+
+  info.num_tokens = tok;
+  info.num_pages = s.h_kv_indptr[n];
+  info.fp8_workspace_pages = 1 + info.num_pages;
+  info.pages_allocated = free_before - s.allocator.free_count();
+  s.step = info;
+
+  if (s.cuda) {
+    const cudaStream_t cs = reinterpret_cast<cudaStream_t>(stream);
+    const internal::StepLayout& sl = s.step_layout;
+    const uint8_t* host = s.staging.get();
+    FP4KV_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(s.d_step, host, sl.slots + 8 * slot_upload, cudaMemcpyHostToDevice, cs));
+    if (dirty_hi >= dirty_lo) {
+      const int64_t row_bytes = 4 * static_cast<int64_t>(M);
+      const int64_t off = sl.tables + dirty_lo * row_bytes;
+      FP4KV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(s.d_step + off, host + off,
+                                                 (dirty_hi - dirty_lo + 1) * row_bytes,
+                                                 cudaMemcpyHostToDevice, cs));
+    }
+    FP4KV_CUDA_RETURN_IF_ERROR(cudaEventRecord(s.upload_done, cs));
+    s.upload_pending = true;
+  }
+  return info;
+}
+
+const StepInfo& KVCache::step() const { return state_->step; }
+const StepViews& KVCache::step_views() const { return state_->views; }
+
+absl::Span<const int64_t> KVCache::host_slot_mapping() const {
+  return absl::Span<const int64_t>(state_->h_slots, state_->step.num_tokens);
+}
+absl::Span<const int32_t> KVCache::host_seq_lens() const {
+  return absl::Span<const int32_t>(state_->h_seq_lens, state_->step.num_seqs);
+}
+absl::Span<const int32_t> KVCache::host_kv_page_indptr() const {
+  return absl::Span<const int32_t>(state_->h_kv_indptr, state_->step.num_seqs + 1);
+}
+absl::Span<const int32_t> KVCache::host_token_indptr() const {
+  return absl::Span<const int32_t>(state_->h_token_indptr, state_->step.num_seqs + 1);
+}
+absl::Span<const int32_t> KVCache::host_block_table(int row) const {
+  const int M = state_->options.max_pages_per_seq;
+  return absl::Span<const int32_t>(state_->h_tables + static_cast<int64_t>(row) * M, M);
+}
+
+// --------------------------------------------------------------------- ops
+absl::StatusOr<CacheAppender> KVCache::appender(DType input_dtype) const {
+  const KVCacheState& s = *state_;
+  absl::StatusOr<Appender> op = Appender::Create(
+      {s.geometry, input_dtype, AppendIndexing::kSlot, s.options.recipe, s.options.device});
+  if (!op.ok()) return op.status();
+  return CacheAppender(&s, *std::move(op));
+}
+
+absl::StatusOr<CacheMaterializer> KVCache::materializer() const {
+  const KVCacheState& s = *state_;
+  const CacheGeometry& g = s.geometry;
+  if (g.head_dim_k != g.head_dim_v || g.head_dim_k % 64 != 0 || g.page_size % 4 != 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "materializer: FP8 materialization needs head_dim_k == head_dim_v, a multiple of 64, and "
+        "page_size % 4 == 0; this cache has head_dim_k ",
+        g.head_dim_k, ", head_dim_v ", g.head_dim_v, ", page_size ", g.page_size));
+  }
+  absl::StatusOr<Materializer> op = Materializer::Create({g, DType::kI32, false, s.options.device});
+  if (!op.ok()) return op.status();
+  return CacheMaterializer(&s, *std::move(op));
+}
+
+absl::StatusOr<CacheDequantizer> KVCache::dequantizer(DType output_dtype) const {
+  const KVCacheState& s = *state_;
+  absl::StatusOr<Dequantizer> op =
+      Dequantizer::Create({s.geometry, output_dtype, DType::kI32, s.options.device});
+  if (!op.ok()) return op.status();
+  return CacheDequantizer(&s, *std::move(op));
+}
+
+int64_t KVCache::Fp8WorkspacePagesAtCapacity() const {
+  return 1 + static_cast<int64_t>(state_->options.max_seqs_per_step) *
+                 state_->options.max_pages_per_seq;
+}
+
+std::vector<int64_t> KVCache::Fp8WorkspaceShape(int64_t pages) const {
+  const CacheGeometry& g = state_->geometry;
+  return {pages, 2, g.num_kv_heads, g.page_size, g.head_dim_k};
+}
+
+absl::Status CacheAppender::Run(int layer, const TensorView& key, const TensorView& value,
+                                Stream stream) const {
+  const KVCacheState& s = *state_;
+  FP4KV_KV_RETURN_IF_ERROR(s.CheckLayer(layer));
+  int64_t rows = s.options.max_tokens_per_step;
+  if (key.ndim >= 1) {
+    if (key.shape[0] < s.step.num_tokens) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("append_key: expected at least ", s.step.num_tokens,
+                       " rows (the step's new tokens), got shape ", key.ShapeString()));
+    }
+    rows = std::min<int64_t>(rows, key.shape[0]);
+  }
+  AppendArgs a;
+  a.key = key;
+  a.value = value;
+  a.slot_mapping = s.views.slot_mapping;
+  a.slot_mapping.shape[0] = rows;
+  a.k_scale = GlobalScale::Pointer(s.d_scales + 4 * layer + 0);
+  a.v_scale = GlobalScale::Pointer(s.d_scales + 4 * layer + 1);
+  return op_.Run(a, s.LayerCache(layer), stream);
+}
+
+absl::Status CacheMaterializer::Run(int layer, const TensorView& out, Stream stream) const {
+  const KVCacheState& s = *state_;
+  FP4KV_KV_RETURN_IF_ERROR(s.CheckLayer(layer));
+  if (out.ndim >= 1 && out.shape[0] < s.step.fp8_workspace_pages) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("out: expected at least ", s.step.fp8_workspace_pages,
+                     " pages (the step's fp8_workspace_pages), got shape ", out.ShapeString()));
+  }
+  MaterializeArgs a;
+  a.block_tables = s.views.block_tables;
+  a.seq_lens = s.views.seq_lens;
+  a.kv_page_indptr = s.views.kv_page_indptr;
+  a.out = out;
+  a.fp8_block_tables = s.views.fp8_block_tables;
+  a.k_scale = GlobalScale::Pointer(s.d_scales + 4 * layer + 0);
+  a.v_scale = GlobalScale::Pointer(s.d_scales + 4 * layer + 1);
+  a.k_fp8_scale = GlobalScale::Pointer(s.d_scales + 4 * layer + 2);
+  a.v_fp8_scale = GlobalScale::Pointer(s.d_scales + 4 * layer + 3);
+  return op_.Run(a, s.LayerCache(layer), stream);
+}
+
+absl::Status CacheDequantizer::Run(int layer, const TensorView& k_out, const TensorView& v_out,
+                                   Stream stream) const {
+  const KVCacheState& s = *state_;
+  FP4KV_KV_RETURN_IF_ERROR(s.CheckLayer(layer));
+  const int S = s.options.max_seqs_per_step;
+  int64_t batch = S;
+  if (k_out.ndim >= 2) {
+    batch = k_out.shape[0];
+    if (batch < s.step.num_seqs || batch > S) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "k_out: expected dimension 0 in [", s.step.num_seqs, ", ", S,
+          "] (the step's sequences .. max_seqs_per_step), got shape ", k_out.ShapeString()));
+    }
+    if (k_out.shape[1] < s.step.max_seq_len) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("k_out: expected dimension 1 >= ", s.step.max_seq_len,
+                       " (the step's longest sequence), got shape ", k_out.ShapeString()));
+    }
+  }
+  DequantArgs a;
+  a.block_tables = s.views.block_tables;
+  a.block_tables.shape[0] = batch;
+  a.seq_lens = s.views.seq_lens;
+  a.seq_lens.shape[0] = batch;
+  a.k_out = k_out;
+  a.v_out = v_out;
+  a.k_scale = GlobalScale::Pointer(s.d_scales + 4 * layer + 0);
+  a.v_scale = GlobalScale::Pointer(s.d_scales + 4 * layer + 1);
+  return op_.Run(a, s.LayerCache(layer), stream);
+}
+
+// ------------------------------------------------------- scales and views
+absl::Status KVCache::UpdateGlobalScales(int layer, float k_scale, float v_scale, Stream stream) {
+  KVCacheState& s = *state_;
+  FP4KV_KV_RETURN_IF_ERROR(s.CheckLayer(layer));
+  FP4KV_KV_RETURN_IF_ERROR(internal::CheckScale(k_scale, "k_scale", layer));
+  FP4KV_KV_RETURN_IF_ERROR(internal::CheckScale(v_scale, "v_scale", layer));
+  absl::StatusOr<float> kf = MinFp8Scale(k_scale);
+  if (!kf.ok()) return kf.status();
+  absl::StatusOr<float> vf = MinFp8Scale(v_scale);
+  if (!vf.ok()) return vf.status();
+  const float vals[4] = {k_scale, v_scale, *kf, *vf};
+  if (s.cuda) {
+    internal::ScopedDevice scoped;
+    FP4KV_KV_RETURN_IF_ERROR(scoped.Set(s.options.device));
+    // From pageable memory: staged before the call returns.
+    FP4KV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(s.d_scales + 4 * layer, vals, sizeof(vals),
+                                               cudaMemcpyHostToDevice,
+                                               reinterpret_cast<cudaStream_t>(stream)));
+  } else {
+    std::memcpy(s.d_scales + 4 * layer, vals, sizeof(vals));
+  }
+  std::memcpy(s.host_scales.data() + 4 * layer, vals, sizeof(vals));
+  return absl::OkStatus();
+}
+
+absl::Status KVCache::UpdateGlobalScales(absl::Span<const float> k_scales,
+                                         absl::Span<const float> v_scales, Stream stream) {
+  KVCacheState& s = *state_;
+  const int L = s.options.num_layers;
+  for (const auto& [v, name] :
+       {std::pair<absl::Span<const float>, const char*>{k_scales, "k_scales"},
+        std::pair<absl::Span<const float>, const char*>{v_scales, "v_scales"}}) {
+    if (static_cast<int64_t>(v.size()) != L) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(name, ": expected ", L, " values (one per layer), got ", v.size()));
+    }
+    for (int l = 0; l < L; ++l) FP4KV_KV_RETURN_IF_ERROR(internal::CheckScale(v[l], name, l));
+  }
+  std::vector<float> vals(4 * static_cast<size_t>(L));
+  for (int l = 0; l < L; ++l) {
+    absl::StatusOr<float> kf = MinFp8Scale(k_scales[l]);
+    if (!kf.ok()) return kf.status();
+    absl::StatusOr<float> vf = MinFp8Scale(v_scales[l]);
+    if (!vf.ok()) return vf.status();
+    vals[4 * l + 0] = k_scales[l];
+    vals[4 * l + 1] = v_scales[l];
+    vals[4 * l + 2] = *kf;
+    vals[4 * l + 3] = *vf;
+  }
+  if (s.cuda) {
+    internal::ScopedDevice scoped;
+    FP4KV_KV_RETURN_IF_ERROR(scoped.Set(s.options.device));
+    FP4KV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(s.d_scales, vals.data(), vals.size() * sizeof(float),
+                                               cudaMemcpyHostToDevice,
+                                               reinterpret_cast<cudaStream_t>(stream)));
+  } else {
+    std::memcpy(s.d_scales, vals.data(), vals.size() * sizeof(float));
+  }
+  s.host_scales = std::move(vals);
+  return absl::OkStatus();
+}
+
+float KVCache::k_global_scale(int layer) const { return state_->host_scales[4 * layer + 0]; }
+float KVCache::v_global_scale(int layer) const { return state_->host_scales[4 * layer + 1]; }
+float KVCache::k_fp8_scale(int layer) const { return state_->host_scales[4 * layer + 2]; }
+float KVCache::v_fp8_scale(int layer) const { return state_->host_scales[4 * layer + 3]; }
+const float* KVCache::global_scale_ptr(int layer, int kv) const {
+  return state_->d_scales + 4 * layer + (kv != 0 ? 1 : 0);
+}
+const float* KVCache::fp8_scale_ptr(int layer, int kv) const {
+  return state_->d_scales + 4 * layer + 2 + (kv != 0 ? 1 : 0);
+}
+
+PagedCache KVCache::LayerCache(int layer) const { return state_->LayerCache(layer); }
+const KVCacheOptions& KVCache::options() const { return state_->options; }
+const CacheGeometry& KVCache::geometry() const { return state_->geometry; }
+int KVCache::num_layers() const { return state_->options.num_layers; }
+Device KVCache::device() const { return state_->options.device; }
+
+KVCacheStats KVCache::Stats() const {
+  const KVCacheState& s = *state_;
+  const int ps = s.geometry.page_size;
+  KVCacheStats st;
+  st.pages_total = s.allocator.num_pages();
+  st.pages_free = s.allocator.free_count();
+  st.pages_used = s.allocator.used_count();
+  st.num_sequences = s.live_sequences;
+  st.pool_bytes = s.pool.total_bytes;
+  st.bytes_per_token = s.geometry.BytesPerToken() * s.options.num_layers;
+  // Partially filled last pages: fill level and how many sequences have the
+  // page as such; a page some other holder has full counts as full.
+  struct Partial {
+    int32_t owners = 0;
+    int64_t fill = 0;
+  };
+  std::unordered_map<int32_t, Partial> partial;
+  for (size_t slot = 0; slot < s.seqs.size(); ++slot) {
+    const KVCacheState::Sequence& q = s.seqs[slot];
+    if (!q.live) continue;
+    st.tokens_stored += q.length;
+    st.sequence_lengths.emplace_back(
+        KVCacheState::MakeId(static_cast<uint32_t>(slot), q.generation), q.length);
+    if (q.length % ps != 0) {
+      Partial& p = partial[q.pages.back()];
+      ++p.owners;
+      p.fill = std::max<int64_t>(p.fill, q.length % ps);
+    }
+  }
+  std::sort(st.sequence_lengths.begin(), st.sequence_lengths.end());
+  for (int32_t p = 0; p < s.allocator.num_pages(); ++p) {
+    if (s.allocator.RefCount(p) > 1) ++st.pages_shared;
+  }
+  st.tokens_resident = (st.pages_used - static_cast<int64_t>(partial.size())) * ps;
+  for (const auto& [page, p] : partial) {
+    st.tokens_resident += p.owners < s.allocator.RefCount(page) ? ps : p.fill;
+  }
+  st.wasted_slots = st.pages_used * ps - st.tokens_resident;
+  return st;
+}
+
+}  // namespace fp4kv
