@@ -43,11 +43,15 @@ inline constexpr uint32_t kTwo23Bits = 0x4b000000u;
 // ---------------------------------------------------------------------------
 // Scalar helpers. Device forms are single IEEE instructions.
 // ---------------------------------------------------------------------------
-FP4KV_HD float FmaRn(float a, float b, float c) {
+// a * p + c rounded once (to nearest even), for p a power of two. The host
+// form adds in double: a * p is exact there and has at most 24 significant
+// bits, and rounding a sum of two such values to double and then to float
+// gives the correctly rounded float sum (53 >= 2 * 24 + 1).
+FP4KV_HD float FmaPow2Rn(float a, float p, float c) {
 #if defined(__CUDA_ARCH__)
-  return __fmaf_rn(a, b, c);
+  return __fmaf_rn(a, p, c);
 #else
-  return std::fma(a, b, c);
+  return static_cast<float>(static_cast<double>(a) * p + static_cast<double>(c));
 #endif
 }
 
@@ -93,9 +97,9 @@ FP4KV_HD float RcpRn(float x) {
 // the three, capped at 7. Adding an even offset keeps ties-to-even, and each
 // line is the smallest exactly on its own range.
 FP4KV_HD float E2m1MagnitudeT(float a) {
-  const float t1 = FmaRn(a, 2.0f, kTwo23);
+  const float t1 = FmaPow2Rn(a, 2.0f, kTwo23);
   const float t2 = AddRn(a, kTwo23 + 2.0f);
-  const float t3 = FmaRn(a, 0.5f, kTwo23 + 4.0f);
+  const float t3 = FmaPow2Rn(a, 0.5f, kTwo23 + 4.0f);
   return MinF(MinF(t1, t2), MinF(t3, kTwo23 + 7.0f));
 }
 
@@ -139,7 +143,7 @@ FP4KV_HD uint8_t FastE4m3EncodeNonNeg(float q) {
   const float qc = MinF(q, 448.0f);
   const uint32_t bits = FloatBits(qc);
   // Below 2^-6: subnormal codes, rint(q * 2^9) (8 is the smallest normal).
-  const uint32_t sub = FloatBits(FmaRn(qc, 512.0f, kTwo23)) - kTwo23Bits;
+  const uint32_t sub = FloatBits(FmaPow2Rn(qc, 512.0f, kTwo23)) - kTwo23Bits;
   // Normal: drop 20 mantissa bits with ties to even, rebias 127 -> 7.
   const uint32_t nor = ((bits + 0x7ffffu + ((bits >> 20) & 1u)) >> 20) - (120u << 3);
   return static_cast<uint8_t>(bits < 0x3c800000u ? sub : nor);
