@@ -54,9 +54,12 @@ ScaleSpec MakeScale(BlobLayout& layout, bool pointer, float value) {
   return s;
 }
 
+// Rewrites a pointer scale's value in the blob; a fixed value stays as made
+// (a captured graph keeps the value it was captured with).
 void StoreScale(std::vector<uint8_t>& blob, ScaleSpec& s, float value) {
+  if (s.offset < 0) return;
   s.value = value;
-  if (s.offset >= 0) std::memcpy(blob.data() + s.offset, &value, sizeof(value));
+  std::memcpy(blob.data() + s.offset, &value, sizeof(value));
 }
 
 const char* LayoutTag(Layout l) { return l == Layout::kNHD ? "nhd" : "hnd"; }

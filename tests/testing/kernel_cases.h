@@ -63,7 +63,8 @@ PoolSpec AddPool(BlobLayout& layout, const CacheGeometry& g, bool stacked);
 void FillPoolRandom(const PoolSpec& pool, std::vector<uint8_t>& blob, int wild_percent,
                     uint64_t seed);
 
-// Global scales: fixed values, or device pointers into the input blob.
+// Global scales: fixed values, or device pointers into the input blob (only
+// those change on Rewrite()).
 struct ScaleSpec {
   float value = 1.0f;
   int64_t offset = -1;  // in the input blob when a pointer
