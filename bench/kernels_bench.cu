@@ -1,0 +1,523 @@
+// Bandwidth of every kernel op on the GPU, against a device-to-device copy
+// measured in the same process.
+//
+// Each case times its Run() with CUDA events on a dedicated stream: a few
+// warm-up runs, then kTimedRuns timed runs; the reported time is the median.
+// Inputs are random (never zero), larger than L2 (60 MB on H200), and page
+// tables are random permutations. Counters per case:
+//   bytes        every input read once plus every output written once
+//   GBps         bytes / median time
+//   pct_of_copy  GBps as a percentage of the copy's GBps
+//   median_us    the median time of one Run()
+// The copy reads and writes 2 GiB (bytes = 4 GiB). Without a GPU every case
+// is skipped with an error message.
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "benchmark/benchmark.h"
+#include "fp4kv/format.h"
+#include "fp4kv/geometry.h"
+#include "fp4kv/ops.h"
+#include "fp4kv/tensor.h"
+
+namespace fp4kv {
+namespace {
+
+constexpr int kTimedRuns = 25;
+constexpr int kWarmupRuns = 3;
+
+bool HaveGpu(benchmark::State& state) {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {
+    (void)cudaGetLastError();
+    state.SkipWithError("no CUDA device");
+    return false;
+  }
+  return true;
+}
+
+#define BENCH_CHECK(state, cond, what) \
+  do {                                 \
+    if (!(cond)) {                     \
+      (state).SkipWithError(what);     \
+      return;                          \
+    }                                  \
+  } while (0)
+
+#define BENCH_CUDA(state, call) BENCH_CHECK(state, (call) == cudaSuccess, #call " failed")
+
+// Device memory owned for the length of one benchmark.
+class DeviceMem {
+ public:
+  DeviceMem() = default;
+  DeviceMem(const DeviceMem&) = delete;
+  DeviceMem& operator=(const DeviceMem&) = delete;
+  ~DeviceMem() {
+    if (ptr_ != nullptr) (void)cudaFree(ptr_);
+  }
+  bool Alloc(size_t bytes) {
+    bytes_ = bytes;
+    return cudaMalloc(&ptr_, bytes == 0 ? 16 : bytes) == cudaSuccess;
+  }
+  template <typename T = uint8_t>
+  T* get() const {
+    return static_cast<T*>(ptr_);
+  }
+  size_t bytes() const { return bytes_; }
+  template <typename T>
+  bool Upload(const std::vector<T>& v) {
+    return cudaMemcpy(ptr_, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice) == cudaSuccess;
+  }
+
+ private:
+  void* ptr_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+__device__ uint64_t Mix(uint64_t x) {
+  x ^= x >> 33;
+  x *= 0xff51afd7ed558ccdull;
+  x ^= x >> 33;
+  x *= 0xc4ceb9fe1a85ec53ull;
+  return x ^ (x >> 33);
+}
+
+// Random f16/bf16 values: magnitudes over 2^-8..2^4 per 16-value block, signs
+// random, never zero.
+__global__ void FillHalvesKernel(uint16_t* p, size_t n, uint64_t seed, bool bf16) {
+  for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < n;
+       i += size_t{gridDim.x} * blockDim.x) {
+    const uint64_t h = Mix(seed ^ (i * 0x9e3779b97f4a7c15ull));
+    const int octave = static_cast<int>(Mix(seed + i / 16) % 13) - 8;
+    const float m = 1.0f + static_cast<float>(h & 0xffff) / 65536.0f;
+    float x = ldexpf(m, octave - static_cast<int>((h >> 16) & 3));
+    if ((h >> 20) & 1) x = -x;
+    p[i] = bf16 ? FloatToBf16Bits(x) : FloatToHalfBits(x);
+  }
+}
+
+// Random bytes; with `scales` in [1, 0x7e] (finite, nonzero block scales).
+__global__ void FillBytesKernel(uint8_t* p, size_t n, uint64_t seed, bool scales) {
+  for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < n;
+       i += size_t{gridDim.x} * blockDim.x) {
+    const uint64_t h = Mix(seed ^ (i * 0x9e3779b97f4a7c15ull));
+    p[i] = scales ? static_cast<uint8_t>(1 + h % 0x7e) : static_cast<uint8_t>(h);
+  }
+}
+
+bool FillHalves(DeviceMem& m, uint64_t seed, bool bf16) {
+  FillHalvesKernel<<<1024, 256>>>(m.get<uint16_t>(), m.bytes() / 2, seed, bf16);
+  return cudaDeviceSynchronize() == cudaSuccess;
+}
+
+bool FillBytes(DeviceMem& m, uint64_t seed, bool scales) {
+  FillBytesKernel<<<1024, 256>>>(m.get(), m.bytes(), seed, scales);
+  return cudaDeviceSynchronize() == cudaSuccess;
+}
+
+// Median milliseconds of one launch() on stream s.
+template <typename F>
+double MedianMs(cudaStream_t s, F&& launch) {
+  cudaEvent_t start, stop;
+  (void)cudaEventCreate(&start);
+  (void)cudaEventCreate(&stop);
+  for (int i = 0; i < kWarmupRuns; ++i) launch();
+  std::vector<double> ms;
+  for (int r = 0; r < kTimedRuns; ++r) {
+    (void)cudaEventRecord(start, s);
+    launch();
+    (void)cudaEventRecord(stop, s);
+    (void)cudaEventSynchronize(stop);
+    float t = 0;
+    (void)cudaEventElapsedTime(&t, start, stop);
+    ms.push_back(static_cast<double>(t));
+  }
+  (void)cudaEventDestroy(start);
+  (void)cudaEventDestroy(stop);
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
+
+// GB/s of a 2 GiB device-to-device copy (bytes = read + write), measured
+// once per process; 0 when it could not be measured.
+double CopyGBps() {
+  static const double gbps = [] {
+    constexpr size_t kBytes = size_t{2} << 30;
+    DeviceMem a, b;
+    if (!a.Alloc(kBytes) || !b.Alloc(kBytes)) return 0.0;
+    (void)cudaMemset(a.get(), 0x5a, kBytes);
+    cudaStream_t s;
+    if (cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) != cudaSuccess) return 0.0;
+    const double ms = MedianMs(
+        s, [&] { (void)cudaMemcpyAsync(b.get(), a.get(), kBytes, cudaMemcpyDeviceToDevice, s); });
+    (void)cudaStreamDestroy(s);
+    return 2.0 * kBytes / (ms * 1e-3) / 1e9;
+  }();
+  return gbps;
+}
+
+void Report(benchmark::State& state, double ms, double bytes) {
+  state.SetIterationTime(ms * 1e-3);
+  const double gbps = bytes / (ms * 1e-3) / 1e9;
+  state.counters["bytes"] = bytes;
+  state.counters["GBps"] = gbps;
+  state.counters["median_us"] = ms * 1e3;
+  const double copy = CopyGBps();
+  state.counters["pct_of_copy"] = copy > 0 ? 100.0 * gbps / copy : 0.0;
+}
+
+// A paged cache in device memory (tuple form), random content.
+struct DeviceCache {
+  CacheGeometry g;
+  DeviceMem k_data, v_data, k_scales, v_scales;
+
+  bool Init(const CacheGeometry& geometry, uint64_t seed) {
+    g = geometry;
+    const size_t rows = static_cast<size_t>(g.num_pages) * g.page_size * g.num_kv_heads;
+    return k_data.Alloc(rows * g.head_dim_k / 2) && v_data.Alloc(rows * g.head_dim_v / 2) &&
+           k_scales.Alloc(rows * g.head_dim_k / 16) && v_scales.Alloc(rows * g.head_dim_v / 16) &&
+           FillBytes(k_data, seed, false) && FillBytes(v_data, seed + 1, false) &&
+           FillBytes(k_scales, seed + 2, true) && FillBytes(v_scales, seed + 3, true);
+  }
+  PagedCache View() const {
+    const Device d = Device::Cuda(0);
+    const int64_t a = g.layout == Layout::kNHD ? g.page_size : g.num_kv_heads;
+    const int64_t b = g.layout == Layout::kNHD ? g.num_kv_heads : g.page_size;
+    return PagedCache::FromTuple(
+        TensorView::Contiguous(k_data.get(), DType::kU8, {g.num_pages, a, b, g.head_dim_k / 2}, d),
+        TensorView::Contiguous(v_data.get(), DType::kU8, {g.num_pages, a, b, g.head_dim_v / 2}, d),
+        TensorView::Contiguous(k_scales.get(), DType::kE4M3, {g.num_pages, a, b, g.head_dim_k / 16},
+                               d),
+        TensorView::Contiguous(v_scales.get(), DType::kE4M3, {g.num_pages, a, b, g.head_dim_v / 16},
+                               d),
+        g.layout);
+  }
+  double Bytes(int64_t tokens) const {
+    return static_cast<double>(tokens) * g.num_kv_heads * (g.head_dim_k + g.head_dim_v) *
+           (0.5 + 1.0 / 16);
+  }
+};
+
+std::vector<int64_t> Permutation(int64_t n, uint64_t seed) {
+  std::vector<int64_t> p(n);
+  std::iota(p.begin(), p.end(), 0);
+  std::shuffle(p.begin(), p.end(), std::mt19937_64(seed));
+  return p;
+}
+
+// ------------------------------------------------------------------ copy
+void BM_DeviceCopy(benchmark::State& state) {
+  if (!HaveGpu(state)) return;
+  const double gbps = CopyGBps();
+  BENCH_CHECK(state, gbps > 0, "copy could not be measured");
+  const double bytes = 2.0 * (size_t{2} << 30);
+  for (auto _ : state) Report(state, bytes / (gbps * 1e9) * 1e3, bytes);
+}
+BENCHMARK(BM_DeviceCopy)->UseManualTime()->Iterations(1)->Unit(benchmark::kMicrosecond);
+
+// ---------------------------------------------------------------- append
+// args: rows, layout (0 NHD, 1 HND), recipe (0 standard, 1 4over6 MAE,
+// 2 4over6 MAE fast_math), indexing (0 slot, 1 paged), scattered (1: rows
+// land on random pages, one per row; 0: consecutive tokens of shuffled pages)
+void BM_Append(benchmark::State& state) {
+  if (!HaveGpu(state)) return;
+  const int64_t rows = state.range(0);
+  const Layout layout = state.range(1) ? Layout::kHND : Layout::kNHD;
+  const Recipe recipe = state.range(2) == 0   ? Recipe::Standard()
+                        : state.range(2) == 1 ? Recipe::FourOverSix(256, ErrorMetric::kMae, false)
+                                              : Recipe::FourOverSix(256, ErrorMetric::kMae, true);
+  const bool paged = state.range(3) == 1;
+  const bool scattered = state.range(4) == 1;
+  constexpr int H = 8, D = 128, S = 16;
+  const int64_t pages = scattered ? 32768 : (rows + S - 1) / S + 64;
+  DeviceCache cache;
+  BENCH_CHECK(state, cache.Init(CacheGeometry{H, D, D, S, pages, layout}, 1), "cache");
+  DeviceMem key, value, slots, bidx, pos, kv_indices, kv_indptr, last;
+  BENCH_CHECK(state, key.Alloc(rows * H * D * 2) && value.Alloc(rows * H * D * 2), "alloc");
+  BENCH_CHECK(state, FillHalves(key, 2, true) && FillHalves(value, 3, true), "fill");
+  const std::vector<int64_t> perm = Permutation(pages, 4);
+  std::vector<int64_t> slot(rows);
+  for (int64_t i = 0; i < rows; ++i)
+    slot[i] = scattered ? perm[i] * S + i % S : perm[i / S] * S + i % S;
+  // Paged: one request per 1024 rows (prefill) or per row (scattered).
+  const int64_t per_req = scattered ? 1 : std::min<int64_t>(rows, 1024);
+  const int64_t batch = (rows + per_req - 1) / per_req;
+  std::vector<int32_t> b(rows), p(rows), indices, indptr(batch + 1, 0), lastlen(batch, 1);
+  for (int64_t r = 0; r < batch; ++r) {
+    const int64_t n = std::min(per_req, rows - r * per_req);
+    for (int64_t t = 0; t < n; ++t) {
+      b[r * per_req + t] = static_cast<int32_t>(r);
+      p[r * per_req + t] = static_cast<int32_t>(t);
+    }
+    for (int64_t j = 0; j < (n + S - 1) / S; ++j) {
+      indices.push_back(static_cast<int32_t>(slot[r * per_req + j * S] / S));
+    }
+    indptr[r + 1] = static_cast<int32_t>(indices.size());
+  }
+  BENCH_CHECK(state,
+              slots.Alloc(rows * 8) && slots.Upload(slot) && bidx.Alloc(rows * 4) &&
+                  bidx.Upload(b) && pos.Alloc(rows * 4) && pos.Upload(p) &&
+                  kv_indices.Alloc(indices.size() * 4) && kv_indices.Upload(indices) &&
+                  kv_indptr.Alloc(indptr.size() * 4) && kv_indptr.Upload(indptr) &&
+                  last.Alloc(batch * 4) && last.Upload(lastlen),
+              "upload");
+  const Device d = Device::Cuda(0);
+  auto op = Appender::Create(
+      {cache.g, DType::kBF16, paged ? AppendIndexing::kPaged : AppendIndexing::kSlot, recipe, d});
+  BENCH_CHECK(state, op.ok(), "Appender::Create");
+  AppendArgs a;
+  a.key = TensorView::Contiguous(key.get(), DType::kBF16, {rows, H, D}, d);
+  a.value = TensorView::Contiguous(value.get(), DType::kBF16, {rows, H, D}, d);
+  a.slot_mapping = TensorView::Contiguous(slots.get(), DType::kI64, {rows}, d);
+  a.batch_indices = TensorView::Contiguous(bidx.get(), DType::kI32, {rows}, d);
+  a.positions = TensorView::Contiguous(pos.get(), DType::kI32, {rows}, d);
+  a.kv_indices = TensorView::Contiguous(kv_indices.get(), DType::kI32,
+                                        {static_cast<int64_t>(indices.size())}, d);
+  a.kv_indptr = TensorView::Contiguous(kv_indptr.get(), DType::kI32, {batch + 1}, d);
+  a.kv_last_page_len = TensorView::Contiguous(last.get(), DType::kI32, {batch}, d);
+  a.k_scale = GlobalScale::Value(0.05f);
+  a.v_scale = GlobalScale::Value(0.03f);
+  const PagedCache view = cache.View();
+  cudaStream_t s;
+  BENCH_CUDA(state, cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  BENCH_CHECK(state, op->Run(a, view, s).ok(), "Appender::Run");
+  const double index_bytes =
+      paged ? rows * 8.0 + indices.size() * 4.0 + (batch + 1) * 4.0 : rows * 8.0;
+  const double bytes = rows * H * 2.0 * D * 2 + cache.Bytes(rows) + index_bytes;
+  if (rows > 4096) {
+    for (auto _ : state) Report(state, MedianMs(s, [&] { (void)op->Run(a, view, s); }), bytes);
+  } else {
+    // Decode-sized appends: the time of one launch inside a graph of 100
+    // (as a captured step replays them), and of one eager launch.
+    constexpr int kInner = 100;
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    BENCH_CUDA(state, cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+    bool ok = true;
+    for (int i = 0; i < kInner; ++i) ok = ok && op->Run(a, view, s).ok();
+    BENCH_CUDA(state, cudaStreamEndCapture(s, &graph));
+    BENCH_CHECK(state, ok, "Appender::Run in capture");
+    BENCH_CUDA(state, cudaGraphInstantiate(&exec, graph, 0));
+    for (auto _ : state) {
+      const double ms = MedianMs(s, [&] { (void)cudaGraphLaunch(exec, s); }) / kInner;
+      Report(state, ms, bytes);
+      state.counters["eager_us"] = MedianMs(s, [&] { (void)op->Run(a, view, s); }) * 1e3;
+    }
+    (void)cudaGraphExecDestroy(exec);
+    (void)cudaGraphDestroy(graph);
+  }
+  BENCH_CUDA(state, cudaStreamSynchronize(s));
+  BENCH_CUDA(state, cudaGetLastError());
+  (void)cudaStreamDestroy(s);
+}
+BENCHMARK(BM_Append)
+    ->ArgNames({"rows", "hnd", "recipe", "paged", "scattered"})
+    ->Args({65536, 0, 0, 0, 0})
+    ->Args({65536, 1, 0, 0, 0})
+    ->Args({65536, 0, 0, 1, 0})
+    ->Args({65536, 1, 0, 1, 0})
+    ->Args({65536, 0, 1, 0, 0})
+    ->Args({65536, 0, 2, 0, 0})
+    ->Args({128, 0, 0, 0, 1})
+    ->Args({128, 0, 0, 1, 1})
+    ->UseManualTime()
+    ->Iterations(1)
+    ->Unit(benchmark::kMicrosecond);
+
+// Host cost of one Appender::Run on a CUDA stream (decode shape), without
+// synchronizing; the queue is drained every 256 calls outside the timing.
+void BM_AppendHostCost(benchmark::State& state) {
+  if (!HaveGpu(state)) return;
+  constexpr int H = 8, D = 128, S = 16;
+  constexpr int64_t rows = 128, pages = 4096;
+  DeviceCache cache;
+  BENCH_CHECK(state, cache.Init(CacheGeometry{H, D, D, S, pages, Layout::kNHD}, 5), "cache");
+  DeviceMem key, value, slots;
+  BENCH_CHECK(state, key.Alloc(rows * H * D * 2) && value.Alloc(rows * H * D * 2), "alloc");
+  BENCH_CHECK(state, FillHalves(key, 6, true) && FillHalves(value, 7, true), "fill");
+  const std::vector<int64_t> perm = Permutation(pages, 8);
+  std::vector<int64_t> slot(rows);
+  for (int64_t i = 0; i < rows; ++i) slot[i] = perm[i] * S + i % S;
+  BENCH_CHECK(state, slots.Alloc(rows * 8) && slots.Upload(slot), "upload");
+  const Device d = Device::Cuda(0);
+  auto op = Appender::Create({cache.g, DType::kBF16, AppendIndexing::kSlot, Recipe(), d});
+  BENCH_CHECK(state, op.ok(), "Appender::Create");
+  AppendArgs a;
+  a.key = TensorView::Contiguous(key.get(), DType::kBF16, {rows, H, D}, d);
+  a.value = TensorView::Contiguous(value.get(), DType::kBF16, {rows, H, D}, d);
+  a.slot_mapping = TensorView::Contiguous(slots.get(), DType::kI64, {rows}, d);
+  a.k_scale = GlobalScale::Value(0.05f);
+  a.v_scale = GlobalScale::Value(0.03f);
+  const PagedCache view = cache.View();
+  cudaStream_t s;
+  BENCH_CUDA(state, cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  int64_t n = 0;
+  for (auto _ : state) {
+    if (!op->Run(a, view, s).ok()) {
+      state.SkipWithError("Appender::Run");
+      break;
+    }
+    if (++n % 256 == 0) {
+      state.PauseTiming();
+      (void)cudaStreamSynchronize(s);
+      state.ResumeTiming();
+    }
+  }
+  BENCH_CUDA(state, cudaStreamSynchronize(s));
+  (void)cudaStreamDestroy(s);
+}
+BENCHMARK(BM_AppendHostCost)
+    ->Unit(benchmark::kMicrosecond)
+    ->Repetitions(5)
+    ->ReportAggregatesOnly(true);
+
+// ------------------------------------------------------------ dequantize
+// args: batch, tokens per request
+void BM_Dequantize(benchmark::State& state) {
+  if (!HaveGpu(state)) return;
+  const int64_t batch = state.range(0), len = state.range(1);
+  constexpr int H = 8, D = 128, S = 16;
+  const int64_t per_req = len / S, pages = batch * per_req;
+  DeviceCache cache;
+  BENCH_CHECK(state, cache.Init(CacheGeometry{H, D, D, S, pages, Layout::kNHD}, 9), "cache");
+  const std::vector<int64_t> perm = Permutation(pages, 10);
+  std::vector<int32_t> table(perm.begin(), perm.end()), lens(batch, static_cast<int32_t>(len));
+  DeviceMem tables, seq, k_out, v_out;
+  BENCH_CHECK(state,
+              tables.Alloc(table.size() * 4) && tables.Upload(table) && seq.Alloc(batch * 4) &&
+                  seq.Upload(lens) && k_out.Alloc(batch * len * H * D * 2) &&
+                  v_out.Alloc(batch * len * H * D * 2),
+              "alloc");
+  const Device d = Device::Cuda(0);
+  auto op = Dequantizer::Create({cache.g, DType::kBF16, DType::kI32, d});
+  BENCH_CHECK(state, op.ok(), "Dequantizer::Create");
+  const DequantArgs a{TensorView::Contiguous(tables.get(), DType::kI32, {batch, per_req}, d),
+                      TensorView::Contiguous(seq.get(), DType::kI32, {batch}, d),
+                      TensorView::Contiguous(k_out.get(), DType::kBF16, {batch, len, H, D}, d),
+                      TensorView::Contiguous(v_out.get(), DType::kBF16, {batch, len, H, D}, d),
+                      GlobalScale::Value(0.05f),
+                      GlobalScale::Value(0.03f)};
+  const PagedCache view = cache.View();
+  cudaStream_t s;
+  BENCH_CUDA(state, cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  BENCH_CHECK(state, op->Run(a, view, s).ok(), "Dequantizer::Run");
+  const double bytes =
+      cache.Bytes(batch * len) + batch * len * H * 2.0 * D * 2 + table.size() * 4.0 + batch * 4.0;
+  for (auto _ : state) Report(state, MedianMs(s, [&] { (void)op->Run(a, view, s); }), bytes);
+  BENCH_CUDA(state, cudaStreamSynchronize(s));
+  BENCH_CUDA(state, cudaGetLastError());
+  (void)cudaStreamDestroy(s);
+}
+BENCHMARK(BM_Dequantize)
+    ->ArgNames({"batch", "len"})
+    ->Args({16, 4096})
+    ->Args({128, 1024})
+    ->UseManualTime()
+    ->Iterations(1)
+    ->Unit(benchmark::kMicrosecond);
+
+// ----------------------------------------------------------- materialize
+void BM_Materialize(benchmark::State& state) {
+  if (!HaveGpu(state)) return;
+  const int64_t batch = state.range(0), len = state.range(1);
+  constexpr int H = 8, D = 128, S = 16;
+  const int64_t per_req = len / S, pages = batch * per_req;
+  DeviceCache cache;
+  BENCH_CHECK(state, cache.Init(CacheGeometry{H, D, D, S, pages, Layout::kNHD}, 11), "cache");
+  const std::vector<int64_t> perm = Permutation(pages, 12);
+  std::vector<int32_t> table(perm.begin(), perm.end()), lens(batch, static_cast<int32_t>(len));
+  std::vector<int32_t> indptr(batch + 1);
+  for (int64_t b = 0; b <= batch; ++b) indptr[b] = static_cast<int32_t>(b * per_req);
+  DeviceMem tables, seq, ind, out, fp8_tables;
+  const int64_t out_pages = pages + 1;
+  BENCH_CHECK(state,
+              tables.Alloc(table.size() * 4) && tables.Upload(table) && seq.Alloc(batch * 4) &&
+                  seq.Upload(lens) && ind.Alloc(indptr.size() * 4) && ind.Upload(indptr) &&
+                  out.Alloc(static_cast<size_t>(out_pages) * 2 * H * S * D) &&
+                  fp8_tables.Alloc(table.size() * 4),
+              "alloc");
+  const Device d = Device::Cuda(0);
+  auto op = Materializer::Create({cache.g, DType::kI32, false, d});
+  BENCH_CHECK(state, op.ok(), "Materializer::Create");
+  const float g = 0.05f;
+  const float fp8 = MinFp8Scale(g).value();
+  const MaterializeArgs a{
+      TensorView::Contiguous(tables.get(), DType::kI32, {batch, per_req}, d),
+      TensorView::Contiguous(seq.get(), DType::kI32, {batch}, d),
+      TensorView::Contiguous(ind.get(), DType::kI32, {batch + 1}, d),
+      TensorView::Contiguous(out.get(), DType::kE4M3, {out_pages, 2, H, S, D}, d),
+      TensorView::Contiguous(fp8_tables.get(), DType::kI32, {batch, per_req}, d),
+      GlobalScale::Value(g),
+      GlobalScale::Value(g),
+      GlobalScale::Value(fp8),
+      GlobalScale::Value(fp8)};
+  const PagedCache view = cache.View();
+  cudaStream_t s;
+  BENCH_CUDA(state, cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  BENCH_CHECK(state, op->Run(a, view, s).ok(), "Materializer::Run");
+  const double bytes = cache.Bytes(batch * len) + out_pages * 2.0 * H * S * D + table.size() * 8.0 +
+                       (2 * batch + 1) * 4.0;
+  for (auto _ : state) Report(state, MedianMs(s, [&] { (void)op->Run(a, view, s); }), bytes);
+  BENCH_CUDA(state, cudaStreamSynchronize(s));
+  BENCH_CUDA(state, cudaGetLastError());
+  (void)cudaStreamDestroy(s);
+}
+BENCHMARK(BM_Materialize)
+    ->ArgNames({"batch", "len"})
+    ->Args({16, 4096})
+    ->Args({256, 2048})
+    ->UseManualTime()
+    ->Iterations(1)
+    ->Unit(benchmark::kMicrosecond);
+
+// ---------------------------------------------------------------- linear
+// args: rows, cols, direction (0 quantize, 1 dequantize)
+void BM_Linear(benchmark::State& state) {
+  if (!HaveGpu(state)) return;
+  const int64_t rows = state.range(0), cols = state.range(1);
+  const bool dequant = state.range(2) == 1;
+  DeviceMem x, packed, scales;
+  BENCH_CHECK(
+      state,
+      x.Alloc(rows * cols * 2) && packed.Alloc(rows * cols / 2) && scales.Alloc(rows * cols / 16),
+      "alloc");
+  BENCH_CHECK(
+      state, FillHalves(x, 13, true) && FillBytes(packed, 14, false) && FillBytes(scales, 15, true),
+      "fill");
+  const Device d = Device::Cuda(0);
+  auto op = LinearQuantizer::Create({DType::kBF16, Recipe(), d});
+  BENCH_CHECK(state, op.ok(), "LinearQuantizer::Create");
+  const TensorView xv = TensorView::Contiguous(x.get(), DType::kBF16, {rows, cols}, d);
+  const TensorView pv = TensorView::Contiguous(packed.get(), DType::kU8, {rows, cols / 2}, d);
+  const TensorView sv = TensorView::Contiguous(scales.get(), DType::kE4M3, {rows, cols / 16}, d);
+  cudaStream_t s;
+  BENCH_CUDA(state, cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  auto run = [&] {
+    return dequant ? op->Dequantize(pv, sv, xv, GlobalScale::Value(0.02f), s)
+                   : op->Quantize(xv, pv, sv, GlobalScale::Value(0.02f), s);
+  };
+  BENCH_CHECK(state, run().ok(), "LinearQuantizer run");
+  const double bytes = rows * cols * (2.0 + 0.5 + 1.0 / 16);
+  for (auto _ : state) Report(state, MedianMs(s, [&] { (void)run(); }), bytes);
+  BENCH_CUDA(state, cudaStreamSynchronize(s));
+  BENCH_CUDA(state, cudaGetLastError());
+  (void)cudaStreamDestroy(s);
+}
+BENCHMARK(BM_Linear)
+    ->ArgNames({"rows", "cols", "dequant"})
+    ->Args({524288, 128, 0})
+    ->Args({524288, 128, 1})
+    ->UseManualTime()
+    ->Iterations(1)
+    ->Unit(benchmark::kMicrosecond);
+
+}  // namespace
+}  // namespace fp4kv
+
+BENCHMARK_MAIN();

@@ -1,0 +1,56 @@
+// Quantize-append kernels and their launcher (see append.cuh for the shape).
+#include "absl/status/status.h"
+#include "kernels/append.cuh"
+#include "src/cuda_util.h"
+#include "src/params.h"
+
+namespace fp4kv {
+namespace internal {
+namespace {
+
+using kernels::AppendLaunch;
+using kernels::RecipeVariant;
+
+template <bool kBf16, RecipeVariant kVariant>
+__global__ void __launch_bounds__(kernels::kAppendThreads)
+    QuantizeAppendKernel(const AppendLaunch a) {
+  kernels::AppendThread<kBf16, kVariant>(a, blockIdx.x, threadIdx.x);
+}
+
+using AppendKernelFn = void (*)(AppendLaunch);
+
+template <bool kBf16>
+AppendKernelFn PickAppendKernel(RecipeVariant v) {
+  switch (v) {
+    case RecipeVariant::kStandard:
+      return QuantizeAppendKernel<kBf16, RecipeVariant::kStandard>;
+    case RecipeVariant::kMae:
+      return QuantizeAppendKernel<kBf16, RecipeVariant::kMae>;
+    case RecipeVariant::kMse:
+      return QuantizeAppendKernel<kBf16, RecipeVariant::kMse>;
+    case RecipeVariant::kMaeHalf:
+      return QuantizeAppendKernel<kBf16, RecipeVariant::kMaeHalf>;
+    case RecipeVariant::kMseHalf:
+      return QuantizeAppendKernel<kBf16, RecipeVariant::kMseHalf>;
+  }
+  return nullptr;
+}
+
+}  // namespace
+
+absl::Status LaunchAppend(const AppendParams& p, Stream stream) {
+  const RecipeVariant v = kernels::VariantOf(p.recipe);
+  const AppendKernelFn fn =
+      p.input_dtype == DType::kBF16 ? PickAppendKernel<true>(v) : PickAppendKernel<false>(v);
+  const bool ok = kernels::ForEachAppendLaunch(p, [&](const AppendLaunch& a, uint32_t grid) {
+    fn<<<grid, kernels::kAppendThreads, 0, stream>>>(a);
+  });
+  if (!ok) {
+    return absl::InvalidArgumentError(
+        "append: expected num_kv_heads * (head_dim_k + head_dim_v) / 16 < 2^30 blocks per row");
+  }
+  return CudaStatus(cudaGetLastError(), "QuantizeAppendKernel launch");
+}
+
+}  // namespace internal
+}  // namespace fp4kv

@@ -1,0 +1,38 @@
+// Paged dequantize kernels and their launcher (see dequantize.cuh).
+#include "absl/status/status.h"
+#include "kernels/dequantize.cuh"
+#include "src/cuda_util.h"
+#include "src/params.h"
+
+namespace fp4kv {
+namespace internal {
+namespace {
+
+using kernels::DequantLaunch;
+
+template <bool kBf16>
+__global__ void __launch_bounds__(kernels::kDequantThreads)
+    DequantizePagedKernel(const DequantLaunch a) {
+  kernels::DequantThread<kBf16>(a, blockIdx.x, threadIdx.x);
+}
+
+}  // namespace
+
+absl::Status LaunchDequantize(const DequantParams& p, Stream stream) {
+  const bool bf16 = p.output_dtype == DType::kBF16;
+  const bool ok = kernels::ForEachDequantLaunch(p, [&](const DequantLaunch& a, uint32_t grid) {
+    if (bf16) {
+      DequantizePagedKernel<true><<<grid, kernels::kDequantThreads, 0, stream>>>(a);
+    } else {
+      DequantizePagedKernel<false><<<grid, kernels::kDequantThreads, 0, stream>>>(a);
+    }
+  });
+  if (!ok) {
+    return absl::InvalidArgumentError(
+        "dequantize: expected max_seq_len * num_kv_heads * (head_dim_k + head_dim_v) / 16 < 2^30");
+  }
+  return CudaStatus(cudaGetLastError(), "DequantizePagedKernel launch");
+}
+
+}  // namespace internal
+}  // namespace fp4kv

@@ -1,0 +1,189 @@
+// Internal device helpers shared by the kernels: 8/16-byte vector accesses,
+// byte permutes, packed 16-bit max, fast division by a launch constant.
+//
+// Everything here is FP4KV_HD: on the device it maps to one or a few
+// instructions; on the host it is a plain C++ emulation with the same result,
+// so the kernels' per-thread bodies can run on the CPU in tests
+// (tests/kernels_host_test.cc) against the CPU reference.
+#ifndef FP4KV_KERNELS_DEVICE_UTIL_CUH_
+#define FP4KV_KERNELS_DEVICE_UTIL_CUH_
+
+#include <cstdint>
+#include <cstring>
+
+#include "fp4kv/format.h"
+#include "src/params.h"
+
+namespace fp4kv {
+namespace kernels {
+
+// Work items of one launch stay below 2^30, so 32-bit item arithmetic in the
+// kernels never wraps (cta * items_per_cta + item < 2^31).
+inline constexpr uint32_t kMaxLaunchItems = 1u << 30;
+
+struct alignas(16) U32x4 {
+  uint32_t x, y, z, w;
+};
+struct alignas(8) U32x2 {
+  uint32_t x, y;
+};
+
+// 16-byte read-only load that allocates in L1: a thread reading two halves
+// of a 32-byte sector with two such loads fetches the sector from L2 once.
+FP4KV_HD U32x4 LoadInput16(const void* p) {
+#if defined(__CUDA_ARCH__)
+  const uint4 v = __ldg(static_cast<const uint4*>(p));
+  return U32x4{v.x, v.y, v.z, v.w};
+#else
+  U32x4 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+#endif
+}
+
+// 4-byte read-only load; `p` must be 4-byte aligned.
+FP4KV_HD uint32_t LoadReadOnly4(const void* p) {
+#if defined(__CUDA_ARCH__)
+  return __ldg(static_cast<const unsigned int*>(p));
+#else
+  uint32_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+#endif
+}
+
+// 8-byte read-only load; `p` must be 8-byte aligned.
+FP4KV_HD U32x2 LoadReadOnly8(const void* p) {
+#if defined(__CUDA_ARCH__)
+  U32x2 v;
+  asm("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+  return v;
+#else
+  U32x2 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+#endif
+}
+
+FP4KV_HD uint8_t LoadReadOnly1(const uint8_t* p) {
+#if defined(__CUDA_ARCH__)
+  return __ldg(p);
+#else
+  return *p;
+#endif
+}
+
+// Loads that may see data written earlier in the same stream (index tensors,
+// scales) use plain loads.
+template <typename T>
+FP4KV_HD T LoadPlain(const T* p) {
+  return *p;
+}
+
+FP4KV_HD void Store16(void* p, const U32x4& v) {
+#if defined(__CUDA_ARCH__)
+  *reinterpret_cast<uint4*>(p) = make_uint4(v.x, v.y, v.z, v.w);
+#else
+  std::memcpy(p, &v, sizeof(v));
+#endif
+}
+
+FP4KV_HD void Store8(void* p, const U32x2& v) {
+#if defined(__CUDA_ARCH__)
+  *reinterpret_cast<uint2*>(p) = make_uint2(v.x, v.y);
+#else
+  std::memcpy(p, &v, sizeof(v));
+#endif
+}
+
+// Byte permute with PTX prmt.b32 default-mode semantics: bytes 0..3 of `a`
+// and 4..7 of `b`; output byte n is chosen by selector nibble n: its low 3
+// bits pick the source byte, its bit 3 asks for the source byte's sign bit
+// replicated over all 8 bits. Only the low 16 bits of `sel` are used.
+FP4KV_HD uint32_t Prmt(uint32_t a, uint32_t b, uint32_t sel) {
+#if defined(__CUDA_ARCH__)
+  uint32_t d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+  return d;
+#else
+  const uint64_t src = (static_cast<uint64_t>(b) << 32) | a;
+  uint32_t d = 0;
+  for (int n = 0; n < 4; ++n) {
+    const uint32_t nib = (sel >> (4 * n)) & 0xfu;
+    uint32_t byte = static_cast<uint32_t>(src >> (8 * (nib & 7u))) & 0xffu;
+    if (nib & 8u) byte = (byte & 0x80u) ? 0xffu : 0x00u;
+    d |= byte << (8 * n);
+  }
+  return d;
+#endif
+}
+
+// Unsigned max of each 16-bit half.
+FP4KV_HD uint32_t MaxU16x2(uint32_t a, uint32_t b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  uint32_t d;
+  asm("max.u16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+#elif defined(__CUDA_ARCH__)
+  return __vmaxu2(a, b);
+#else
+  const uint32_t lo = (a & 0xffffu) > (b & 0xffffu) ? (a & 0xffffu) : (b & 0xffffu);
+  const uint32_t hi = (a >> 16) > (b >> 16) ? (a >> 16) : (b >> 16);
+  return lo | (hi << 16);
+#endif
+}
+
+FP4KV_HD uint32_t MulHiU32(uint32_t a, uint32_t b) {
+#if defined(__CUDA_ARCH__)
+  return __umulhi(a, b);
+#else
+  return static_cast<uint32_t>((static_cast<uint64_t>(a) * b) >> 32);
+#endif
+}
+
+// Division of n < 2^31 by a divisor 1 <= d < 2^31 fixed at launch:
+// q = (mulhi(n, m) + n) >> s with s = ceil(log2 d), m = floor(2^32 (2^s - d) / d) + 1.
+struct FastDivmod {
+  uint32_t divisor = 1;
+  uint32_t multiplier = 1;
+  uint32_t shift = 0;
+
+  static FastDivmod Make(uint32_t d) {
+    FastDivmod f;
+    f.divisor = d;
+    uint32_t s = 0;
+    while ((uint64_t{1} << s) < d) ++s;
+    f.shift = s;
+    f.multiplier = static_cast<uint32_t>(((uint64_t{1} << 32) * ((uint64_t{1} << s) - d)) / d + 1);
+    return f;
+  }
+  FP4KV_HD uint32_t Div(uint32_t n) const { return (MulHiU32(n, multiplier) + n) >> shift; }
+  // Returns n / d and sets *rem = n % d.
+  FP4KV_HD uint32_t DivMod(uint32_t n, uint32_t* rem) const {
+    const uint32_t q = Div(n);
+    *rem = n - q * divisor;
+    return q;
+  }
+};
+
+// Field-wise choice of K's or V's pool (a reference chosen at run time would
+// force the kernel parameters into local memory).
+FP4KV_HD internal::PoolPtrs SelectPool(const internal::PoolPtrs& k, const internal::PoolPtrs& v,
+                                       bool is_v) {
+  internal::PoolPtrs r;
+  r.data = is_v ? v.data : k.data;
+  r.scales = is_v ? v.scales : k.scales;
+  r.data_page = is_v ? v.data_page : k.data_page;
+  r.data_entry = is_v ? v.data_entry : k.data_entry;
+  r.data_head = is_v ? v.data_head : k.data_head;
+  r.scale_page = is_v ? v.scale_page : k.scale_page;
+  r.scale_entry = is_v ? v.scale_entry : k.scale_entry;
+  r.scale_head = is_v ? v.scale_head : k.scale_head;
+  r.head_dim = is_v ? v.head_dim : k.head_dim;
+  return r;
+}
+
+}  // namespace kernels
+}  // namespace fp4kv
+
+#endif  // FP4KV_KERNELS_DEVICE_UTIL_CUH_

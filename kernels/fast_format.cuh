@@ -1,0 +1,608 @@
+// Internal: faster formulations of the format.h block operations for the
+// kernels. Every function here returns exactly the bits of its format.h
+// counterpart (tests/fast_format_test.cc checks the scalar encoders over every
+// input bit pattern and the block functions on random and special blocks);
+// blocks the fast forms do not cover (NaN or infinite inputs, a global scale
+// that is not positive and finite, NaN block scales) fall back to format.h.
+//
+// All FP4KV_HD: the kernels call them on the device, the tests on the host.
+#ifndef FP4KV_KERNELS_FAST_FORMAT_CUH_
+#define FP4KV_KERNELS_FAST_FORMAT_CUH_
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__CUDACC__)
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#endif
+
+#include "fp4kv/format.h"
+#include "kernels/device_util.cuh"
+
+namespace fp4kv {
+namespace kernels {
+
+// Rare fallbacks are outlined so they cost neither code size nor registers in
+// the kernels' fast paths.
+#if defined(__CUDA_ARCH__)
+#define FP4KV_NO_UNROLL _Pragma("unroll 1")
+#else
+#define FP4KV_NO_UNROLL
+#endif
+#if defined(__CUDACC__)
+#define FP4KV_COLD_HD __host__ __device__ __noinline__ inline
+#else
+#define FP4KV_COLD_HD inline
+#endif
+
+inline constexpr float kTwo23 = 8388608.0f;  // 2^23: its ulp is 1
+inline constexpr uint32_t kTwo23Bits = 0x4b000000u;
+
+// ---------------------------------------------------------------------------
+// Scalar helpers. Device forms are single IEEE instructions.
+// ---------------------------------------------------------------------------
+// a * p + c rounded once (to nearest even), for p a power of two. The host
+// form adds in double: a * p is exact there and has at most 24 significant
+// bits, and rounding a sum of two such values to double and then to float
+// gives the correctly rounded float sum (53 >= 2 * 24 + 1).
+FP4KV_HD float FmaPow2Rn(float a, float p, float c) {
+#if defined(__CUDA_ARCH__)
+  return __fmaf_rn(a, p, c);
+#else
+  return static_cast<float>(static_cast<double>(a) * p + static_cast<double>(c));
+#endif
+}
+
+// min/max for operands that are not NaN.
+FP4KV_HD float MinF(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return fminf(a, b);
+#else
+  return a < b ? a : b;
+#endif
+}
+
+FP4KV_HD uint32_t MaxU32(uint32_t a, uint32_t b) { return a > b ? a : b; }
+
+FP4KV_HD float Abs(float x) {
+#if defined(__CUDA_ARCH__)
+  return fabsf(x);
+#else
+  return AbsF(x);
+#endif
+}
+
+FP4KV_HD bool IsFiniteBits(uint32_t bits) { return (bits & 0x7fffffffu) < 0x7f800000u; }
+FP4KV_HD bool IsNanF(float x) { return (FloatBits(x) & 0x7fffffffu) > 0x7f800000u; }
+
+// Correctly rounded 1 / x.
+FP4KV_HD float RcpRn(float x) {
+#if defined(__CUDA_ARCH__)
+  return __frcp_rn(x);
+#else
+  return DivRn(1.0f, x);
+#endif
+}
+
+// ---------------------------------------------------------------------------
+// E2M1
+// ---------------------------------------------------------------------------
+
+// E2M1 magnitude code of a >= 0 (not NaN; +inf allowed) as the float
+// 2^23 + code. Each line rounds a once, to nearest even, on the integer grid
+// of [2^23, 2^24): rint(2a) is the code below 2 (step 0.5), 2 + rint(a) in
+// [2, 4) (step 1), 4 + rint(a/2) from 4 (step 2); the code is the smallest of
+// the three, capped at 7. Adding an even offset keeps ties-to-even, and each
+// line is the smallest exactly on its own range.
+FP4KV_HD float E2m1MagnitudeT(float a) {
+  const float t1 = FmaPow2Rn(a, 2.0f, kTwo23);
+  const float t2 = AddRn(a, kTwo23 + 2.0f);
+  const float t3 = FmaPow2Rn(a, 0.5f, kTwo23 + 4.0f);
+  return MinF(MinF(t1, t2), MinF(t3, kTwo23 + 7.0f));
+}
+
+FP4KV_HD uint32_t E2m1MagnitudeCode(float a) { return FloatBits(E2m1MagnitudeT(a)) - kTwo23Bits; }
+
+// Same bits as E2m1Encode(y) for every y.
+FP4KV_HD uint8_t FastE2m1Encode(float y) {
+  const uint32_t bits = FloatBits(y);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7;
+  return static_cast<uint8_t>(((bits >> 28) & 0x8u) | E2m1MagnitudeCode(Abs(y)));
+}
+
+// |E2m1Decode(E2m1Encode(a))| for a >= 0 (not NaN; +inf allowed): a is
+// clamped to 6 and added to 2^(22+e), e = clamp(floor(log2 a), 0, 2), whose
+// ulp is the E2M1 step at a; the sum rounds to nearest even.
+FP4KV_HD float E2m1RoundMagnitude(float a) {
+  const float a6 = MinF(a, 6.0f);
+  const uint32_t e = FloatBits(a6) & 0x7f800000u;
+  const float magic = BitsFloat(MaxU32(e + (22u << 23), 0x4a800000u));
+  return SubRn(AddRn(a6, magic), magic);
+}
+
+// The code of an E2M1 magnitude value v in {0, 0.5, 1, 1.5, 2, 3, 4, 6}:
+// v * 2^-126 has the code in bits 22..24 (fp32 exponent = E2M1 exponent).
+FP4KV_HD uint32_t E2m1CodeOfValue(float v) {
+  return FloatBits(MulRn(v, BitsFloat(0x00800000u))) >> 22;
+}
+
+// E2m1Decode(c) for a code c in [0, 15]: the code's bits placed in an fp32
+// (exponent = E2M1 exponent, subnormal when 0) times 2^126.
+FP4KV_HD float FastE2m1Decode(uint32_t c) {
+  return MulRn(BitsFloat(((c & 0x7u) << 22) | ((c & 0x8u) << 28)), BitsFloat(0x7e800000u));
+}
+
+// ---------------------------------------------------------------------------
+// E4M3
+// ---------------------------------------------------------------------------
+
+// E4m3Encode(q) for q >= +0 (sign bit clear), not NaN; +inf allowed.
+FP4KV_HD uint8_t FastE4m3EncodeNonNeg(float q) {
+  const float qc = MinF(q, 448.0f);
+  const uint32_t bits = FloatBits(qc);
+  // Below 2^-6: subnormal codes, rint(q * 2^9) (8 is the smallest normal).
+  const uint32_t sub = FloatBits(FmaPow2Rn(qc, 512.0f, kTwo23)) - kTwo23Bits;
+  // Normal: drop 20 mantissa bits with ties to even, rebias 127 -> 7.
+  const uint32_t nor = ((bits + 0x7ffffu + ((bits >> 20) & 1u)) >> 20) - (120u << 3);
+  return static_cast<uint8_t>(bits < 0x3c800000u ? sub : nor);
+}
+
+// E4m3Decode(b) for b in [0, 0x7e]: b's bits placed in an fp32 times 2^120.
+FP4KV_HD float FastE4m3DecodeNonNeg(uint32_t b) {
+  return MulRn(BitsFloat(b << 20), BitsFloat(0x7b800000u));
+}
+
+// ---------------------------------------------------------------------------
+// f16 / bf16 pairs in one 32-bit word (element 0 in the low half).
+// ---------------------------------------------------------------------------
+#if defined(__CUDA_ARCH__)
+FP4KV_HD __half2 AsHalf2(uint32_t u) {
+  __half2 h;
+  memcpy(&h, &u, sizeof(h));
+  return h;
+}
+FP4KV_HD uint32_t Half2Bits(__half2 h) {
+  uint32_t u;
+  memcpy(&u, &h, sizeof(u));
+  return u;
+}
+#endif
+
+// Exact conversion of a pair to fp32.
+template <bool kBf16>
+FP4KV_HD void Unpack2(uint32_t w, float* lo, float* hi) {
+  if constexpr (kBf16) {
+    *lo = BitsFloat(w << 16);
+    *hi = BitsFloat(w & 0xffff0000u);
+  } else {
+#if defined(__CUDA_ARCH__)
+    const float2 f = __half22float2(AsHalf2(w));
+    *lo = f.x;
+    *hi = f.y;
+#else
+    *lo = HalfBitsToFloat(static_cast<uint16_t>(w & 0xffffu));
+    *hi = HalfBitsToFloat(static_cast<uint16_t>(w >> 16));
+#endif
+  }
+}
+
+// Round-to-nearest-even of a pair to f16 / bf16: FloatToHalfBits /
+// FloatToBf16Bits. The device form is the cvt.rn instruction, equal for every
+// non-NaN input; callers pass no NaN.
+template <bool kBf16>
+FP4KV_HD uint32_t Pack2(float lo, float hi) {
+#if defined(__CUDA_ARCH__)
+  if constexpr (kBf16) {
+    const __nv_bfloat162 b = __floats2bfloat162_rn(lo, hi);
+    uint32_t u;
+    memcpy(&u, &b, sizeof(u));
+    return u;
+  } else {
+    return Half2Bits(__floats2half2_rn(lo, hi));
+  }
+#else
+  if constexpr (kBf16) {
+    return FloatToBf16Bits(lo) | (static_cast<uint32_t>(FloatToBf16Bits(hi)) << 16);
+  } else {
+    return FloatToHalfBits(lo) | (static_cast<uint32_t>(FloatToHalfBits(hi)) << 16);
+  }
+#endif
+}
+
+// Exact fp16 arithmetic on pairs (raw f16 bits). The host forms are the
+// reference's emulation (fp32 op, then RoundToHalf); the device forms are the
+// IEEE f16x2 instructions, which give the same values.
+FP4KV_HD uint32_t H2Pack(float lo, float hi) { return Pack2<false>(lo, hi); }
+FP4KV_HD uint32_t H2Abs(uint32_t a) { return a & 0x7fff7fffu; }
+
+#if !defined(__CUDA_ARCH__)
+template <typename Op>
+uint32_t H2Apply(uint32_t a, uint32_t b, Op op) {
+  uint32_t out = 0;
+  for (int k = 0; k < 2; ++k) {
+    const float x = HalfBitsToFloat(static_cast<uint16_t>(a >> (16 * k)));
+    const float y = HalfBitsToFloat(static_cast<uint16_t>(b >> (16 * k)));
+    out |= static_cast<uint32_t>(FloatToHalfBits(op(x, y))) << (16 * k);
+  }
+  return out;
+}
+#endif
+
+FP4KV_HD uint32_t H2Sub(uint32_t a, uint32_t b) {
+#if defined(__CUDA_ARCH__)
+  return Half2Bits(__hsub2(AsHalf2(a), AsHalf2(b)));
+#else
+  return H2Apply(a, b, [](float x, float y) { return SubRn(x, y); });
+#endif
+}
+
+FP4KV_HD uint32_t H2Add(uint32_t a, uint32_t b) {
+#if defined(__CUDA_ARCH__)
+  return Half2Bits(__hadd2(AsHalf2(a), AsHalf2(b)));
+#else
+  return H2Apply(a, b, [](float x, float y) { return AddRn(x, y); });
+#endif
+}
+
+FP4KV_HD uint32_t H2Mul(uint32_t a, uint32_t b) {
+#if defined(__CUDA_ARCH__)
+  return Half2Bits(__hmul2(AsHalf2(a), AsHalf2(b)));
+#else
+  return H2Apply(a, b, [](float x, float y) { return MulRn(x, y); });
+#endif
+}
+
+FP4KV_HD float HalfToFloat(uint32_t h) {
+#if defined(__CUDA_ARCH__)
+  __half_raw r;
+  r.x = static_cast<unsigned short>(h);
+  return __half2float(__half(r));
+#else
+  return HalfBitsToFloat(static_cast<uint16_t>(h));
+#endif
+}
+
+// ---------------------------------------------------------------------------
+// Quantize one block (QuantizeBlock).
+// ---------------------------------------------------------------------------
+
+// Which QuantizeBlock recipe a kernel instance implements (a template
+// argument, so the error metric costs no branch per value).
+enum class RecipeVariant : int {
+  kStandard = 0,
+  kMae = 1,      // 4over6, fp32 MAE
+  kMse = 2,      // 4over6, fp32 MSE
+  kMaeHalf = 3,  // 4over6, fast_math MAE
+  kMseHalf = 4,  // 4over6, fast_math MSE
+};
+
+inline RecipeVariant VariantOf(const Recipe& r) {
+  if (r.kind != RecipeKind::kFourOverSix) return RecipeVariant::kStandard;
+  if (r.metric == ErrorMetric::kMae)
+    return r.fast_math ? RecipeVariant::kMaeHalf : RecipeVariant::kMae;
+  return r.fast_math ? RecipeVariant::kMseHalf : RecipeVariant::kMse;
+}
+
+// Per global scale, computed once per thread.
+struct QuantScale {
+  float g = 1.0f;
+  float g6 = 6.0f;   // MulRn(6, g)
+  float g4 = 4.0f;   // MulRn(4, g)
+  bool fast = true;  // g positive and finite
+};
+
+FP4KV_HD QuantScale MakeQuantScale(float g) {
+  QuantScale q;
+  q.g = g;
+  q.g6 = MulRn(6.0f, g);
+  q.g4 = MulRn(4.0f, g);
+  q.fast = g > 0.0f && IsFiniteBits(FloatBits(g));
+  return q;
+}
+
+// r = 1 / (s g) as EncodeBlockWithScale computes it (s >= 0, g > 0).
+FP4KV_HD float BlockReciprocal(float s, float g) {
+  const float sg = MulRn(s, g);
+  float r = (s == 0.0f || sg == 0.0f) ? 0.0f : RcpRn(sg);
+  if (FloatBits(r) == 0x7f800000u) r = BitsFloat(0x7f7fffffu);
+  return r;
+}
+
+// Sign bits of the 8 values in w0..w3 (value 2j in the low half of wj) at
+// bit 4i + 3, i.e. where the packed E2M1 codes keep them.
+FP4KV_HD uint32_t SignNibbles(uint32_t w0, uint32_t w1, uint32_t w2, uint32_t w3) {
+  const uint32_t p01 = Prmt(w0, w1, 0x7351u);  // w0.b1 w1.b1 w0.b3 w1.b3
+  const uint32_t p23 = Prmt(w2, w3, 0x7351u);
+  const uint32_t even = Prmt(p01, p23, 0x5410u);  // high bytes of values 0, 2, 4, 6
+  const uint32_t odd = Prmt(p01, p23, 0x7632u);   // high bytes of values 1, 3, 5, 7
+  return ((even >> 4) & 0x08080808u) | (odd & 0x80808080u);
+}
+
+// Magnitude codes of the 8 values in w0..w3 times r (r >= 0), packed.
+template <bool kBf16>
+FP4KV_HD uint32_t EncodeMagnitudes8(const uint32_t* w, float r) {
+  uint32_t acc = 0;
+  FP4KV_UNROLL
+  for (int j = 0; j < 4; ++j) {
+    float lo, hi;
+    Unpack2<kBf16>(w[j], &lo, &hi);
+    // Each term carries 2^23's bits (0x4b000000) shifted by 4k; their sum
+    // mod 2^32 is 0xfb000000, removed once below.
+    acc += FloatBits(E2m1MagnitudeT(MulRn(Abs(lo), r))) << (8 * j);
+    acc += FloatBits(E2m1MagnitudeT(MulRn(Abs(hi), r))) << (8 * j + 4);
+  }
+  return acc - 0xfb000000u;
+}
+
+// QuantizeBlock on the 16 f16/bf16 values in w, written with rolled loops
+// over the format.h scalar functions so the outlined fallback stays small:
+// the same operations in the same order as QuantizeBlock,
+// EncodeBlockWithScale and CandidateError (the CPU tests compare the two).
+FP4KV_HD float GenericX(const uint32_t (&w)[8], bool bf16, int i) {
+  const uint16_t h = static_cast<uint16_t>(w[i / 2] >> (16 * (i % 2)));
+  return bf16 ? Bf16BitsToFloat(h) : HalfBitsToFloat(h);
+}
+
+FP4KV_HD void GenericEncode(const uint32_t (&w)[8], bool bf16, float g, uint8_t scale_byte,
+                            uint32_t (&packed)[2]) {
+  const float s = E4m3Decode(scale_byte);
+  const float sg = MulRn(s, g);
+  float r = (s == 0.0f || sg == 0.0f) ? 0.0f : DivRn(1.0f, sg);
+  if (FloatBits(r) == 0x7f800000u) r = BitsFloat(0x7f7fffffu);
+  packed[0] = 0;
+  packed[1] = 0;
+  FP4KV_NO_UNROLL
+  for (int i = 0; i < kBlockSize; ++i) {
+    const uint32_t c = E2m1Encode(MulRn(GenericX(w, bf16, i), r));
+    packed[i / 8] |= c << (4 * (i % 8));
+  }
+}
+
+FP4KV_HD float GenericError(const uint32_t (&w)[8], bool bf16, const uint32_t (&packed)[2],
+                            uint8_t scale_byte, float g, const Recipe& recipe) {
+  const float s = E4m3Decode(scale_byte);
+  float err = 0.0f;
+  FP4KV_NO_UNROLL
+  for (int i = 0; i < kBlockSize; ++i) {
+    const float x = GenericX(w, bf16, i);
+    const uint8_t c = static_cast<uint8_t>((packed[i / 8] >> (4 * (i % 8))) & 0xfu);
+    const float dq = DequantValue(c, s, g);
+    if (!recipe.fast_math) {
+      const float d = SubRn(x, dq);
+      err = AddRn(err, recipe.metric == ErrorMetric::kMae ? AbsF(d) : MulRn(d, d));
+    } else {
+      const float d = RoundToHalf(SubRn(RoundToHalf(x), RoundToHalf(dq)));
+      const float e = recipe.metric == ErrorMetric::kMae ? AbsF(d) : RoundToHalf(MulRn(d, d));
+      err = RoundToHalf(AddRn(err, e));
+    }
+  }
+  return err;
+}
+
+FP4KV_HD uint8_t GenericQuantize(const uint32_t (&w)[8], bool bf16, float g, const Recipe& recipe,
+                                 uint32_t (&packed)[2]) {
+  float amax = 0.0f;
+  FP4KV_NO_UNROLL
+  for (int i = 0; i < kBlockSize; ++i) {
+    const float a = AbsF(GenericX(w, bf16, i));
+    amax = a > amax ? a : amax;
+  }
+  if (amax == 0.0f) {
+    packed[0] = 0;
+    packed[1] = 0;
+    return 0;
+  }
+  const uint8_t b6 = E4m3Encode(DivRn(amax, MulRn(6.0f, g)));
+  GenericEncode(w, bf16, g, b6, packed);
+  if (recipe.kind != RecipeKind::kFourOverSix) return b6;
+  uint32_t packed4[2];
+  const uint8_t b4 = E4m3Encode(DivRn(amax, MulRn(4.0f, g)));
+  GenericEncode(w, bf16, g, b4, packed4);
+  const float e6 = GenericError(w, bf16, packed, b6, g, recipe);
+  const float e4 = GenericError(w, bf16, packed4, b4, g, recipe);
+  if (e4 < e6) {
+    packed[0] = packed4[0];
+    packed[1] = packed4[1];
+    return b4;
+  }
+  return b6;
+}
+
+struct Words8 {
+  uint32_t w[8];
+};
+struct QuantizedBlock {
+  uint32_t packed[2];
+  uint32_t scale;
+};
+
+// Arguments and result by value: the call stays in registers on the caller's
+// side (no addressable copies of kernel parameters).
+FP4KV_COLD_HD QuantizedBlock QuantizeBlockGeneric(Words8 words, bool bf16, float g, Recipe recipe) {
+  const uint32_t(&w)[8] = words.w;
+  QuantizedBlock out;
+  uint32_t(&packed)[2] = out.packed;
+  out.scale = GenericQuantize(w, bf16, g, recipe, packed);
+  return out;
+}
+
+// Same scale byte and packed words as QuantizeBlock(x, qs.g, recipe, packed)
+// where x are the 16 f16/bf16 values in w (value 2j in the low half of w[j]).
+// `kVariant` must be VariantOf(recipe).
+template <bool kBf16, RecipeVariant kVariant>
+FP4KV_HD uint8_t QuantizeBlockFast(const uint32_t (&w)[8], const QuantScale& qs,
+                                   const Recipe& recipe, uint32_t (&packed)[2]) {
+  uint32_t m = 0;
+  FP4KV_UNROLL
+  for (int j = 0; j < 8; ++j) m = MaxU16x2(m, w[j] & 0x7fff7fffu);
+  const uint32_t amax16 = MaxU32(m & 0xffffu, m >> 16);
+  if (!qs.fast || amax16 >= (kBf16 ? 0x7f80u : 0x7c00u)) {
+    // Rare: NaN or infinite inputs, or a global scale outside the contract.
+    Words8 words;
+    FP4KV_UNROLL
+    for (int j = 0; j < 8; ++j) words.w[j] = w[j];
+    const QuantizedBlock q = QuantizeBlockGeneric(words, kBf16, qs.g, recipe);
+    packed[0] = q.packed[0];
+    packed[1] = q.packed[1];
+    return static_cast<uint8_t>(q.scale);
+  }
+  if (amax16 == 0) {
+    packed[0] = 0;
+    packed[1] = 0;
+    return 0;
+  }
+  const float amax = kBf16 ? BitsFloat(amax16 << 16) : HalfToFloat(amax16);
+  const uint32_t sign0 = SignNibbles(w[0], w[1], w[2], w[3]);
+  const uint32_t sign1 = SignNibbles(w[4], w[5], w[6], w[7]);
+  const uint8_t b6 = FastE4m3EncodeNonNeg(DivRn(amax, qs.g6));
+  const float s6 = FastE4m3DecodeNonNeg(b6);
+  const float r6 = BlockReciprocal(s6, qs.g);
+  if constexpr (kVariant == RecipeVariant::kStandard) {
+    packed[0] = EncodeMagnitudes8<kBf16>(&w[0], r6) | sign0;
+    packed[1] = EncodeMagnitudes8<kBf16>(&w[4], r6) | sign1;
+    return b6;
+  } else {
+    constexpr bool kHalf =
+        kVariant == RecipeVariant::kMaeHalf || kVariant == RecipeVariant::kMseHalf;
+    constexpr bool kMse = kVariant == RecipeVariant::kMse || kVariant == RecipeVariant::kMseHalf;
+    const uint8_t b4 = FastE4m3EncodeNonNeg(DivRn(amax, qs.g4));
+    const float s4 = FastE4m3DecodeNonNeg(b4);
+    const float r4 = BlockReciprocal(s4, qs.g);
+    uint32_t p6[2] = {0, 0};
+    uint32_t p4[2] = {0, 0};
+    float e6 = 0.0f, e4 = 0.0f;  // fp32 errors
+    uint32_t eh = 0;             // fp16 errors: candidate 6 low, 4 high
+    // Candidates are compared on magnitudes: the code's sign is x's, so
+    // x - dq has the magnitude |x| - |dq| and both metrics are even.
+    FP4KV_UNROLL
+    for (int i = 0; i < kBlockSize; ++i) {
+      float lo, hi;
+      Unpack2<kBf16>(w[i / 2], &lo, &hi);
+      const float ax = Abs(i % 2 == 0 ? lo : hi);
+      const float v6 = E2m1RoundMagnitude(MulRn(ax, r6));
+      const float v4 = E2m1RoundMagnitude(MulRn(ax, r4));
+      const float dq6 = MulRn(MulRn(v6, s6), qs.g);
+      const float dq4 = MulRn(MulRn(v4, s4), qs.g);
+      if constexpr (!kHalf) {
+        const float d6 = SubRn(ax, dq6);
+        const float d4 = SubRn(ax, dq4);
+        e6 = AddRn(e6, kMse ? MulRn(d6, d6) : AbsF(d6));
+        e4 = AddRn(e4, kMse ? MulRn(d4, d4) : AbsF(d4));
+      } else {
+        uint32_t xh;
+        if constexpr (kBf16) {
+          xh = H2Pack(ax, ax);
+        } else {
+          xh = ((w[i / 2] >> (16 * (i % 2))) & 0x7fffu) * 0x00010001u;
+        }
+        const uint32_t d = H2Sub(xh, H2Pack(dq6, dq4));
+        eh = H2Add(eh, kMse ? H2Mul(d, d) : H2Abs(d));
+      }
+      p6[i / 8] |= E2m1CodeOfValue(v6) << (4 * (i % 8));
+      p4[i / 8] |= E2m1CodeOfValue(v4) << (4 * (i % 8));
+    }
+    if constexpr (kHalf) {
+      e6 = HalfToFloat(eh & 0xffffu);
+      e4 = HalfToFloat(eh >> 16);
+    }
+    const bool four = e4 < e6;
+    packed[0] = (four ? p4[0] : p6[0]) | sign0;
+    packed[1] = (four ? p4[1] : p6[1]) | sign1;
+    return four ? b4 : b6;
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Dequantize half a block (8 values) to f16/bf16: DequantValue then
+// FloatToHalfBits / FloatToBf16Bits. `codes` holds the 4 packed bytes
+// (value 0 in the low nibble); out[j] holds values 2j (low half) and 2j + 1.
+// ---------------------------------------------------------------------------
+
+// Results may be NaN; the software conversions map every NaN to 0x7fff.
+FP4KV_COLD_HD U32x4 DequantizeHalfGeneric(uint32_t codes, float s, float g, bool bf16) {
+  uint32_t out[4];
+  for (int j = 0; j < 4; ++j) {
+    const uint32_t byte = (codes >> (8 * j)) & 0xffu;
+    const float lo = DequantValue(static_cast<uint8_t>(byte & 0xfu), s, g);
+    const float hi = DequantValue(static_cast<uint8_t>(byte >> 4), s, g);
+    out[j] = bf16 ? (FloatToBf16Bits(lo) | (static_cast<uint32_t>(FloatToBf16Bits(hi)) << 16))
+                  : (FloatToHalfBits(lo) | (static_cast<uint32_t>(FloatToHalfBits(hi)) << 16));
+  }
+  return U32x4{out[0], out[1], out[2], out[3]};
+}
+
+template <bool kBf16>
+FP4KV_HD U32x4 DequantizeHalfFast(uint32_t codes, uint8_t scale_byte, float g, bool g_finite) {
+  const float s = E4m3Decode(scale_byte);
+  if (!g_finite || IsNanF(s)) return DequantizeHalfGeneric(codes, s, g, kBf16);
+  // s and g finite: every product is finite or infinite, never NaN.
+  uint32_t out[4];
+  FP4KV_UNROLL
+  for (int j = 0; j < 4; ++j) {
+    const uint32_t byte = codes >> (8 * j);
+    const float lo = MulRn(MulRn(FastE2m1Decode(byte & 0xfu), s), g);
+    const float hi = MulRn(MulRn(FastE2m1Decode((byte >> 4) & 0xfu), s), g);
+    out[j] = Pack2<kBf16>(lo, hi);
+  }
+  return U32x4{out[0], out[1], out[2], out[3]};
+}
+
+// ---------------------------------------------------------------------------
+// Materialize one block as FP8 (MaterializeFp8Value for each of 16 codes).
+// Per block, the 8 magnitudes |e2m1| * |s| * m are encoded once into a byte
+// table; each code then picks its byte with prmt and gets the product's sign.
+//
+// NaN products follow the reference on x86-64, where a NaN operand of a
+// multiply is passed through and 0 * inf gives the negative default NaN
+// (0xffc00000): a NaN block scale gives E4m3Encode(that NaN) for every code,
+// and a zero product times an infinite multiplier gives
+// E4m3Encode(-NaN). `m` (the multiplier) is >= 0 and not NaN by contract.
+// ---------------------------------------------------------------------------
+FP4KV_HD U32x4 MaterializeBlockFast(const U32x2& codes, uint8_t scale_byte, float m) {
+  const float s = E4m3Decode(scale_byte);
+  if (IsNanF(s)) {
+    const uint32_t b = E4m3Encode(s) * 0x01010101u;
+    return U32x4{b, b, b, b};
+  }
+  const float as = AbsF(s);
+  const bool m_inf = FloatBits(m) == 0x7f800000u;
+  const uint32_t nan_byte = E4m3Encode(BitsFloat(0xffc00000u));
+  const float vs[8] = {0.0f,
+                       MulRn(0.5f, as),
+                       as,
+                       MulRn(1.5f, as),
+                       MulRn(2.0f, as),
+                       MulRn(3.0f, as),
+                       MulRn(4.0f, as),
+                       MulRn(6.0f, as)};
+  uint32_t mag[2] = {0, 0};
+  uint32_t sgn[2] = {0, 0};
+  FP4KV_UNROLL
+  for (int k = 0; k < 8; ++k) {
+    const bool nan = m_inf && vs[k] == 0.0f;
+    const uint32_t byte = nan ? nan_byte : FastE4m3EncodeNonNeg(MulRn(vs[k], m));
+    // Sign table: 0xfe marks bytes that take the product's sign (the
+    // sign-replicating prmt turns it into 0xff for negative codes), 0x7e
+    // bytes that keep their own.
+    mag[k / 4] |= byte << (8 * (k % 4));
+    sgn[k / 4] |= (nan ? 0x7eu : 0xfeu) << (8 * (k % 4));
+  }
+  const uint32_t flip = (scale_byte & 0x80u) ? 0x88888888u : 0u;  // negative scale
+  const uint32_t words[2] = {codes.x, codes.y};
+  uint32_t out[4];
+  FP4KV_UNROLL
+  for (int h = 0; h < 4; ++h) {
+    const uint32_t w = words[h / 2] >> (16 * (h % 2));
+    const uint32_t bytes = Prmt(mag[0], mag[1], w & 0x7777u);
+    const uint32_t neg = Prmt(sgn[0], sgn[1], (w ^ flip) & 0xffffu);
+    out[h] = bytes | ((neg << 7) & 0x80808080u);
+  }
+  return U32x4{out[0], out[1], out[2], out[3]};
+}
+
+}  // namespace kernels
+}  // namespace fp4kv
+
+#endif  // FP4KV_KERNELS_FAST_FORMAT_CUH_

@@ -1,0 +1,33 @@
+// FP8 materialization kernel and its launcher (see materialize.cuh).
+#include "absl/status/status.h"
+#include "kernels/materialize.cuh"
+#include "src/cuda_util.h"
+#include "src/params.h"
+
+namespace fp4kv {
+namespace internal {
+namespace {
+
+using kernels::MaterializeLaunch;
+
+__global__ void __launch_bounds__(kernels::kMaterializeThreads)
+    MaterializeFp8Kernel(const MaterializeLaunch a) {
+  kernels::MaterializeThread(a, blockIdx.x, threadIdx.x);
+}
+
+}  // namespace
+
+absl::Status LaunchMaterialize(const MaterializeParams& p, Stream stream) {
+  const bool ok =
+      kernels::ForEachMaterializeLaunch(p, [&](const MaterializeLaunch& a, uint32_t grid) {
+        MaterializeFp8Kernel<<<grid, kernels::kMaterializeThreads, 0, stream>>>(a);
+      });
+  if (!ok) {
+    return absl::InvalidArgumentError(
+        "materialize: expected 2 * num_kv_heads * page_size * head_dim / 16 * max_pages < 2^29");
+  }
+  return CudaStatus(cudaGetLastError(), "MaterializeFp8Kernel launch");
+}
+
+}  // namespace internal
+}  // namespace fp4kv

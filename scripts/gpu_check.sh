@@ -1,0 +1,124 @@
+#!/usr/bin/env bash
+# Runs the whole GPU check and writes logs and JSON into an output folder:
+#   1. every test executable (*_test) in BUILD_DIR,
+#   2. compute-sanitizer --tool memcheck and --tool racecheck over the GPU
+#      test executables (gpu_*_test),
+#   3. every benchmark executable (*_bench) with --benchmark_out=OUT/NAME.json,
+# then prints a summary: passed/failed/skipped per test binary, sanitizer
+# error counts, and per benchmark case the median time, GB/s and % of copy.
+#
+# Usage: scripts/gpu_check.sh [BUILD_DIR] [OUT_DIR]
+#   BUILD_DIR  folder with the executables (default build-gpu; .carry/bin
+#              after scripts/package_for_gpu.sh)
+#   OUT_DIR    default $OUT, else ./gpu-out
+# Environment: SANITIZER_TIMEOUT (seconds per sanitizer run, default 900),
+#   SKIP_SANITIZER=1, SKIP_BENCH=1.
+# Exit status: 0 when every test passed and the sanitizers found nothing.
+set -u -o pipefail
+
+BUILD_DIR=${1:-build-gpu}
+OUT_DIR=${2:-${OUT:-./gpu-out}}
+SANITIZER_TIMEOUT=${SANITIZER_TIMEOUT:-900}
+mkdir -p "$OUT_DIR"
+OUT_DIR=$(cd "$OUT_DIR" && pwd)
+
+if [ -d ./.carry/lib ]; then
+  export LD_LIBRARY_PATH="$(cd ./.carry/lib && pwd)${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+fi
+if [ ! -d "$BUILD_DIR" ]; then
+  echo "gpu_check: no build folder $BUILD_DIR" >&2
+  exit 2
+fi
+
+executables() {  # $1: name pattern
+  find "$BUILD_DIR" -maxdepth 1 -type f -name "$1" -perm -u+x | sort
+}
+
+status=0
+SUMMARY="$OUT_DIR/summary.txt"
+: > "$SUMMARY"
+note() { echo "$*" | tee -a "$SUMMARY"; }
+
+nvidia-smi > "$OUT_DIR/nvidia-smi.txt" 2>&1 || true
+
+# ----------------------------------------------------------------- tests
+note "== tests"
+printf '%-28s %7s %7s %7s %5s %8s\n' binary passed failed skipped rc seconds | tee -a "$SUMMARY"
+for exe in $(executables '*_test'); do
+  name=$(basename "$exe")
+  start=$(date +%s)
+  "$exe" --gtest_output="json:$OUT_DIR/$name.gtest.json" > "$OUT_DIR/$name.log" 2>&1
+  rc=$?
+  secs=$(( $(date +%s) - start ))
+  passed=$(grep -c '^\[       OK \]' "$OUT_DIR/$name.log")
+  failed=$(grep -c '^\[  FAILED  \] .*(' "$OUT_DIR/$name.log")
+  skipped=$(grep -c '^\[  SKIPPED \] .*(' "$OUT_DIR/$name.log")
+  printf '%-28s %7s %7s %7s %5s %8s\n' "$name" "$passed" "$failed" "$skipped" "$rc" "$secs" \
+    | tee -a "$SUMMARY"
+  [ "$rc" -ne 0 ] && status=1
+done
+
+# ------------------------------------------------------------ sanitizers
+SANITIZER=$(command -v compute-sanitizer || true)
+[ -z "$SANITIZER" ] && [ -x /usr/local/cuda/bin/compute-sanitizer ] && \
+  SANITIZER=/usr/local/cuda/bin/compute-sanitizer
+if [ "${SKIP_SANITIZER:-0}" = 1 ]; then
+  note "== sanitizers skipped (SKIP_SANITIZER=1)"
+elif [ -z "$SANITIZER" ]; then
+  note "== sanitizers: compute-sanitizer not found"
+  status=1
+else
+  note "== compute-sanitizer"
+  printf '%-28s %-10s %8s %5s %8s\n' binary tool errors rc seconds | tee -a "$SUMMARY"
+  for exe in $(executables 'gpu_*_test'); do
+    name=$(basename "$exe")
+    for tool in memcheck racecheck; do
+      log="$OUT_DIR/$name.$tool.log"
+      start=$(date +%s)
+      FP4KV_PATTERN_STEP=4099 timeout "$SANITIZER_TIMEOUT" "$SANITIZER" --tool "$tool" \
+        --error-exitcode 99 "$exe" > "$log" 2>&1
+      rc=$?
+      secs=$(( $(date +%s) - start ))
+      errors=$(grep -o 'ERROR SUMMARY: [0-9]*' "$log" | tail -1 | grep -o '[0-9]*$' || true)
+      [ -z "$errors" ] && errors="?"
+      printf '%-28s %-10s %8s %5s %8s\n' "$name" "$tool" "$errors" "$rc" "$secs" | tee -a "$SUMMARY"
+      if [ "$rc" -ne 0 ] || [ "$errors" != 0 ]; then status=1; fi
+    done
+  done
+fi
+
+# ------------------------------------------------------------ benchmarks
+if [ "${SKIP_BENCH:-0}" = 1 ]; then
+  note "== benchmarks skipped (SKIP_BENCH=1)"
+else
+  note "== benchmarks"
+  for exe in $(executables '*_bench'); do
+    name=$(basename "$exe")
+    "$exe" --benchmark_out="$OUT_DIR/$name.json" --benchmark_out_format=json 2>&1 \
+      | tee "$OUT_DIR/$name.log"
+    if command -v python3 > /dev/null; then
+      python3 - "$OUT_DIR/$name.json" <<'PY' | tee -a "$SUMMARY"
+import json, sys
+data = json.load(open(sys.argv[1]))
+print(f"{'case':<72} {'median_us':>10} {'GBps':>8} {'pct_copy':>8}")
+for b in data.get("benchmarks", []):
+    name = b.get("name", "?").replace("/iterations:1", "").replace("/manual_time", "")
+    if b.get("error_occurred"):
+        print(f"{name:<72} error: {b.get('error_message', '')}")
+        continue
+    if "median_us" in b:
+        print(f"{name:<72} {b['median_us']:>10.2f} {b.get('GBps', 0):>8.1f} "
+              f"{b.get('pct_of_copy', 0):>8.1f}"
+              + (f"   eager {b['eager_us']:.2f} us" if "eager_us" in b else ""))
+    else:  # plain timing (host cost): real and cpu time per call
+        unit = b.get("time_unit", "ns")
+        print(f"{name:<72} real {b.get('real_time', 0):.3f} {unit}, cpu {b.get('cpu_time', 0):.3f} {unit}")
+PY
+    else
+      note "(python3 not found: see $OUT_DIR/$name.json)"
+    fi
+  done
+fi
+
+note "== overall: $([ $status -eq 0 ] && echo OK || echo FAILED) (logs in $OUT_DIR)"
+exit $status

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Builds the project for sm_90 (Release) into build-gpu and packs what a bare
+# CUDA machine needs to run the tests and benchmarks into .carry/ (ignored by
+# git): .carry/bin holds the stripped test and benchmark executables,
+# .carry/lib every shared library they load from the system's
+# x86_64-linux-gnu folder except the C library itself (libc, libm,
+# libpthread, libdl, librt, ld-linux): Abseil, Google Benchmark, libstdc++,
+# libgcc_s. scripts/gpu_check.sh puts .carry/lib on LD_LIBRARY_PATH.
+#
+# Usage: scripts/package_for_gpu.sh        (JOBS=n to change -j, default 2)
+# Then on the GPU machine: scripts/gpu_check.sh .carry/bin
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+BUILD=build-gpu
+cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 \
+  -DFP4KV_BUILD_TESTS=ON -DFP4KV_BUILD_BENCHMARKS=ON
+cmake --build "$BUILD" -j"${JOBS:-2}"
+
+rm -rf .carry
+mkdir -p .carry/bin .carry/lib
+mapfile -t exes < <(find "$BUILD" -maxdepth 1 -type f -perm -u+x \( -name '*_test' -o -name '*_bench' \) | sort)
+for exe in "${exes[@]}"; do
+  cp "$exe" .carry/bin/
+  strip --strip-unneeded ".carry/bin/$(basename "$exe")"
+done
+
+declare -A seen=()
+for exe in "${exes[@]}"; do
+  while read -r lib path; do
+    case "$lib" in
+      libc.so*|libm.so*|libpthread.so*|libdl.so*|librt.so*|ld-linux*) continue ;;
+    esac
+    [ -n "${seen[$lib]:-}" ] && continue
+    seen[$lib]=1
+    cp -L "$path" ".carry/lib/$lib"
+    chmod u+w ".carry/lib/$lib"
+    strip --strip-unneeded ".carry/lib/$lib" || true
+  done < <(ldd "$exe" | awk '$2 == "=>" && $3 ~ /^(\/usr)?\/lib\/x86_64-linux-gnu\// {print $1, $3}')
+done
+
+du -sh .carry .carry/bin .carry/lib
+size_kb=$(du -sk .carry | cut -f1)
+if [ "$size_kb" -gt $((60 * 1024)) ]; then
+  echo "package_for_gpu: warning: .carry is ${size_kb} KiB (> 60 MiB)" >&2
+fi
+ls .carry/bin

@@ -1,0 +1,330 @@
+// Runs every kernel's whole grid on the CPU (the per-thread bodies in
+// kernels/*.cuh are host+device functions) and compares the bytes with the
+// CPU reference of the public ops, over the shared sweeps. Outputs start
+// poisoned, so anything written outside the contract shows; the emulated
+// loads and stores go through memcpy on exactly-sized host blobs, so an
+// out-of-bounds access shows under the sanitizer build.
+#include <cstdint>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "kernels/append.cuh"
+#include "kernels/dequantize.cuh"
+#include "kernels/linear.cuh"
+#include "kernels/materialize.cuh"
+#include "src/params.h"
+#include "src/validate.h"
+#include "testing/kernel_cases.h"
+
+namespace fp4kv {
+namespace {
+
+using kernels::RecipeVariant;
+using testing::FirstDifference;
+
+// ------------------------------------------------------------------ append
+template <bool kBf16, RecipeVariant kV>
+void EmulateAppend(const internal::AppendParams& p) {
+  ASSERT_TRUE(kernels::ForEachAppendLaunch(p, [&](const kernels::AppendLaunch& a, uint32_t grid) {
+    for (uint32_t cta = 0; cta < grid; ++cta) {
+      for (uint32_t tid = 0; tid < kernels::kAppendThreads; ++tid) {
+        kernels::AppendThread<kBf16, kV>(a, cta, tid);
+      }
+    }
+  }));
+}
+
+template <bool kBf16>
+void EmulateAppendAny(const internal::AppendParams& p) {
+  switch (kernels::VariantOf(p.recipe)) {
+    case RecipeVariant::kStandard:
+      return EmulateAppend<kBf16, RecipeVariant::kStandard>(p);
+    case RecipeVariant::kMae:
+      return EmulateAppend<kBf16, RecipeVariant::kMae>(p);
+    case RecipeVariant::kMse:
+      return EmulateAppend<kBf16, RecipeVariant::kMse>(p);
+    case RecipeVariant::kMaeHalf:
+      return EmulateAppend<kBf16, RecipeVariant::kMaeHalf>(p);
+    case RecipeVariant::kMseHalf:
+      return EmulateAppend<kBf16, RecipeVariant::kMseHalf>(p);
+  }
+}
+
+internal::AppendParams AppendParamsFor(const testing::AppendCase& c, uint8_t* in, uint8_t* out) {
+  const AppendArgs a = c.Args(in, Device::Cpu());
+  internal::AppendParams p;
+  EXPECT_TRUE(
+      internal::CheckCache(c.Cache(out, Device::Cpu()), c.geometry, Device::Cpu(), &p.k, &p.v)
+          .ok());
+  p.key = a.key.data;
+  p.value = a.value.data;
+  p.key_row_stride = a.key.strides[0];
+  p.key_head_stride = a.key.strides[1];
+  p.value_row_stride = a.value.strides[0];
+  p.value_head_stride = a.value.strides[1];
+  p.input_dtype = c.spec.dtype;
+  p.num_heads = c.geometry.num_kv_heads;
+  p.page_size = c.geometry.page_size;
+  p.num_pages = c.geometry.num_pages;
+  p.indexing = c.spec.indexing;
+  if (c.spec.indexing == AppendIndexing::kPaged) {
+    p.nnz = a.batch_indices.shape[0];
+    p.batch_indices = a.batch_indices.ptr<const int32_t>();
+    p.positions = a.positions.ptr<const int32_t>();
+    p.kv_indices = a.kv_indices.ptr<const int32_t>();
+    p.kv_indptr = a.kv_indptr.ptr<const int32_t>();
+    p.num_kv_indices = a.kv_indices.shape[0];
+    p.batch_size = static_cast<int>(a.kv_indptr.shape[0] - 1);
+  } else {
+    p.nnz = a.slot_mapping.shape[0];
+    p.slot_mapping = a.slot_mapping.ptr<const int64_t>();
+  }
+  p.k_scale = a.k_scale;
+  p.v_scale = a.v_scale;
+  p.recipe = c.spec.recipe;
+  return p;
+}
+
+class AppendHostTest : public ::testing::TestWithParam<testing::AppendSpec> {};
+
+TEST_P(AppendHostTest, GridMatchesReference) {
+  testing::AppendCase c = testing::MakeAppendCase(GetParam(), 1234);
+  for (int round = 0; round < 2; ++round) {
+    if (round == 1) c.Rewrite(99);
+    std::vector<uint8_t> in = c.in;
+    std::vector<uint8_t> want = c.out, got = c.out;
+    auto op = Appender::Create(c.Options(Device::Cpu()));
+    ASSERT_TRUE(op.ok()) << op.status();
+    ASSERT_TRUE(
+        op->Run(c.Args(in.data(), Device::Cpu()), c.Cache(want.data(), Device::Cpu())).ok());
+    const internal::AppendParams p = AppendParamsFor(c, in.data(), got.data());
+    if (c.spec.dtype == DType::kBF16) {
+      EmulateAppendAny<true>(p);
+    } else {
+      EmulateAppendAny<false>(p);
+    }
+    ASSERT_EQ(FirstDifference(want, got), "") << c.spec.Name() << " round " << round;
+    ASSERT_NE(want, c.out) << "the case wrote nothing";
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Sweep, AppendHostTest, ::testing::ValuesIn(testing::AppendSweep()),
+                         [](const auto& info) { return info.param.Name(); });
+
+// ----------------------------------------------------------------- dequant
+class DequantHostTest : public ::testing::TestWithParam<testing::DequantSpec> {};
+
+TEST_P(DequantHostTest, GridMatchesReference) {
+  testing::DequantCase c = testing::MakeDequantCase(GetParam(), 77);
+  for (int round = 0; round < 2; ++round) {
+    if (round == 1) c.Rewrite(5);
+    std::vector<uint8_t> in = c.in;
+    std::vector<uint8_t> want = c.out, got = c.out;
+    auto op = Dequantizer::Create(c.Options(Device::Cpu()));
+    ASSERT_TRUE(op.ok()) << op.status();
+    ASSERT_TRUE(
+        op->Run(c.Args(in.data(), want.data(), Device::Cpu()), c.Cache(in.data(), Device::Cpu()))
+            .ok());
+    const DequantArgs a = c.Args(in.data(), got.data(), Device::Cpu());
+    internal::DequantParams p;
+    ASSERT_TRUE(internal::CheckCache(c.Cache(in.data(), Device::Cpu()), c.geometry, Device::Cpu(),
+                                     &p.k, &p.v)
+                    .ok());
+    p.num_heads = c.geometry.num_kv_heads;
+    p.page_size = c.geometry.page_size;
+    p.num_pages = c.geometry.num_pages;
+    p.block_tables = a.block_tables.data;
+    p.tables_i64 = c.spec.table_dtype == DType::kI64;
+    p.table_row_stride = a.block_tables.strides[0];
+    p.max_pages = static_cast<int>(a.block_tables.shape[1]);
+    p.seq_lens = a.seq_lens.ptr<const int32_t>();
+    p.batch_size = static_cast<int>(a.block_tables.shape[0]);
+    p.max_seq_len = static_cast<int>(a.k_out.shape[1]);
+    p.k_out = a.k_out.data;
+    p.v_out = a.v_out.data;
+    p.k_out_batch = a.k_out.strides[0];
+    p.k_out_token = a.k_out.strides[1];
+    p.k_out_head = a.k_out.strides[2];
+    p.v_out_batch = a.v_out.strides[0];
+    p.v_out_token = a.v_out.strides[1];
+    p.v_out_head = a.v_out.strides[2];
+    p.output_dtype = c.spec.dtype;
+    p.k_scale = a.k_scale;
+    p.v_scale = a.v_scale;
+    ASSERT_TRUE(
+        kernels::ForEachDequantLaunch(p, [&](const kernels::DequantLaunch& l, uint32_t grid) {
+          for (uint32_t cta = 0; cta < grid; ++cta) {
+            for (uint32_t tid = 0; tid < kernels::kDequantThreads; ++tid) {
+              if (c.spec.dtype == DType::kBF16) {
+                kernels::DequantThread<true>(l, cta, tid);
+              } else {
+                kernels::DequantThread<false>(l, cta, tid);
+              }
+            }
+          }
+        }));
+    ASSERT_EQ(FirstDifference(want, got), "") << c.spec.Name() << " round " << round;
+    ASSERT_NE(want, c.out) << "the case wrote nothing";
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Sweep, DequantHostTest, ::testing::ValuesIn(testing::DequantSweep()),
+                         [](const auto& info) { return info.param.Name(); });
+
+// ------------------------------------------------------------- materialize
+class MaterializeHostTest : public ::testing::TestWithParam<testing::MaterializeSpec> {};
+
+TEST_P(MaterializeHostTest, GridMatchesReference) {
+  testing::MaterializeCase c = testing::MakeMaterializeCase(GetParam(), 31);
+  for (int round = 0; round < 2; ++round) {
+    if (round == 1) c.Rewrite(8);
+    std::vector<uint8_t> in = c.in;
+    std::vector<uint8_t> want = c.out, got = c.out;
+    auto op = Materializer::Create(c.Options(Device::Cpu()));
+    ASSERT_TRUE(op.ok()) << op.status();
+    ASSERT_TRUE(
+        op->Run(c.Args(in.data(), want.data(), Device::Cpu()), c.Cache(in.data(), Device::Cpu()))
+            .ok());
+    const MaterializeArgs a = c.Args(in.data(), got.data(), Device::Cpu());
+    internal::MaterializeParams p;
+    ASSERT_TRUE(internal::CheckCache(c.Cache(in.data(), Device::Cpu()), c.geometry, Device::Cpu(),
+                                     &p.k, &p.v)
+                    .ok());
+    p.num_heads = c.geometry.num_kv_heads;
+    p.head_dim = c.geometry.head_dim_k;
+    p.page_size = c.geometry.page_size;
+    p.num_pages = c.geometry.num_pages;
+    p.block_tables = a.block_tables.data;
+    p.tables_i64 = c.spec.table_dtype == DType::kI64;
+    p.table_row_stride = a.block_tables.strides[0];
+    p.table_kv_stride = c.spec.separate_kv_tables ? a.block_tables.strides[1] : 0;
+    p.max_pages = static_cast<int>(a.block_tables.shape[a.block_tables.ndim - 1]);
+    p.seq_lens = a.seq_lens.ptr<const int32_t>();
+    p.kv_page_indptr = a.kv_page_indptr.ptr<const int32_t>();
+    p.batch_size = static_cast<int>(a.block_tables.shape[0]);
+    p.out = static_cast<uint8_t*>(a.out.data);
+    p.num_out_pages = a.out.shape[0];
+    p.out_page = a.out.strides[0];
+    p.out_kv = a.out.strides[1];
+    p.out_head = a.out.strides[2];
+    p.out_entry = a.out.strides[3];
+    p.fp8_block_tables = a.fp8_block_tables.ptr<int32_t>();
+    p.fp8_table_row_stride = a.fp8_block_tables.strides[0];
+    p.k_scale = a.k_scale;
+    p.v_scale = a.v_scale;
+    p.k_fp8_scale = a.k_fp8_scale;
+    p.v_fp8_scale = a.v_fp8_scale;
+    ASSERT_TRUE(kernels::ForEachMaterializeLaunch(
+        p, [&](const kernels::MaterializeLaunch& l, uint32_t grid) {
+          for (uint32_t cta = 0; cta < grid; ++cta) {
+            for (uint32_t tid = 0; tid < kernels::kMaterializeThreads; ++tid) {
+              kernels::MaterializeThread(l, cta, tid);
+            }
+          }
+        }));
+    ASSERT_EQ(FirstDifference(want, got), "") << c.spec.Name() << " round " << round;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Sweep, MaterializeHostTest,
+                         ::testing::ValuesIn(testing::MaterializeSweep()),
+                         [](const auto& info) { return info.param.Name(); });
+
+// ------------------------------------------------------------------ linear
+template <bool kBf16, RecipeVariant kV>
+void EmulateQuantizeLinear(const internal::LinearQuantParams& p) {
+  ASSERT_TRUE(kernels::ForEachLinearLaunch(
+      p.rows, p.cols, kBlockSize, kernels::kLinearItemsPerCta,
+      [&](const kernels::LinearRange& r, uint32_t grid) {
+        for (uint32_t cta = 0; cta < grid; ++cta) {
+          for (uint32_t tid = 0; tid < kernels::kLinearThreads; ++tid) {
+            kernels::QuantizeLinearThread<kBf16, kV>(p, r, cta, tid);
+          }
+        }
+      }));
+}
+
+template <bool kBf16>
+void EmulateQuantizeLinearAny(const internal::LinearQuantParams& p) {
+  switch (kernels::VariantOf(p.recipe)) {
+    case RecipeVariant::kStandard:
+      return EmulateQuantizeLinear<kBf16, RecipeVariant::kStandard>(p);
+    case RecipeVariant::kMae:
+      return EmulateQuantizeLinear<kBf16, RecipeVariant::kMae>(p);
+    case RecipeVariant::kMse:
+      return EmulateQuantizeLinear<kBf16, RecipeVariant::kMse>(p);
+    case RecipeVariant::kMaeHalf:
+      return EmulateQuantizeLinear<kBf16, RecipeVariant::kMaeHalf>(p);
+    case RecipeVariant::kMseHalf:
+      return EmulateQuantizeLinear<kBf16, RecipeVariant::kMseHalf>(p);
+  }
+}
+
+class LinearHostTest : public ::testing::TestWithParam<testing::LinearSpec> {};
+
+TEST_P(LinearHostTest, GridMatchesReference) {
+  testing::LinearCase c = testing::MakeLinearCase(GetParam(), 4);
+  const bool bf = c.spec.dtype == DType::kBF16;
+  const Device cpu = Device::Cpu();
+  for (int round = 0; round < 2; ++round) {
+    if (round == 1) c.Rewrite(6);
+    std::vector<uint8_t> in = c.in;
+    std::vector<uint8_t> want = c.out, got = c.out;
+    auto op = LinearQuantizer::Create({c.spec.dtype, c.spec.recipe, cpu});
+    ASSERT_TRUE(op.ok()) << op.status();
+    ASSERT_TRUE(op->Quantize(c.input.At(in.data(), cpu), c.packed.At(want.data(), cpu),
+                             c.scales.At(want.data(), cpu), c.scale.At(in.data()))
+                    .ok());
+    ASSERT_TRUE(op->Dequantize(c.in_packed.At(in.data(), cpu), c.in_scales.At(in.data(), cpu),
+                               c.output.At(want.data(), cpu), c.scale.At(in.data()))
+                    .ok());
+    internal::LinearQuantParams q;
+    q.input = in.data() + c.input.offset;
+    q.input_row_stride = c.input.strides[0];
+    q.dtype = c.spec.dtype;
+    q.rows = c.spec.rows;
+    q.cols = c.spec.cols;
+    q.packed = got.data() + c.packed.offset;
+    q.packed_row_stride = c.packed.strides[0];
+    q.scales = got.data() + c.scales.offset;
+    q.scale_row_stride = c.scales.strides[0];
+    q.scale = c.scale.At(in.data());
+    q.recipe = c.spec.recipe;
+    if (bf) {
+      EmulateQuantizeLinearAny<true>(q);
+    } else {
+      EmulateQuantizeLinearAny<false>(q);
+    }
+    internal::LinearDequantParams d;
+    d.packed = in.data() + c.in_packed.offset;
+    d.packed_row_stride = c.in_packed.strides[0];
+    d.scales = in.data() + c.in_scales.offset;
+    d.scale_row_stride = c.in_scales.strides[0];
+    d.rows = c.spec.rows;
+    d.cols = c.spec.cols;
+    d.output = got.data() + c.output.offset;
+    d.output_row_stride = c.output.strides[0];
+    d.dtype = c.spec.dtype;
+    d.scale = c.scale.At(in.data());
+    ASSERT_TRUE(kernels::ForEachLinearLaunch(
+        d.rows, d.cols, kBlockSize / 2, kernels::kLinearDequantItemsPerCta,
+        [&](const kernels::LinearRange& r, uint32_t grid) {
+          for (uint32_t cta = 0; cta < grid; ++cta) {
+            for (uint32_t tid = 0; tid < kernels::kLinearThreads; ++tid) {
+              if (bf) {
+                kernels::DequantizeLinearThread<true>(d, r, cta, tid);
+              } else {
+                kernels::DequantizeLinearThread<false>(d, r, cta, tid);
+              }
+            }
+          }
+        }));
+    ASSERT_EQ(FirstDifference(want, got), "") << c.spec.Name() << " round " << round;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Sweep, LinearHostTest, ::testing::ValuesIn(testing::LinearSweep()),
+                         [](const auto& info) { return info.param.Name(); });
+
+}  // namespace
+}  // namespace fp4kv
