@@ -12,7 +12,7 @@
 #              after scripts/package_for_gpu.sh)
 #   OUT_DIR    default $OUT, else ./gpu-out
 # Environment: SANITIZER_TIMEOUT (seconds per sanitizer run, default 900),
-#   SKIP_SANITIZER=1, SKIP_BENCH=1.
+#   SKIP_SANITIZER=1, SKIP_BENCH=1, SKIP_TESTS=1, SKIP_EXAMPLES=1.
 # Exit status: 0 when every test passed and the sanitizers found nothing.
 set -u -o pipefail
 
@@ -44,7 +44,7 @@ nvidia-smi > "$OUT_DIR/nvidia-smi.txt" 2>&1 || true
 # ----------------------------------------------------------------- tests
 note "== tests"
 printf '%-28s %7s %7s %7s %5s %8s\n' binary passed failed skipped rc seconds | tee -a "$SUMMARY"
-for exe in $(executables '*_test'); do
+for exe in $( [ "${SKIP_TESTS:-0}" = 1 ] || executables '*_test'); do
   name=$(basename "$exe")
   start=$(date +%s)
   "$exe" --gtest_output="json:$OUT_DIR/$name.gtest.json" > "$OUT_DIR/$name.log" 2>&1
@@ -70,13 +70,16 @@ elif [ -z "$SANITIZER" ]; then
 else
   note "== compute-sanitizer"
   printf '%-28s %-10s %8s %5s %8s\n' binary tool errors rc seconds | tee -a "$SUMMARY"
-  for exe in $(executables 'gpu_*_test'); do
+  # GPU test binaries in full; the KV cache suites only for their GPU cases.
+  for exe in $(executables 'gpu_*_test') $(executables 'kv_cache*_test'); do
     name=$(basename "$exe")
+    filter="*"
+    case "$name" in gpu_*) ;; *) filter="*Gpu*" ;; esac
     for tool in memcheck racecheck; do
       log="$OUT_DIR/$name.$tool.log"
       start=$(date +%s)
       FP4KV_PATTERN_STEP=4099 timeout "$SANITIZER_TIMEOUT" "$SANITIZER" --tool "$tool" \
-        --error-exitcode 99 "$exe" > "$log" 2>&1
+        --error-exitcode 99 "$exe" --gtest_filter="$filter" > "$log" 2>&1
       rc=$?
       secs=$(( $(date +%s) - start ))
       errors=$(grep -o 'ERROR SUMMARY: [0-9]*' "$log" | tail -1 | grep -o '[0-9]*$' || true)
@@ -118,6 +121,15 @@ PY
       note "(python3 not found: see $OUT_DIR/$name.json)"
     fi
   done
+fi
+
+# -------------------------------------------------------------- examples
+if [ "${SKIP_EXAMPLES:-0}" != 1 ] && [ -x "$BUILD_DIR/serving_loop" ]; then
+  note "== serving_loop"
+  "$BUILD_DIR/serving_loop" > "$OUT_DIR/serving_loop.log" 2>&1
+  rc=$?
+  tail -n 12 "$OUT_DIR/serving_loop.log" | tee -a "$SUMMARY"
+  [ "$rc" -ne 0 ] && { note "serving_loop: exit $rc"; status=1; }
 fi
 
 note "== overall: $([ $status -eq 0 ] && echo OK || echo FAILED) (logs in $OUT_DIR)"

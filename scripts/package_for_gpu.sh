@@ -14,12 +14,12 @@ cd "$(dirname "$0")/.."
 
 BUILD=build-gpu
 cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 \
-  -DFP4KV_BUILD_TESTS=ON -DFP4KV_BUILD_BENCHMARKS=ON
+  -DFP4KV_BUILD_TESTS=ON -DFP4KV_BUILD_BENCHMARKS=ON -DFP4KV_BUILD_EXAMPLES=ON
 cmake --build "$BUILD" -j"${JOBS:-2}"
 
 rm -rf .carry
 mkdir -p .carry/bin .carry/lib
-mapfile -t exes < <(find "$BUILD" -maxdepth 1 -type f -perm -u+x \( -name '*_test' -o -name '*_bench' \) | sort)
+mapfile -t exes < <(find "$BUILD" -maxdepth 1 -type f -perm -u+x \( -name '*_test' -o -name '*_bench' -o -name serving_loop -o -name quickstart -o -name accuracy_report \) | sort)
 for exe in "${exes[@]}"; do
   cp "$exe" .carry/bin/
   strip --strip-unneeded ".carry/bin/$(basename "$exe")"
