@@ -82,7 +82,7 @@ else
         --error-exitcode 99 "$exe" --gtest_filter="$filter" > "$log" 2>&1
       rc=$?
       secs=$(( $(date +%s) - start ))
-      errors=$(grep -o 'ERROR SUMMARY: [0-9]*' "$log" | tail -1 | grep -o '[0-9]*$' || true)
+      errors=$(grep -oE "(ERROR SUMMARY: [0-9]+|RACECHECK SUMMARY: [0-9]+ hazards displayed \([0-9]+)" "$log" | tail -1 | grep -oE "[0-9]+$" || true)
       [ -z "$errors" ] && errors="?"
       printf '%-28s %-10s %8s %5s %8s\n' "$name" "$tool" "$errors" "$rc" "$secs" | tee -a "$SUMMARY"
       if [ "$rc" -ne 0 ] || [ "$errors" != 0 ]; then status=1; fi
