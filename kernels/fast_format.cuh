@@ -492,8 +492,8 @@ FP4KV_HD uint8_t QuantizeBlockFast(const uint32_t (&w)[8], const QuantScale& qs,
       if constexpr (!kHalf) {
         const float d6 = SubRn(ax, dq6);
         const float d4 = SubRn(ax, dq4);
-        e6 = AddRn(e6, kMse ? MulRn(d6, d6) : AbsF(d6));
-        e4 = AddRn(e4, kMse ? MulRn(d4, d4) : AbsF(d4));
+        e6 = AddRn(e6, kMse ? MulRn(d6, d6) : Abs(d6));
+        e4 = AddRn(e4, kMse ? MulRn(d4, d4) : Abs(d4));
       } else {
         uint32_t xh;
         if constexpr (kBf16) {
