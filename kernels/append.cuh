@@ -61,13 +61,12 @@ bool ForEachAppendLaunch(const internal::AppendParams& p, F&& f, uint32_t rows_p
 // larger values take the shared helper itself. Same result for every input.
 FP4KV_HD bool ResolveRow(const internal::AppendParams& p, const FastDivmod& page_div, int64_t i,
                          int64_t* page, int* entry) {
-  int64_t idx_or_slot;
   if (p.indexing == AppendIndexing::kSlot) {
-    idx_or_slot = p.slot_mapping[i];
-    if (idx_or_slot < 0) return false;
-    if (idx_or_slot > 0x7fffffff) return internal::ResolveAppendRow(p, i, page, entry);
+    const int64_t slot = p.slot_mapping[i];
+    if (slot < 0) return false;
+    if (slot > 0x7fffffff) return internal::ResolveAppendRow(p, i, page, entry);
     uint32_t e;
-    const int64_t pg = page_div.DivMod(static_cast<uint32_t>(idx_or_slot), &e);
+    const int64_t pg = page_div.DivMod(static_cast<uint32_t>(slot), &e);
     if (pg >= p.num_pages) return false;
     *page = pg;
     *entry = static_cast<int>(e);
