@@ -12,9 +12,9 @@ using kernels::AppendLaunch;
 using kernels::RecipeVariant;
 
 template <bool kBf16, RecipeVariant kVariant>
-__global__ void __launch_bounds__(kernels::kAppendThreads)
+__global__ void __launch_bounds__(kernels::kMaxTileThreads)
     QuantizeAppendKernel(const AppendLaunch a) {
-  kernels::AppendThread<kBf16, kVariant>(a, blockIdx.x, threadIdx.x);
+  kernels::AppendThread<kBf16, kVariant>(a, blockIdx.x, blockIdx.y, threadIdx.x);
 }
 
 using AppendKernelFn = void (*)(AppendLaunch);
@@ -42,12 +42,12 @@ absl::Status LaunchAppend(const AppendParams& p, Stream stream) {
   const RecipeVariant v = kernels::VariantOf(p.recipe);
   const AppendKernelFn fn =
       p.input_dtype == DType::kBF16 ? PickAppendKernel<true>(v) : PickAppendKernel<false>(v);
-  const bool ok = kernels::ForEachAppendLaunch(p, [&](const AppendLaunch& a, uint32_t grid) {
-    fn<<<grid, kernels::kAppendThreads, 0, stream>>>(a);
+  const bool ok = kernels::ForEachAppendLaunch(p, [&](const AppendLaunch& a) {
+    fn<<<dim3(a.shape.grid_x, a.shape.grid_y), a.shape.threads, 0, stream>>>(a);
   });
   if (!ok) {
     return absl::InvalidArgumentError(
-        "append: expected num_kv_heads * (head_dim_k + head_dim_v) / 16 < 2^30 blocks per row");
+        "append: expected num_kv_heads * (head_dim_k + head_dim_v) / 16 <= 2^24 blocks per row");
   }
   return CudaStatus(cudaGetLastError(), "QuantizeAppendKernel launch");
 }

@@ -1,7 +1,9 @@
-// Internal: quantize-append, per thread. One work item is one 16-value block
-// of one (row, K or V, head); each thread takes kItems items kThreads apart,
-// so a warp reads 32 consecutive blocks (1 KiB) and writes 256 contiguous
-// packed bytes when the heads of a row are contiguous.
+// Internal: quantize-append, per thread. A row is one appended token; its
+// work items are the 16-value blocks of K then V over all heads. A thread
+// owns one item (fixed head and block: offsets computed once) and quantizes
+// it for the rows of its CTA, two rows at a time with both rows' loads issued
+// first. Consecutive threads take consecutive blocks, so a warp reads 1 KiB
+// and writes 256 contiguous packed bytes per row when heads are contiguous.
 //
 // The thread body is FP4KV_HD so tests/kernels_host_test.cc can run the whole
 // grid on the CPU; append.cu wraps it in the kernel.
@@ -17,43 +19,39 @@
 namespace fp4kv {
 namespace kernels {
 
-inline constexpr int kAppendThreads = 128;
-inline constexpr int kAppendItems = 2;
-inline constexpr uint32_t kAppendItemsPerCta = kAppendThreads * kAppendItems;
+inline constexpr int kAppendUnroll = 2;
 
 struct AppendLaunch {
   internal::AppendParams p;
-  int64_t row_begin = 0;   // first row of this launch
-  uint32_t num_items = 0;  // rows of this launch * blocks per row
-  uint32_t k_blocks = 0;   // blocks of K per row: H * Dk / 16
-  FastDivmod row_div;      // blocks per row: H * (Dk + Dv) / 16
-  FastDivmod k_head_div;   // Dk / 16
-  FastDivmod v_head_div;   // Dv / 16
-  FastDivmod page_div;     // page_size
+  int64_t row_begin = 0;  // first row of this launch
+  int64_t rows = 0;       // rows of this launch
+  TileShape shape;
+  uint32_t items = 0;     // blocks per row: H * (Dk + Dv) / 16
+  uint32_t k_blocks = 0;  // H * Dk / 16
+  FastDivmod k_head_div;  // Dk / 16
+  FastDivmod v_head_div;  // Dv / 16
+  FastDivmod page_div;    // page_size
 };
 
-// Calls f(launch, grid) for each launch that covers p's rows (one unless
-// nnz * blocks per row >= 2^30). Returns false when a single row has too many
-// blocks for 32-bit item indices.
+// Calls f(launch) for each launch that covers p's rows (one unless nnz >=
+// 2^30). Returns false when a row has too many blocks for one grid.
 template <typename F>
-bool ForEachAppendLaunch(const internal::AppendParams& p, F&& f) {
+bool ForEachAppendLaunch(const internal::AppendParams& p, F&& f, uint32_t rows_per_cta = 0) {
   const int64_t kb = static_cast<int64_t>(p.num_heads) * (p.k.head_dim / kBlockSize);
   const int64_t vb = static_cast<int64_t>(p.num_heads) * (p.v.head_dim / kBlockSize);
-  const int64_t per_row = kb + vb;
-  if (per_row <= 0 || per_row > kMaxLaunchItems) return false;
   AppendLaunch a;
   a.p = p;
+  a.items = static_cast<uint32_t>(kb + vb);
   a.k_blocks = static_cast<uint32_t>(kb);
-  a.row_div = FastDivmod::Make(static_cast<uint32_t>(per_row));
   a.k_head_div = FastDivmod::Make(static_cast<uint32_t>(p.k.head_dim / kBlockSize));
   a.v_head_div = FastDivmod::Make(static_cast<uint32_t>(p.v.head_dim / kBlockSize));
   a.page_div = FastDivmod::Make(static_cast<uint32_t>(p.page_size));
-  const int64_t rows_per_launch = kMaxLaunchItems / per_row;
-  for (int64_t r = 0; r < p.nnz; r += rows_per_launch) {
-    const int64_t rows = p.nnz - r < rows_per_launch ? p.nnz - r : rows_per_launch;
+  const uint32_t per_cta = rows_per_cta > 0 ? rows_per_cta : RowsPerCta(p.nnz);
+  for (int64_t r = 0; r < p.nnz; r += kMaxLaunchItems) {
     a.row_begin = r;
-    a.num_items = static_cast<uint32_t>(rows * per_row);
-    f(a, (a.num_items + kAppendItemsPerCta - 1) / kAppendItemsPerCta);
+    a.rows = p.nnz - r < kMaxLaunchItems ? p.nnz - r : kMaxLaunchItems;
+    if (!MakeTileShape(kb + vb, a.rows, per_cta, &a.shape)) return false;
+    f(a);
   }
   return true;
 }
@@ -63,13 +61,12 @@ bool ForEachAppendLaunch(const internal::AppendParams& p, F&& f) {
 // larger values take the shared helper itself. Same result for every input.
 FP4KV_HD bool ResolveRow(const internal::AppendParams& p, const FastDivmod& page_div, int64_t i,
                          int64_t* page, int* entry) {
-  int64_t idx_or_slot;
   if (p.indexing == AppendIndexing::kSlot) {
-    idx_or_slot = p.slot_mapping[i];
-    if (idx_or_slot < 0) return false;
-    if (idx_or_slot > 0x7fffffff) return internal::ResolveAppendRow(p, i, page, entry);
+    const int64_t slot = p.slot_mapping[i];
+    if (slot < 0) return false;
+    if (slot > 0x7fffffff) return internal::ResolveAppendRow(p, i, page, entry);
     uint32_t e;
-    const int64_t pg = page_div.DivMod(static_cast<uint32_t>(idx_or_slot), &e);
+    const int64_t pg = page_div.DivMod(static_cast<uint32_t>(slot), &e);
     if (pg >= p.num_pages) return false;
     *page = pg;
     *entry = static_cast<int>(e);
@@ -91,54 +88,57 @@ FP4KV_HD bool ResolveRow(const internal::AppendParams& p, const FastDivmod& page
 }
 
 template <bool kBf16, RecipeVariant kVariant>
-FP4KV_HD void AppendThread(const AppendLaunch& a, uint32_t cta, uint32_t tid) {
+FP4KV_HD void AppendThread(const AppendLaunch& a, uint32_t cta_x, uint32_t cta_y, uint32_t tid) {
   const internal::AppendParams& p = a.p;
-  uint32_t w[kAppendItems][8];
-  int64_t row[kAppendItems] = {};
-  uint32_t head[kAppendItems] = {}, blk[kAppendItems] = {};
-  bool is_v[kAppendItems] = {}, valid[kAppendItems] = {};
-  // Issue every input load first: they do not depend on the row's index chain.
-  FP4KV_UNROLL
-  for (int it = 0; it < kAppendItems; ++it) {
-    const uint32_t q = cta * kAppendItemsPerCta + it * kAppendThreads + tid;
-    valid[it] = q < a.num_items;
-    if (!valid[it]) continue;
-    uint32_t rem;
-    row[it] = a.row_begin + a.row_div.DivMod(q, &rem);
-    is_v[it] = rem >= a.k_blocks;
-    const uint32_t r = is_v[it] ? rem - a.k_blocks : rem;
-    head[it] = is_v[it] ? a.v_head_div.DivMod(r, &blk[it]) : a.k_head_div.DivMod(r, &blk[it]);
-    const uint16_t* base = static_cast<const uint16_t*>(is_v[it] ? p.value : p.key);
-    const int64_t offset = row[it] * (is_v[it] ? p.value_row_stride : p.key_row_stride) +
-                           head[it] * (is_v[it] ? p.value_head_stride : p.key_head_stride) +
-                           static_cast<int64_t>(blk[it]) * kBlockSize;
-    const U32x4 lo = LoadInput16(base + offset);
-    const U32x4 hi = LoadInput16(base + offset + 8);
-    w[it][0] = lo.x;
-    w[it][1] = lo.y;
-    w[it][2] = lo.z;
-    w[it][3] = lo.w;
-    w[it][4] = hi.x;
-    w[it][5] = hi.y;
-    w[it][6] = hi.z;
-    w[it][7] = hi.w;
-  }
-  // Global scales: read once per thread (a device pointer sees graph updates).
-  const QuantScale qk = MakeQuantScale(p.k_scale.Get());
-  const QuantScale qv = MakeQuantScale(p.v_scale.Get());
-  FP4KV_UNROLL
-  for (int it = 0; it < kAppendItems; ++it) {
-    if (!valid[it]) continue;
-    int64_t page;
-    int entry;
-    if (!ResolveRow(p, a.page_div, row[it], &page, &entry)) continue;
-    const internal::PoolPtrs pool = SelectPool(p.k, p.v, is_v[it] != 0);
-    uint32_t packed[2];
-    const QuantScale qs = is_v[it] ? qv : qk;
-    const uint8_t sb = QuantizeBlockFast<kBf16, kVariant>(w[it], qs, p.recipe, packed);
-    Store8(pool.data + pool.DataOffset(page, entry, head[it]) + blk[it] * kBlockBytes,
-           U32x2{packed[0], packed[1]});
-    pool.scales[pool.ScaleOffset(page, entry, head[it]) + blk[it]] = sb;
+  const uint32_t item = cta_y * a.shape.threads + tid;
+  if (item >= a.items) return;
+  // This thread's block: K or V, head, block within the head row.
+  const bool is_v = item >= a.k_blocks;
+  uint32_t blk;
+  const uint32_t head =
+      is_v ? a.v_head_div.DivMod(item - a.k_blocks, &blk) : a.k_head_div.DivMod(item, &blk);
+  const uint16_t* in = static_cast<const uint16_t*>(is_v ? p.value : p.key) +
+                       head * (is_v ? p.value_head_stride : p.key_head_stride) +
+                       static_cast<int64_t>(blk) * kBlockSize;
+  const int64_t in_row = is_v ? p.value_row_stride : p.key_row_stride;
+  const internal::PoolPtrs pool = SelectPool(p.k, p.v, is_v);
+  uint8_t* const data = pool.data + head * pool.data_head + blk * kBlockBytes;
+  uint8_t* const scales = pool.scales + head * pool.scale_head + blk;
+  // Global scale: read once per thread (a device pointer sees graph updates).
+  const QuantScale qs = MakeQuantScale(is_v ? p.v_scale.Get() : p.k_scale.Get());
+  const int64_t first = a.row_begin + static_cast<int64_t>(cta_x) * a.shape.rows_per_cta;
+  const int64_t end_all = a.row_begin + a.rows;
+  const int64_t end =
+      first + a.shape.rows_per_cta < end_all ? first + a.shape.rows_per_cta : end_all;
+  for (int64_t r0 = first; r0 < end; r0 += kAppendUnroll) {
+    uint32_t w[kAppendUnroll][8];
+    // Input loads first: they do not depend on the rows' index chains.
+    FP4KV_UNROLL
+    for (int u = 0; u < kAppendUnroll; ++u) {
+      if (r0 + u >= end) break;
+      const uint16_t* src = in + (r0 + u) * in_row;
+      const U32x4 lo = LoadInput16(src);
+      const U32x4 hi = LoadInput16(src + 8);
+      w[u][0] = lo.x;
+      w[u][1] = lo.y;
+      w[u][2] = lo.z;
+      w[u][3] = lo.w;
+      w[u][4] = hi.x;
+      w[u][5] = hi.y;
+      w[u][6] = hi.z;
+      w[u][7] = hi.w;
+    }
+    FP4KV_UNROLL
+    for (int u = 0; u < kAppendUnroll; ++u) {
+      if (r0 + u >= end) break;
+      int64_t page;
+      int entry;
+      if (!ResolveRow(p, a.page_div, r0 + u, &page, &entry)) continue;
+      uint32_t packed[2];
+      const uint8_t sb = QuantizeBlockFast<kBf16, kVariant>(w[u], qs, p.recipe, packed);
+      Store8(data + page * pool.data_page + entry * pool.data_entry, U32x2{packed[0], packed[1]});
+      scales[page * pool.scale_page + entry * pool.scale_entry] = sb;
+    }
   }
 }
 

@@ -11,25 +11,26 @@ namespace {
 using kernels::DequantLaunch;
 
 template <bool kBf16>
-__global__ void __launch_bounds__(kernels::kDequantThreads)
+__global__ void __launch_bounds__(kernels::kMaxTileThreads)
     DequantizePagedKernel(const DequantLaunch a) {
-  kernels::DequantThread<kBf16>(a, blockIdx.x, threadIdx.x);
+  kernels::DequantThread<kBf16>(a, blockIdx.x, blockIdx.y, threadIdx.x);
 }
 
 }  // namespace
 
 absl::Status LaunchDequantize(const DequantParams& p, Stream stream) {
   const bool bf16 = p.output_dtype == DType::kBF16;
-  const bool ok = kernels::ForEachDequantLaunch(p, [&](const DequantLaunch& a, uint32_t grid) {
+  const bool ok = kernels::ForEachDequantLaunch(p, [&](const DequantLaunch& a) {
+    const dim3 grid(a.shape.grid_x, a.shape.grid_y);
     if (bf16) {
-      DequantizePagedKernel<true><<<grid, kernels::kDequantThreads, 0, stream>>>(a);
+      DequantizePagedKernel<true><<<grid, a.shape.threads, 0, stream>>>(a);
     } else {
-      DequantizePagedKernel<false><<<grid, kernels::kDequantThreads, 0, stream>>>(a);
+      DequantizePagedKernel<false><<<grid, a.shape.threads, 0, stream>>>(a);
     }
   });
   if (!ok) {
     return absl::InvalidArgumentError(
-        "dequantize: expected max_seq_len * num_kv_heads * (head_dim_k + head_dim_v) / 16 < 2^30");
+        "dequantize: expected num_kv_heads * (head_dim_k + head_dim_v) / 8 <= 2^24");
   }
   return CudaStatus(cudaGetLastError(), "DequantizePagedKernel launch");
 }

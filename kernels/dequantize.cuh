@@ -1,9 +1,11 @@
-// Internal: paged dequantize, per thread. One work item is half a 16-value
-// block (8 values) of one output (request b, position t, K or V, head): a
-// warp reads 128 contiguous bytes of packed codes and writes 512 contiguous
-// bytes of f16/bf16 with one 16-byte store per thread. Positions past the
-// request's length exit, so the grid depends only on B, max_seq_len and the
-// geometry.
+// Internal: paged dequantize, per thread. A row is one output position
+// (request b, position t < max_seq_len); its work items are the half blocks
+// (8 values) of K then V over all heads. A thread owns one item (offsets
+// computed once) and handles it for the positions of its CTA, two at a time;
+// positions past the request's length are skipped, so the grid depends only
+// on B, max_seq_len and the geometry. A warp reads 128 contiguous bytes of
+// codes and writes 512 contiguous bytes of f16/bf16 (one 16-byte store per
+// thread) when the output heads are contiguous.
 #ifndef FP4KV_KERNELS_DEQUANTIZE_CUH_
 #define FP4KV_KERNELS_DEQUANTIZE_CUH_
 
@@ -16,102 +18,103 @@
 namespace fp4kv {
 namespace kernels {
 
-inline constexpr int kDequantThreads = 128;
-inline constexpr int kDequantItems = 4;
-inline constexpr uint32_t kDequantItemsPerCta = kDequantThreads * kDequantItems;
+inline constexpr int kDequantUnroll = 2;
 
 struct DequantLaunch {
   internal::DequantParams p;
-  int batch_begin = 0;     // first request of this launch
-  uint32_t num_items = 0;  // requests of this launch * max_seq_len * half blocks per token
-  uint32_t k_blocks = 0;   // H * Dk / 16
-  FastDivmod token_div;    // half blocks per token: H * (Dk + Dv) / 8
-  FastDivmod seq_div;      // max_seq_len
-  FastDivmod page_div;     // page_size
-  FastDivmod k_head_div;   // Dk / 16
-  FastDivmod v_head_div;   // Dv / 16
+  int batch_begin = 0;  // first request of this launch
+  int64_t rows = 0;     // positions of this launch: requests * max_seq_len
+  TileShape shape;
+  uint32_t items = 0;     // half blocks per position: H * (Dk + Dv) / 8
+  uint32_t k_halves = 0;  // H * Dk / 8
+  FastDivmod seq_div;     // max_seq_len
+  FastDivmod page_div;    // page_size
+  FastDivmod k_head_div;  // Dk / 8
+  FastDivmod v_head_div;  // Dv / 8
 };
 
-// Calls f(launch, grid) for each launch covering p's requests. Returns false
-// when one request has too many blocks for 32-bit item indices.
+// Calls f(launch) for each launch covering p's requests. Returns false when
+// a position has too many half blocks for one grid.
 template <typename F>
-bool ForEachDequantLaunch(const internal::DequantParams& p, F&& f) {
-  const int64_t kb = static_cast<int64_t>(p.num_heads) * (p.k.head_dim / kBlockSize);
-  const int64_t vb = static_cast<int64_t>(p.num_heads) * (p.v.head_dim / kBlockSize);
-  const int64_t per_request = 2 * (kb + vb) * p.max_seq_len;
-  if (per_request <= 0 || per_request > kMaxLaunchItems) return false;
+bool ForEachDequantLaunch(const internal::DequantParams& p, F&& f, uint32_t rows_per_cta = 0) {
+  const int64_t kh = static_cast<int64_t>(p.num_heads) * (p.k.head_dim / 8);
+  const int64_t vh = static_cast<int64_t>(p.num_heads) * (p.v.head_dim / 8);
   DequantLaunch a;
   a.p = p;
-  a.k_blocks = static_cast<uint32_t>(kb);
-  a.token_div = FastDivmod::Make(static_cast<uint32_t>(2 * (kb + vb)));
+  a.items = static_cast<uint32_t>(kh + vh);
+  a.k_halves = static_cast<uint32_t>(kh);
   a.seq_div = FastDivmod::Make(static_cast<uint32_t>(p.max_seq_len));
   a.page_div = FastDivmod::Make(static_cast<uint32_t>(p.page_size));
-  a.k_head_div = FastDivmod::Make(static_cast<uint32_t>(p.k.head_dim / kBlockSize));
-  a.v_head_div = FastDivmod::Make(static_cast<uint32_t>(p.v.head_dim / kBlockSize));
-  const int64_t per_launch = kMaxLaunchItems / per_request;
+  a.k_head_div = FastDivmod::Make(static_cast<uint32_t>(p.k.head_dim / 8));
+  a.v_head_div = FastDivmod::Make(static_cast<uint32_t>(p.v.head_dim / 8));
+  const int64_t per_launch = kMaxLaunchItems / p.max_seq_len;  // requests
+  const uint32_t per_cta = rows_per_cta > 0
+                               ? rows_per_cta
+                               : RowsPerCta(static_cast<int64_t>(p.batch_size) * p.max_seq_len);
   for (int64_t b = 0; b < p.batch_size; b += per_launch) {
     const int64_t n = p.batch_size - b < per_launch ? p.batch_size - b : per_launch;
     a.batch_begin = static_cast<int>(b);
-    a.num_items = static_cast<uint32_t>(n * per_request);
-    f(a, (a.num_items + kDequantItemsPerCta - 1) / kDequantItemsPerCta);
+    a.rows = n * p.max_seq_len;
+    if (!MakeTileShape(kh + vh, a.rows, per_cta, &a.shape)) return false;
+    f(a);
   }
   return true;
 }
 
 template <bool kBf16>
-FP4KV_HD void DequantThread(const DequantLaunch& a, uint32_t cta, uint32_t tid) {
+FP4KV_HD void DequantThread(const DequantLaunch& a, uint32_t cta_x, uint32_t cta_y, uint32_t tid) {
   const internal::DequantParams& p = a.p;
+  const uint32_t item = cta_y * a.shape.threads + tid;
+  if (item >= a.items) return;
+  // This thread's half block: K or V, head, half block within the head row.
+  const bool is_v = item >= a.k_halves;
+  uint32_t hb;
+  const uint32_t head =
+      is_v ? a.v_head_div.DivMod(item - a.k_halves, &hb) : a.k_head_div.DivMod(item, &hb);
+  const internal::PoolPtrs pool = SelectPool(p.k, p.v, is_v);
+  const uint8_t* const data = pool.data + head * pool.data_head + hb * 4;
+  const uint8_t* const scales = pool.scales + head * pool.scale_head + hb / 2;
+  uint16_t* const out = static_cast<uint16_t*>(is_v ? p.v_out : p.k_out) +
+                        head * (is_v ? p.v_out_head : p.k_out_head) + static_cast<int64_t>(hb) * 8;
+  const int64_t out_batch = is_v ? p.v_out_batch : p.k_out_batch;
+  const int64_t out_token = is_v ? p.v_out_token : p.k_out_token;
+  const float g = is_v ? p.v_scale.Get() : p.k_scale.Get();
+  const bool g_finite = IsFiniteBits(FloatBits(g));
   const int64_t cap = static_cast<int64_t>(p.max_pages) * p.page_size;
-  int b[kDequantItems] = {};
-  uint32_t t[kDequantItems] = {}, head[kDequantItems] = {}, blk[kDequantItems] = {};
-  uint32_t half[kDequantItems] = {};
-  bool is_v[kDequantItems] = {}, valid[kDequantItems] = {};
-  int64_t page[kDequantItems] = {};
-  uint32_t entry[kDequantItems] = {};
-  // Level 1: request length and table entry (independent loads).
-  FP4KV_UNROLL
-  for (int it = 0; it < kDequantItems; ++it) {
-    const uint32_t q = cta * kDequantItemsPerCta + it * kDequantThreads + tid;
-    if (q >= a.num_items) continue;
-    uint32_t rem;
-    const uint32_t token = a.token_div.DivMod(q, &rem);
-    b[it] = a.batch_begin + static_cast<int>(a.seq_div.DivMod(token, &t[it]));
-    half[it] = rem & 1u;
-    rem >>= 1;
-    is_v[it] = rem >= a.k_blocks;
-    const uint32_t r = is_v[it] ? rem - a.k_blocks : rem;
-    head[it] = is_v[it] ? a.v_head_div.DivMod(r, &blk[it]) : a.k_head_div.DivMod(r, &blk[it]);
-    if (t[it] >= cap) continue;
-    const uint32_t j = a.page_div.DivMod(t[it], &entry[it]);
-    page[it] = internal::TableEntry(p.block_tables, p.tables_i64, b[it] * p.table_row_stride + j);
-    valid[it] =
-        t[it] < internal::DequantTokens(p, b[it]) && page[it] >= 0 && page[it] < p.num_pages;
-  }
-  // Level 2: packed codes and scale bytes.
-  uint32_t codes[kDequantItems] = {};
-  uint8_t sb[kDequantItems] = {};
-  FP4KV_UNROLL
-  for (int it = 0; it < kDequantItems; ++it) {
-    if (!valid[it]) continue;
-    const internal::PoolPtrs pool = SelectPool(p.k, p.v, is_v[it]);
-    codes[it] = LoadReadOnly4(pool.data + pool.DataOffset(page[it], entry[it], head[it]) +
-                              blk[it] * kBlockBytes + half[it] * 4);
-    sb[it] = LoadReadOnly1(pool.scales + pool.ScaleOffset(page[it], entry[it], head[it]) + blk[it]);
-  }
-  const float gk = p.k_scale.Get();
-  const float gv = p.v_scale.Get();
-  FP4KV_UNROLL
-  for (int it = 0; it < kDequantItems; ++it) {
-    if (!valid[it]) continue;
-    const float g = is_v[it] ? gv : gk;
-    const U32x4 out = DequantizeHalfFast<kBf16>(codes[it], sb[it], g, IsFiniteBits(FloatBits(g)));
-    uint16_t* base = static_cast<uint16_t*>(is_v[it] ? p.v_out : p.k_out);
-    const int64_t offset =
-        b[it] * (is_v[it] ? p.v_out_batch : p.k_out_batch) +
-        static_cast<int64_t>(t[it]) * (is_v[it] ? p.v_out_token : p.k_out_token) +
-        static_cast<int64_t>(head[it]) * (is_v[it] ? p.v_out_head : p.k_out_head) +
-        static_cast<int64_t>(blk[it]) * kBlockSize + half[it] * 8;
-    Store16(base + offset, out);
+  const uint32_t first = cta_x * a.shape.rows_per_cta;
+  const uint32_t end = static_cast<uint32_t>(
+      first + a.shape.rows_per_cta < a.rows ? first + a.shape.rows_per_cta : a.rows);
+  for (uint32_t r0 = first; r0 < end; r0 += kDequantUnroll) {
+    int b[kDequantUnroll] = {};
+    uint32_t t[kDequantUnroll] = {};
+    bool valid[kDequantUnroll] = {};
+    int64_t page[kDequantUnroll] = {};
+    uint32_t entry[kDequantUnroll] = {};
+    // Level 1: request length and table entry (independent loads).
+    FP4KV_UNROLL
+    for (int u = 0; u < kDequantUnroll; ++u) {
+      if (r0 + u >= end) break;
+      b[u] = a.batch_begin + static_cast<int>(a.seq_div.DivMod(r0 + u, &t[u]));
+      if (t[u] >= cap) continue;
+      const uint32_t j = a.page_div.DivMod(t[u], &entry[u]);
+      page[u] = internal::TableEntry(p.block_tables, p.tables_i64, b[u] * p.table_row_stride + j);
+      valid[u] = t[u] < internal::DequantTokens(p, b[u]) && page[u] >= 0 && page[u] < p.num_pages;
+    }
+    // Level 2: packed codes and scale bytes.
+    uint32_t codes[kDequantUnroll] = {};
+    uint8_t sb[kDequantUnroll] = {};
+    FP4KV_UNROLL
+    for (int u = 0; u < kDequantUnroll; ++u) {
+      if (!valid[u]) continue;
+      codes[u] = LoadReadOnly4(data + page[u] * pool.data_page + entry[u] * pool.data_entry);
+      sb[u] = LoadReadOnly1(scales + page[u] * pool.scale_page + entry[u] * pool.scale_entry);
+    }
+    FP4KV_UNROLL
+    for (int u = 0; u < kDequantUnroll; ++u) {
+      if (!valid[u]) continue;
+      Store16(out + b[u] * out_batch + static_cast<int64_t>(t[u]) * out_token,
+              DequantizeHalfFast<kBf16>(codes[u], sb[u], g, g_finite));
+    }
   }
 }
 

@@ -21,6 +21,37 @@ namespace kernels {
 // kernels never wraps (cta * items_per_cta + item < 2^31).
 inline constexpr uint32_t kMaxLaunchItems = 1u << 30;
 
+// Launch shape of the row-tiled kernels (append, dequantize, materialize):
+// every row (token, page) has the same `items` work items; CTA (x, y) runs
+// items [y * threads, (y + 1) * threads) of rows [x * rows_per_cta, ...).
+// A thread computes its item's fixed offsets once and loops over the rows.
+struct TileShape {
+  uint32_t threads = 32;
+  uint32_t rows_per_cta = 1;
+  uint32_t grid_x = 0;
+  uint32_t grid_y = 0;
+};
+
+inline constexpr uint32_t kMaxTileThreads = 256;
+
+// False when the items of one row need more than 65535 CTAs.
+inline bool MakeTileShape(int64_t items, int64_t rows, uint32_t rows_per_cta, TileShape* t) {
+  if (items <= 0 || rows < 0) return false;
+  const int64_t threads = items >= kMaxTileThreads ? kMaxTileThreads : (items + 31) / 32 * 32;
+  const int64_t grid_y = (items + threads - 1) / threads;
+  if (grid_y > 65535) return false;
+  t->threads = static_cast<uint32_t>(threads);
+  t->rows_per_cta = rows_per_cta;
+  t->grid_y = static_cast<uint32_t>(grid_y);
+  t->grid_x = static_cast<uint32_t>((rows + rows_per_cta - 1) / rows_per_cta);
+  return true;
+}
+
+// Rows per CTA (the ForEach*Launch functions take an override for tests): a
+// few for large launches (fixed offsets computed once per
+// thread serve several rows), one for small ones (latency: spread the rows).
+inline uint32_t RowsPerCta(int64_t rows) { return rows >= 8192 ? 8 : rows >= 1024 ? 2 : 1; }
+
 struct alignas(16) U32x4 {
   uint32_t x, y, z, w;
 };
@@ -80,17 +111,22 @@ FP4KV_HD T LoadPlain(const T* p) {
   return *p;
 }
 
+// 16-byte store; `p` must be 16-byte aligned. Explicit vector instruction:
+// the compiler may otherwise split it into four 4-byte stores. Outputs are
+// never read back by the thread that writes them, so no memory clobber.
 FP4KV_HD void Store16(void* p, const U32x4& v) {
 #if defined(__CUDA_ARCH__)
-  *reinterpret_cast<uint4*>(p) = make_uint4(v.x, v.y, v.z, v.w);
+  asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z),
+               "r"(v.w));
 #else
   std::memcpy(p, &v, sizeof(v));
 #endif
 }
 
+// 8-byte store; `p` must be 8-byte aligned.
 FP4KV_HD void Store8(void* p, const U32x2& v) {
 #if defined(__CUDA_ARCH__)
-  *reinterpret_cast<uint2*>(p) = make_uint2(v.x, v.y);
+  asm volatile("st.global.v2.u32 [%0], {%1, %2};" ::"l"(p), "r"(v.x), "r"(v.y));
 #else
   std::memcpy(p, &v, sizeof(v));
 #endif

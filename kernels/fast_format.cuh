@@ -65,6 +65,7 @@ FP4KV_HD float MinF(float a, float b) {
 }
 
 FP4KV_HD uint32_t MaxU32(uint32_t a, uint32_t b) { return a > b ? a : b; }
+FP4KV_HD uint32_t MinU32(uint32_t a, uint32_t b) { return a < b ? a : b; }
 
 FP4KV_HD float Abs(float x) {
 #if defined(__CUDA_ARCH__)
@@ -90,20 +91,23 @@ FP4KV_HD float RcpRn(float x) {
 // E2M1
 // ---------------------------------------------------------------------------
 
-// E2M1 magnitude code of a >= 0 (not NaN; +inf allowed) as the float
-// 2^23 + code. Each line rounds a once, to nearest even, on the integer grid
+// E2M1 magnitude code of a >= 0 (not NaN; +inf allowed) as the bits of the
+// float 2^23 + code. Each line rounds a once, to nearest even, on the integer grid
 // of [2^23, 2^24): rint(2a) is the code below 2 (step 0.5), 2 + rint(a) in
 // [2, 4) (step 1), 4 + rint(a/2) from 4 (step 2); the code is the smallest of
 // the three, capped at 7. Adding an even offset keeps ties-to-even, and each
 // line is the smallest exactly on its own range.
-FP4KV_HD float E2m1MagnitudeT(float a) {
-  const float t1 = FmaPow2Rn(a, 2.0f, kTwo23);
-  const float t2 = AddRn(a, kTwo23 + 2.0f);
-  const float t3 = FmaPow2Rn(a, 0.5f, kTwo23 + 4.0f);
-  return MinF(MinF(t1, t2), MinF(t3, kTwo23 + 7.0f));
+// The minimum is taken on the bit patterns (equal order for non-negative
+// floats, +inf included), which the device does with one 3-input integer min
+// and one 2-input min.
+FP4KV_HD uint32_t E2m1MagnitudeT(float a) {
+  const uint32_t t1 = FloatBits(FmaPow2Rn(a, 2.0f, kTwo23));
+  const uint32_t t2 = FloatBits(AddRn(a, kTwo23 + 2.0f));
+  const uint32_t t3 = FloatBits(FmaPow2Rn(a, 0.5f, kTwo23 + 4.0f));
+  return MinU32(MinU32(t1, t2), MinU32(t3, kTwo23Bits + 7));
 }
 
-FP4KV_HD uint32_t E2m1MagnitudeCode(float a) { return FloatBits(E2m1MagnitudeT(a)) - kTwo23Bits; }
+FP4KV_HD uint32_t E2m1MagnitudeCode(float a) { return E2m1MagnitudeT(a) - kTwo23Bits; }
 
 // Same bits as E2m1Encode(y) for every y.
 FP4KV_HD uint8_t FastE2m1Encode(float y) {
@@ -330,8 +334,8 @@ FP4KV_HD uint32_t EncodeMagnitudes8(const uint32_t* w, float r) {
     Unpack2<kBf16>(w[j], &lo, &hi);
     // Each term carries 2^23's bits (0x4b000000) shifted by 4k; their sum
     // mod 2^32 is 0xfb000000, removed once below.
-    acc += FloatBits(E2m1MagnitudeT(MulRn(Abs(lo), r))) << (8 * j);
-    acc += FloatBits(E2m1MagnitudeT(MulRn(Abs(hi), r))) << (8 * j + 4);
+    acc += E2m1MagnitudeT(MulRn(Abs(lo), r)) << (8 * j);
+    acc += E2m1MagnitudeT(MulRn(Abs(hi), r)) << (8 * j + 4);
   }
   return acc - 0xfb000000u;
 }
@@ -488,8 +492,8 @@ FP4KV_HD uint8_t QuantizeBlockFast(const uint32_t (&w)[8], const QuantScale& qs,
       if constexpr (!kHalf) {
         const float d6 = SubRn(ax, dq6);
         const float d4 = SubRn(ax, dq4);
-        e6 = AddRn(e6, kMse ? MulRn(d6, d6) : AbsF(d6));
-        e4 = AddRn(e4, kMse ? MulRn(d4, d4) : AbsF(d4));
+        e6 = AddRn(e6, kMse ? MulRn(d6, d6) : Abs(d6));
+        e4 = AddRn(e4, kMse ? MulRn(d4, d4) : Abs(d4));
       } else {
         uint32_t xh;
         if constexpr (kBf16) {

@@ -10,21 +10,20 @@ namespace {
 
 using kernels::MaterializeLaunch;
 
-__global__ void __launch_bounds__(kernels::kMaterializeThreads)
+__global__ void __launch_bounds__(kernels::kMaxTileThreads)
     MaterializeFp8Kernel(const MaterializeLaunch a) {
-  kernels::MaterializeThread(a, blockIdx.x, threadIdx.x);
+  kernels::MaterializeThread(a, blockIdx.x, blockIdx.y, threadIdx.x);
 }
 
 }  // namespace
 
 absl::Status LaunchMaterialize(const MaterializeParams& p, Stream stream) {
-  const bool ok =
-      kernels::ForEachMaterializeLaunch(p, [&](const MaterializeLaunch& a, uint32_t grid) {
-        MaterializeFp8Kernel<<<grid, kernels::kMaterializeThreads, 0, stream>>>(a);
-      });
+  const bool ok = kernels::ForEachMaterializeLaunch(p, [&](const MaterializeLaunch& a) {
+    MaterializeFp8Kernel<<<dim3(a.shape.grid_x, a.shape.grid_y), a.shape.threads, 0, stream>>>(a);
+  });
   if (!ok) {
     return absl::InvalidArgumentError(
-        "materialize: expected 2 * num_kv_heads * page_size * head_dim / 16 * max_pages < 2^29");
+        "materialize: expected 2 * num_kv_heads * page_size * head_dim / 16 <= 2^24");
   }
   return CudaStatus(cudaGetLastError(), "MaterializeFp8Kernel launch");
 }

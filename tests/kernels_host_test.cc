@@ -22,31 +22,46 @@ namespace {
 using kernels::RecipeVariant;
 using testing::FirstDifference;
 
+// Rows per CTA to emulate: the launch's own choice, then odd and large
+// overrides (partial unroll groups, long row loops).
+constexpr uint32_t kRowsPerCta[] = {0, 3, 8};
+
+// Calls f(cta_x, cta_y, tid) for every thread of a tiled grid.
+template <typename F>
+void ForEachThread(const kernels::TileShape& s, F&& f) {
+  for (uint32_t x = 0; x < s.grid_x; ++x) {
+    for (uint32_t y = 0; y < s.grid_y; ++y) {
+      for (uint32_t t = 0; t < s.threads; ++t) f(x, y, t);
+    }
+  }
+}
+
 // ------------------------------------------------------------------ append
 template <bool kBf16, RecipeVariant kV>
-void EmulateAppend(const internal::AppendParams& p) {
-  ASSERT_TRUE(kernels::ForEachAppendLaunch(p, [&](const kernels::AppendLaunch& a, uint32_t grid) {
-    for (uint32_t cta = 0; cta < grid; ++cta) {
-      for (uint32_t tid = 0; tid < kernels::kAppendThreads; ++tid) {
-        kernels::AppendThread<kBf16, kV>(a, cta, tid);
-      }
-    }
-  }));
+void EmulateAppend(const internal::AppendParams& p, uint32_t rows_per_cta) {
+  ASSERT_TRUE(kernels::ForEachAppendLaunch(
+      p,
+      [&](const kernels::AppendLaunch& a) {
+        ForEachThread(a.shape, [&](uint32_t x, uint32_t y, uint32_t t) {
+          kernels::AppendThread<kBf16, kV>(a, x, y, t);
+        });
+      },
+      rows_per_cta));
 }
 
 template <bool kBf16>
-void EmulateAppendAny(const internal::AppendParams& p) {
+void EmulateAppendAny(const internal::AppendParams& p, uint32_t r) {
   switch (kernels::VariantOf(p.recipe)) {
     case RecipeVariant::kStandard:
-      return EmulateAppend<kBf16, RecipeVariant::kStandard>(p);
+      return EmulateAppend<kBf16, RecipeVariant::kStandard>(p, r);
     case RecipeVariant::kMae:
-      return EmulateAppend<kBf16, RecipeVariant::kMae>(p);
+      return EmulateAppend<kBf16, RecipeVariant::kMae>(p, r);
     case RecipeVariant::kMse:
-      return EmulateAppend<kBf16, RecipeVariant::kMse>(p);
+      return EmulateAppend<kBf16, RecipeVariant::kMse>(p, r);
     case RecipeVariant::kMaeHalf:
-      return EmulateAppend<kBf16, RecipeVariant::kMaeHalf>(p);
+      return EmulateAppend<kBf16, RecipeVariant::kMaeHalf>(p, r);
     case RecipeVariant::kMseHalf:
-      return EmulateAppend<kBf16, RecipeVariant::kMseHalf>(p);
+      return EmulateAppend<kBf16, RecipeVariant::kMseHalf>(p, r);
   }
 }
 
@@ -92,19 +107,23 @@ TEST_P(AppendHostTest, GridMatchesReference) {
   for (int round = 0; round < 2; ++round) {
     if (round == 1) c.Rewrite(99);
     std::vector<uint8_t> in = c.in;
-    std::vector<uint8_t> want = c.out, got = c.out;
+    std::vector<uint8_t> want = c.out;
     auto op = Appender::Create(c.Options(Device::Cpu()));
     ASSERT_TRUE(op.ok()) << op.status();
     ASSERT_TRUE(
         op->Run(c.Args(in.data(), Device::Cpu()), c.Cache(want.data(), Device::Cpu())).ok());
-    const internal::AppendParams p = AppendParamsFor(c, in.data(), got.data());
-    if (c.spec.dtype == DType::kBF16) {
-      EmulateAppendAny<true>(p);
-    } else {
-      EmulateAppendAny<false>(p);
-    }
-    ASSERT_EQ(FirstDifference(want, got), "") << c.spec.Name() << " round " << round;
     ASSERT_NE(want, c.out) << "the case wrote nothing";
+    for (uint32_t rows_per_cta : kRowsPerCta) {
+      std::vector<uint8_t> got = c.out;
+      const internal::AppendParams p = AppendParamsFor(c, in.data(), got.data());
+      if (c.spec.dtype == DType::kBF16) {
+        EmulateAppendAny<true>(p, rows_per_cta);
+      } else {
+        EmulateAppendAny<false>(p, rows_per_cta);
+      }
+      ASSERT_EQ(FirstDifference(want, got), "")
+          << c.spec.Name() << " round " << round << " rows_per_cta " << rows_per_cta;
+    }
   }
 }
 
@@ -112,6 +131,35 @@ INSTANTIATE_TEST_SUITE_P(Sweep, AppendHostTest, ::testing::ValuesIn(testing::App
                          [](const auto& info) { return info.param.Name(); });
 
 // ----------------------------------------------------------------- dequant
+internal::DequantParams DequantParamsFor(const testing::DequantCase& c, uint8_t* in, uint8_t* out) {
+  const DequantArgs a = c.Args(in, out, Device::Cpu());
+  internal::DequantParams p;
+  EXPECT_TRUE(
+      internal::CheckCache(c.Cache(in, Device::Cpu()), c.geometry, Device::Cpu(), &p.k, &p.v).ok());
+  p.num_heads = c.geometry.num_kv_heads;
+  p.page_size = c.geometry.page_size;
+  p.num_pages = c.geometry.num_pages;
+  p.block_tables = a.block_tables.data;
+  p.tables_i64 = c.spec.table_dtype == DType::kI64;
+  p.table_row_stride = a.block_tables.strides[0];
+  p.max_pages = static_cast<int>(a.block_tables.shape[1]);
+  p.seq_lens = a.seq_lens.ptr<const int32_t>();
+  p.batch_size = static_cast<int>(a.block_tables.shape[0]);
+  p.max_seq_len = static_cast<int>(a.k_out.shape[1]);
+  p.k_out = a.k_out.data;
+  p.v_out = a.v_out.data;
+  p.k_out_batch = a.k_out.strides[0];
+  p.k_out_token = a.k_out.strides[1];
+  p.k_out_head = a.k_out.strides[2];
+  p.v_out_batch = a.v_out.strides[0];
+  p.v_out_token = a.v_out.strides[1];
+  p.v_out_head = a.v_out.strides[2];
+  p.output_dtype = c.spec.dtype;
+  p.k_scale = a.k_scale;
+  p.v_scale = a.v_scale;
+  return p;
+}
+
 class DequantHostTest : public ::testing::TestWithParam<testing::DequantSpec> {};
 
 TEST_P(DequantHostTest, GridMatchesReference) {
@@ -119,52 +167,31 @@ TEST_P(DequantHostTest, GridMatchesReference) {
   for (int round = 0; round < 2; ++round) {
     if (round == 1) c.Rewrite(5);
     std::vector<uint8_t> in = c.in;
-    std::vector<uint8_t> want = c.out, got = c.out;
+    std::vector<uint8_t> want = c.out;
     auto op = Dequantizer::Create(c.Options(Device::Cpu()));
     ASSERT_TRUE(op.ok()) << op.status();
     ASSERT_TRUE(
         op->Run(c.Args(in.data(), want.data(), Device::Cpu()), c.Cache(in.data(), Device::Cpu()))
             .ok());
-    const DequantArgs a = c.Args(in.data(), got.data(), Device::Cpu());
-    internal::DequantParams p;
-    ASSERT_TRUE(internal::CheckCache(c.Cache(in.data(), Device::Cpu()), c.geometry, Device::Cpu(),
-                                     &p.k, &p.v)
-                    .ok());
-    p.num_heads = c.geometry.num_kv_heads;
-    p.page_size = c.geometry.page_size;
-    p.num_pages = c.geometry.num_pages;
-    p.block_tables = a.block_tables.data;
-    p.tables_i64 = c.spec.table_dtype == DType::kI64;
-    p.table_row_stride = a.block_tables.strides[0];
-    p.max_pages = static_cast<int>(a.block_tables.shape[1]);
-    p.seq_lens = a.seq_lens.ptr<const int32_t>();
-    p.batch_size = static_cast<int>(a.block_tables.shape[0]);
-    p.max_seq_len = static_cast<int>(a.k_out.shape[1]);
-    p.k_out = a.k_out.data;
-    p.v_out = a.v_out.data;
-    p.k_out_batch = a.k_out.strides[0];
-    p.k_out_token = a.k_out.strides[1];
-    p.k_out_head = a.k_out.strides[2];
-    p.v_out_batch = a.v_out.strides[0];
-    p.v_out_token = a.v_out.strides[1];
-    p.v_out_head = a.v_out.strides[2];
-    p.output_dtype = c.spec.dtype;
-    p.k_scale = a.k_scale;
-    p.v_scale = a.v_scale;
-    ASSERT_TRUE(
-        kernels::ForEachDequantLaunch(p, [&](const kernels::DequantLaunch& l, uint32_t grid) {
-          for (uint32_t cta = 0; cta < grid; ++cta) {
-            for (uint32_t tid = 0; tid < kernels::kDequantThreads; ++tid) {
-              if (c.spec.dtype == DType::kBF16) {
-                kernels::DequantThread<true>(l, cta, tid);
-              } else {
-                kernels::DequantThread<false>(l, cta, tid);
-              }
-            }
-          }
-        }));
-    ASSERT_EQ(FirstDifference(want, got), "") << c.spec.Name() << " round " << round;
     ASSERT_NE(want, c.out) << "the case wrote nothing";
+    for (uint32_t rows_per_cta : kRowsPerCta) {
+      std::vector<uint8_t> got = c.out;
+      const internal::DequantParams p = DequantParamsFor(c, in.data(), got.data());
+      ASSERT_TRUE(kernels::ForEachDequantLaunch(
+          p,
+          [&](const kernels::DequantLaunch& l) {
+            ForEachThread(l.shape, [&](uint32_t x, uint32_t y, uint32_t t) {
+              if (c.spec.dtype == DType::kBF16) {
+                kernels::DequantThread<true>(l, x, y, t);
+              } else {
+                kernels::DequantThread<false>(l, x, y, t);
+              }
+            });
+          },
+          rows_per_cta));
+      ASSERT_EQ(FirstDifference(want, got), "")
+          << c.spec.Name() << " round " << round << " rows_per_cta " << rows_per_cta;
+    }
   }
 }
 
@@ -172,6 +199,39 @@ INSTANTIATE_TEST_SUITE_P(Sweep, DequantHostTest, ::testing::ValuesIn(testing::De
                          [](const auto& info) { return info.param.Name(); });
 
 // ------------------------------------------------------------- materialize
+internal::MaterializeParams MaterializeParamsFor(const testing::MaterializeCase& c, uint8_t* in,
+                                                 uint8_t* out) {
+  const MaterializeArgs a = c.Args(in, out, Device::Cpu());
+  internal::MaterializeParams p;
+  EXPECT_TRUE(
+      internal::CheckCache(c.Cache(in, Device::Cpu()), c.geometry, Device::Cpu(), &p.k, &p.v).ok());
+  p.num_heads = c.geometry.num_kv_heads;
+  p.head_dim = c.geometry.head_dim_k;
+  p.page_size = c.geometry.page_size;
+  p.num_pages = c.geometry.num_pages;
+  p.block_tables = a.block_tables.data;
+  p.tables_i64 = c.spec.table_dtype == DType::kI64;
+  p.table_row_stride = a.block_tables.strides[0];
+  p.table_kv_stride = c.spec.separate_kv_tables ? a.block_tables.strides[1] : 0;
+  p.max_pages = static_cast<int>(a.block_tables.shape[a.block_tables.ndim - 1]);
+  p.seq_lens = a.seq_lens.ptr<const int32_t>();
+  p.kv_page_indptr = a.kv_page_indptr.ptr<const int32_t>();
+  p.batch_size = static_cast<int>(a.block_tables.shape[0]);
+  p.out = static_cast<uint8_t*>(a.out.data);
+  p.num_out_pages = a.out.shape[0];
+  p.out_page = a.out.strides[0];
+  p.out_kv = a.out.strides[1];
+  p.out_head = a.out.strides[2];
+  p.out_entry = a.out.strides[3];
+  p.fp8_block_tables = a.fp8_block_tables.ptr<int32_t>();
+  p.fp8_table_row_stride = a.fp8_block_tables.strides[0];
+  p.k_scale = a.k_scale;
+  p.v_scale = a.v_scale;
+  p.k_fp8_scale = a.k_fp8_scale;
+  p.v_fp8_scale = a.v_fp8_scale;
+  return p;
+}
+
 class MaterializeHostTest : public ::testing::TestWithParam<testing::MaterializeSpec> {};
 
 TEST_P(MaterializeHostTest, GridMatchesReference) {
@@ -179,50 +239,26 @@ TEST_P(MaterializeHostTest, GridMatchesReference) {
   for (int round = 0; round < 2; ++round) {
     if (round == 1) c.Rewrite(8);
     std::vector<uint8_t> in = c.in;
-    std::vector<uint8_t> want = c.out, got = c.out;
+    std::vector<uint8_t> want = c.out;
     auto op = Materializer::Create(c.Options(Device::Cpu()));
     ASSERT_TRUE(op.ok()) << op.status();
     ASSERT_TRUE(
         op->Run(c.Args(in.data(), want.data(), Device::Cpu()), c.Cache(in.data(), Device::Cpu()))
             .ok());
-    const MaterializeArgs a = c.Args(in.data(), got.data(), Device::Cpu());
-    internal::MaterializeParams p;
-    ASSERT_TRUE(internal::CheckCache(c.Cache(in.data(), Device::Cpu()), c.geometry, Device::Cpu(),
-                                     &p.k, &p.v)
-                    .ok());
-    p.num_heads = c.geometry.num_kv_heads;
-    p.head_dim = c.geometry.head_dim_k;
-    p.page_size = c.geometry.page_size;
-    p.num_pages = c.geometry.num_pages;
-    p.block_tables = a.block_tables.data;
-    p.tables_i64 = c.spec.table_dtype == DType::kI64;
-    p.table_row_stride = a.block_tables.strides[0];
-    p.table_kv_stride = c.spec.separate_kv_tables ? a.block_tables.strides[1] : 0;
-    p.max_pages = static_cast<int>(a.block_tables.shape[a.block_tables.ndim - 1]);
-    p.seq_lens = a.seq_lens.ptr<const int32_t>();
-    p.kv_page_indptr = a.kv_page_indptr.ptr<const int32_t>();
-    p.batch_size = static_cast<int>(a.block_tables.shape[0]);
-    p.out = static_cast<uint8_t*>(a.out.data);
-    p.num_out_pages = a.out.shape[0];
-    p.out_page = a.out.strides[0];
-    p.out_kv = a.out.strides[1];
-    p.out_head = a.out.strides[2];
-    p.out_entry = a.out.strides[3];
-    p.fp8_block_tables = a.fp8_block_tables.ptr<int32_t>();
-    p.fp8_table_row_stride = a.fp8_block_tables.strides[0];
-    p.k_scale = a.k_scale;
-    p.v_scale = a.v_scale;
-    p.k_fp8_scale = a.k_fp8_scale;
-    p.v_fp8_scale = a.v_fp8_scale;
-    ASSERT_TRUE(kernels::ForEachMaterializeLaunch(
-        p, [&](const kernels::MaterializeLaunch& l, uint32_t grid) {
-          for (uint32_t cta = 0; cta < grid; ++cta) {
-            for (uint32_t tid = 0; tid < kernels::kMaterializeThreads; ++tid) {
-              kernels::MaterializeThread(l, cta, tid);
-            }
-          }
-        }));
-    ASSERT_EQ(FirstDifference(want, got), "") << c.spec.Name() << " round " << round;
+    for (uint32_t rows_per_cta : kRowsPerCta) {
+      std::vector<uint8_t> got = c.out;
+      const internal::MaterializeParams p = MaterializeParamsFor(c, in.data(), got.data());
+      ASSERT_TRUE(kernels::ForEachMaterializeLaunch(
+          p,
+          [&](const kernels::MaterializeLaunch& l) {
+            ForEachThread(l.shape, [&](uint32_t x, uint32_t y, uint32_t t) {
+              kernels::MaterializeThread(l, x, y, t);
+            });
+          },
+          rows_per_cta));
+      ASSERT_EQ(FirstDifference(want, got), "")
+          << c.spec.Name() << " round " << round << " rows_per_cta " << rows_per_cta;
+    }
   }
 }
 

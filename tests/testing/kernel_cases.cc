@@ -558,6 +558,18 @@ std::vector<AppendSpec> AppendSweep() {
     s.max_new_tokens = s.batch >= 31 ? 2 : (s.page_size >= 16 ? 70 : 9);
     out.push_back(s);
   }
+  // A launch with many rows per CTA (>= 8192 rows).
+  AppendSpec big;
+  big.num_heads = 1;
+  big.batch = 128;
+  big.max_new_tokens = 70;
+  big.page_size = 16;
+  big.indexing = AppendIndexing::kSlot;
+  out.push_back(big);
+  big.indexing = AppendIndexing::kPaged;
+  big.layout = Layout::kHND;
+  big.dtype = DType::kF16;
+  out.push_back(big);
   return out;
 }
 
@@ -581,6 +593,13 @@ std::vector<DequantSpec> DequantSweep() {
     s.padded_output = i % 5 == 1;
     out.push_back(s);
   }
+  DequantSpec big;  // >= 8192 positions
+  big.num_heads = 1;
+  big.batch = 128;
+  big.max_seq_len = 70;
+  big.page_size = 16;
+  big.max_pages = 5;
+  out.push_back(big);
   return out;
 }
 
@@ -603,6 +622,12 @@ std::vector<MaterializeSpec> MaterializeSweep() {
     s.short_out = i % 6 == 5;
     out.push_back(s);
   }
+  MaterializeSpec big;  // >= 8192 pages
+  big.num_heads = 1;
+  big.batch = 128;
+  big.max_pages = 65;
+  big.page_size = 4;
+  out.push_back(big);
   return out;
 }
 
