@@ -113,9 +113,12 @@ auto MakeIterator(F f) {
 // Writes amax (0 when the input was empty) and the global scale.
 __global__ void CalibrateFinalizeKernel(float* __restrict__ d_amax,          // [1]
                                         float* __restrict__ d_global_scale,  // [1]
+                                        float* __restrict__ d_fp8_scale,     // [1] or null
                                         Recipe recipe, bool empty) {
   if (empty) *d_amax = 0.0f;
-  *d_global_scale = MakeGlobalScale(*d_amax, recipe);
+  const float g = MakeGlobalScale(*d_amax, recipe);
+  *d_global_scale = g;
+  if (d_fp8_scale != nullptr) *d_fp8_scale = MinFp8ScaleFor(g);
 }
 
 // CUB temp bytes for `n` items through the iterators of dtype kDType (both
@@ -255,7 +258,7 @@ Calibrator::~Calibrator() {
 }
 
 absl::Status Calibrator::Run(const TensorView& input, float* amax, float* global_scale,
-                             Stream stream) {
+                             Stream stream, float* fp8_scale) {
   const Options& o = options_;
   for (int d = 0; d < input.ndim; ++d) {
     if (input.shape[d] < 0) {
@@ -280,6 +283,11 @@ absl::Status Calibrator::Run(const TensorView& input, float* amax, float* global
     return absl::InvalidArgumentError(
         "amax: expected a pointer distinct from global_scale (or null), got the same address");
   }
+  if (fp8_scale != nullptr && (fp8_scale == global_scale || fp8_scale == amax)) {
+    return absl::InvalidArgumentError(
+        "fp8_scale: expected a pointer distinct from amax and global_scale (or null), got the same "
+        "address");
+  }
   const Collapsed c = Collapse(input);
 
   if (!o.device.is_cuda()) {
@@ -299,6 +307,7 @@ absl::Status Calibrator::Run(const TensorView& input, float* amax, float* global
     }
     if (amax != nullptr) *amax = a;
     *global_scale = MakeGlobalScale(a, o.recipe);
+    if (fp8_scale != nullptr) *fp8_scale = MinFp8ScaleFor(*global_scale);
     return absl::OkStatus();
   }
 
@@ -320,7 +329,8 @@ absl::Status Calibrator::Run(const TensorView& input, float* amax, float* global
         break;
     }
   }
-  CalibrateFinalizeKernel<<<1, 1, 0, stream>>>(d_amax, global_scale, o.recipe, n == 0);
+  CalibrateFinalizeKernel<<<1, 1, 0, stream>>>(d_amax, global_scale, fp8_scale, o.recipe,
+                                                n == 0);
   return internal::CudaStatus(cudaGetLastError(), "CalibrateFinalizeKernel launch");
 }
 

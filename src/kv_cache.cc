@@ -12,6 +12,7 @@
 #include <unordered_map>
 
 #include "absl/strings/str_cat.h"
+#include "fp4kv/calibrate.h"
 #include "fp4kv/recipe.h"
 #include "src/cuda_util.h"
 #include "src/page_allocator.h"
@@ -976,6 +977,53 @@ absl::Status KVCache::UpdateGlobalScales(absl::Span<const float> k_scales,
   }
   s.host_scales = std::move(vals);
   return absl::OkStatus();
+}
+
+absl::Status KVCache::CalibrateGlobalScales(int layer, const TensorView& k, const TensorView& v,
+                                            Calibrator& calibrator, Stream stream) {
+  KVCacheState& s = *state_;
+  FP4KV_KV_RETURN_IF_ERROR(s.CheckLayer(layer));
+  const Calibrator::Options& co = calibrator.options();
+  if (!(co.recipe == s.options.recipe)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("calibrator: expected the cache's recipe (", RecipeName(s.options.recipe),
+                     "), got ", RecipeName(co.recipe)));
+  }
+  if (co.device != s.options.device) {
+    return absl::InvalidArgumentError(absl::StrCat("calibrator: expected device ",
+                                                   s.options.device.ToString(), ", got ",
+                                                   co.device.ToString()));
+  }
+  // Check both tensors first so a bad V cannot leave K's scales half-updated.
+  for (const auto& [t, name] : {std::pair<const TensorView&, const char*>{k, "k"},
+                                std::pair<const TensorView&, const char*>{v, "v"}}) {
+    if (t.numel() > co.max_elements) {
+      return absl::InvalidArgumentError(absl::StrCat(name, ": expected at most ", co.max_elements,
+                                                     " elements (calibrator.max_elements), got ",
+                                                     t.numel()));
+    }
+    if (t.numel() > 0 && t.data == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat(name, ": expected a tensor, got a null pointer"));
+    }
+    if (t.dtype != co.dtype) {
+      return absl::InvalidArgumentError(absl::StrCat(name, ": expected dtype ", DTypeName(co.dtype),
+                                                     ", got ", DTypeName(t.dtype)));
+    }
+    if (t.device != co.device) {
+      return absl::InvalidArgumentError(absl::StrCat(name, ": expected device ",
+                                                     co.device.ToString(), ", got ",
+                                                     t.device.ToString()));
+    }
+    if (reinterpret_cast<uintptr_t>(t.data) % DTypeSize(t.dtype) != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(name, ": expected a ", DTypeSize(t.dtype),
+                                                     "-byte aligned pointer"));
+    }
+  }
+  internal::ScopedDevice scoped;
+  if (s.cuda) FP4KV_KV_RETURN_IF_ERROR(scoped.Set(s.options.device));
+  float* scales = s.d_scales + 4 * layer;
+  FP4KV_KV_RETURN_IF_ERROR(calibrator.Run(k, nullptr, scales + 0, stream, scales + 2));
+  return calibrator.Run(v, nullptr, scales + 1, stream, scales + 3);
 }
 
 float KVCache::k_global_scale(int layer) const { return state_->host_scales[4 * layer + 0]; }

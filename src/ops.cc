@@ -307,20 +307,11 @@ absl::StatusOr<float> MinFp8Scale(float g) {
     return absl::InvalidArgumentError(
         absl::StrCat("global_scale: expected a positive finite value, got ", g));
   }
-  float s = 6.0f * g;
-  if (!std::isfinite(s)) {
+  if (!std::isfinite(6.0f * g)) {
     return absl::InvalidArgumentError(
         absl::StrCat("global_scale: expected 6 * global_scale to be finite, got ", g));
   }
-  const float top = 6.0f * kE4m3Max;
-  while (MulRn(top, Fp8MaterializeMultiplier(g, s)) > kE4m3Max) s = std::nextafter(s, INFINITY);
-  // Smallest such: step down while the bound still holds.
-  for (;;) {
-    const float lower = std::nextafter(s, 0.0f);
-    if (!(lower > 0.0f) || MulRn(top, Fp8MaterializeMultiplier(g, lower)) > kE4m3Max) break;
-    s = lower;
-  }
-  return s;
+  return MinFp8ScaleFor(g);
 }
 
 // ---------------------------------------------------------- LinearQuantizer

@@ -16,6 +16,8 @@
 #include <string>
 #include <vector>
 
+#include "fp4kv/calibrate.h"
+#include "fp4kv/recipe.h"
 #include "gtest/gtest.h"
 #include "testing/kv_cache_harness.h"
 #include "testing/test_util.h"
@@ -734,6 +736,68 @@ TEST(KVCacheScales, UpdatesAreSeenByLaterRunsThroughTheDeviceArray) {
   ASSERT_TRUE(c.UpdateGlobalScales({2.0f, 3.0f}, {4.0f, 5.0f}).ok());
   EXPECT_EQ(c.v_global_scale(1), 5.0f);
   EXPECT_EQ(*c.global_scale_ptr(0, 1), 4.0f);
+}
+
+// Calibration writes the layer's global and FP8 scales into the device
+// array from the tensors' amax, under the cache's recipe; a mismatched
+// calibrator or a bad tensor changes nothing.
+void CheckCalibration(Device device) {
+  KVCacheOptions o = SmallOptions(device);
+  o.recipe = Recipe::FourOverSix(256, ErrorMetric::kMse);
+  KVCache c = MustCreate(o);
+  const int64_t n = 5 * 2 * 64;
+  std::vector<uint16_t> k = testing::RandomHalfBits(DType::kBF16, n, 41);
+  std::vector<uint16_t> v = testing::RandomHalfBits(DType::kBF16, n, 42);
+  float k_amax = 0, v_amax = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    k_amax = std::max(k_amax, std::fabs(Bf16BitsToFloat(k[i])));
+    v_amax = std::max(v_amax, std::fabs(Bf16BitsToFloat(v[i])));
+  }
+  Buffer kb(device, n * 2), vb(device, n * 2);
+  ASSERT_TRUE(kb.Upload(k.data(), n * 2) && vb.Upload(v.data(), n * 2));
+  const TensorView kt = kb.View(DType::kBF16, {5, 2, 64});
+  const TensorView vt = vb.View(DType::kBF16, {5, 2, 64});
+  absl::StatusOr<Calibrator> other = Calibrator::Create({n, DType::kBF16, device, Recipe()});
+  ASSERT_TRUE(other.ok()) << other.status();
+  absl::StatusOr<Calibrator> cal = Calibrator::Create({n, DType::kBF16, device, o.recipe});
+  ASSERT_TRUE(cal.ok()) << cal.status();
+  auto device_scales = [&]() {
+    std::vector<float> out(4);
+    for (int kv = 0; kv < 2; ++kv) {
+      if (device.is_cuda()) {
+        EXPECT_EQ(cudaMemcpy(&out[kv], c.global_scale_ptr(1, kv), 4, cudaMemcpyDeviceToHost), cudaSuccess);
+        EXPECT_EQ(cudaMemcpy(&out[2 + kv], c.fp8_scale_ptr(1, kv), 4, cudaMemcpyDeviceToHost), cudaSuccess);
+      } else {
+        out[kv] = *c.global_scale_ptr(1, kv);
+        out[2 + kv] = *c.fp8_scale_ptr(1, kv);
+      }
+    }
+    return out;
+  };
+  const std::vector<float> before = device_scales();
+  absl::Status bad = c.CalibrateGlobalScales(1, kt, vt, *other);
+  EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument) << bad;
+  EXPECT_NE(bad.message().find("calibrator"), std::string::npos) << bad;
+  TensorView v_wrong = vt;
+  v_wrong.dtype = DType::kF16;
+  bad = c.CalibrateGlobalScales(1, kt, v_wrong, *cal);
+  EXPECT_NE(bad.message().find("v: expected dtype bf16"), std::string::npos) << bad;
+  EXPECT_EQ(device_scales(), before) << "a rejected calibration changed the scales";
+
+  ASSERT_TRUE(c.CalibrateGlobalScales(1, kt, vt, *cal).ok());
+  if (device.is_cuda()) {
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  }
+  const float gk = MakeGlobalScale(k_amax, o.recipe), gv = MakeGlobalScale(v_amax, o.recipe);
+  EXPECT_EQ(device_scales(), (std::vector<float>{gk, gv, *MinFp8Scale(gk), *MinFp8Scale(gv)}));
+  EXPECT_EQ(gk, k_amax / (6.0f * 256.0f));
+}
+
+TEST(KVCacheScales, CalibrationSetsGlobalAndFp8ScalesOnTheDevice) { CheckCalibration(Device::Cpu()); }
+
+TEST(KVCacheGpu, CalibrationSetsGlobalAndFp8ScalesOnTheDevice) {
+  FP4KV_SKIP_WITHOUT_GPU();
+  CheckCalibration(Device::Cuda(0));
 }
 
 // ------------------------------------------------------------- bound ops

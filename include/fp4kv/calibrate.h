@@ -9,9 +9,8 @@
 // enqueued on the given stream (a CUB max-reduction, then a one-thread kernel
 // that converts amax on the device), so Run() can be captured in a CUDA graph
 // and, replayed, recalibrates from whatever the view's memory then holds.
-// Pass a cache layer's device global-scale address (the one its ops read
-// through GlobalScale::Pointer) as `global_scale` to set that layer's scale;
-// the calibrator's recipe must be the cache's recipe (see recipe.h for why).
+// KVCache::CalibrateGlobalScales uses it to set a cache layer's scales on the
+// device; the calibrator's recipe must be the cache's recipe (recipe.h says why).
 // CPU views are reduced on the host, synchronously, with the same result bits.
 #ifndef FP4KV_CALIBRATE_H_
 #define FP4KV_CALIBRATE_H_
@@ -63,8 +62,10 @@ class Calibrator {
   // options.device); allocates nothing, never synchronizes, graph-capturable;
   // returns the launch status. CPU: computes synchronously, ignores `stream`.
   // On InvalidArgument nothing is enqueued or written.
+  //   fp8_scale: when not null, also gets MinFp8ScaleFor(global_scale), the
+  //     FP8 decode scale of materialized pages (format.h); distinct pointer.
   absl::Status Run(const TensorView& input, float* amax, float* global_scale,
-                   Stream stream = nullptr);
+                   Stream stream = nullptr, float* fp8_scale = nullptr);
 
   const Options& options() const { return options_; }
   // Bytes of device scratch held (0 on the CPU).

@@ -362,6 +362,24 @@ FP4KV_HD float Fp8MaterializeMultiplier(float global_scale, float fp8_scale) {
   return DivRn(global_scale, fp8_scale);
 }
 
+// The smallest fp32 FP8 decode scale f with (6 * 448) * (g / f) <= 448, so
+// that no value a cache with global decode scale g can hold saturates the FP8
+// range. Precondition: g positive, finite, and 6 * g finite (MinFp8Scale in
+// ops.h validates; here any other g returns 6 * g unchanged).
+FP4KV_HD float MinFp8ScaleFor(float g) {
+  float f = MulRn(6.0f, g);
+  if (!(g > 0.0f) || FloatBits(AbsF(f)) >= 0x7f800000u) return f;
+  const float top = MulRn(6.0f, kE4m3Max);
+  // Positive floats are ordered like their bits: +1 / -1 is the next float up / down.
+  while (MulRn(top, DivRn(g, f)) > kE4m3Max) f = BitsFloat(FloatBits(f) + 1u);
+  for (;;) {
+    const float lower = BitsFloat(FloatBits(f) - 1u);
+    if (!(lower > 0.0f) || MulRn(top, DivRn(g, lower)) > kE4m3Max) break;
+    f = lower;
+  }
+  return f;
+}
+
 FP4KV_HD uint8_t MaterializeFp8Value(uint8_t code, float s, float multiplier) {
   return E4m3Encode(MulRn(MulRn(E2m1Decode(code), s), multiplier));
 }

@@ -55,6 +55,8 @@
 
 namespace fp4kv {
 
+class Calibrator;  // calibrate.h
+
 // Names a sequence of a KVCache. Ids are never reused: a released id stays
 // invalid (NotFound) forever. 0 is never a valid id.
 using SequenceId = uint64_t;
@@ -283,7 +285,18 @@ class KVCache {
   // All layers at once ([num_layers] each).
   absl::Status UpdateGlobalScales(absl::Span<const float> k_scales,
                                   absl::Span<const float> v_scales, Stream stream = nullptr);
-  // Host values of the scales (what was last set).
+  // Calibrates layer `layer`'s K and V global decode scales from tensors
+  // (e.g. the layer's prefill rows) where they live, with no host sync:
+  // each scale becomes MakeGlobalScale(amax, recipe) and its FP8 decode scale
+  // MinFp8ScaleFor(scale), written into the cache's device scale array by
+  // work enqueued on `stream` (graph-capturable on CUDA; synchronous on the
+  // CPU). `calibrator` must have the cache's device and recipe, and k and v
+  // its dtype and at most its max_elements. Both tensors are checked before
+  // anything is enqueued. The host values below keep what was last set from
+  // the host; the device pointers hold the calibrated scales.
+  absl::Status CalibrateGlobalScales(int layer, const TensorView& k, const TensorView& v,
+                                     Calibrator& calibrator, Stream stream = nullptr);
+  // Host values of the scales (what was last set from the host).
   float k_global_scale(int layer) const;
   float v_global_scale(int layer) const;
   float k_fp8_scale(int layer) const;
