@@ -79,23 +79,26 @@ absl::StatusOr<Appender> Appender::Create(const Options& o) {
   return Appender(o);
 }
 
-absl::Status Appender::Run(const AppendArgs& a, const PagedCache& cache, Stream stream) const {
-  const CacheGeometry& g = options_.geometry;
-  const Device& dev = options_.device;
+namespace internal {
+absl::StatusOr<AppendParams> MakeAppendParams(const Appender::Options& o, const AppendArgs& a,
+                                              const PagedCache& cache) {
+  const CacheGeometry& g = o.geometry;
+  const Device& dev = o.device;
   internal::AppendParams p;
   FP4KV_RETURN_IF_ERROR(internal::CheckCache(cache, g, dev, &p.k, &p.v));
   FP4KV_RETURN_IF_ERROR(CheckGiven(a.key, "append_key"));
   FP4KV_RETURN_IF_ERROR(CheckShape(a.key, "append_key", {kAny, g.num_kv_heads, g.head_dim_k}));
   const int64_t rows = a.key.shape[0];
   FP4KV_RETURN_IF_ERROR(
-      CheckRows(a.key, "append_key", options_.input_dtype, rows, g.num_kv_heads, g.head_dim_k, dev));
-  FP4KV_RETURN_IF_ERROR(CheckRows(a.value, "append_value", options_.input_dtype, rows,
-                                  g.num_kv_heads, g.head_dim_v, dev));
+      CheckRows(a.key, "append_key", o.input_dtype, rows, g.num_kv_heads, g.head_dim_k, dev));
+  FP4KV_RETURN_IF_ERROR(
+      CheckRows(a.value, "append_value", o.input_dtype, rows, g.num_kv_heads, g.head_dim_v, dev));
   FP4KV_RETURN_IF_ERROR(CheckGlobalScale(a.k_scale, "k_scale"));
   FP4KV_RETURN_IF_ERROR(CheckGlobalScale(a.v_scale, "v_scale"));
-  p.indexing = options_.indexing;
-  if (options_.indexing == AppendIndexing::kPaged) {
-    FP4KV_RETURN_IF_ERROR(CheckIndexVector(a.batch_indices, "batch_indices", DType::kI32, rows, dev));
+  p.indexing = o.indexing;
+  if (o.indexing == AppendIndexing::kPaged) {
+    FP4KV_RETURN_IF_ERROR(
+        CheckIndexVector(a.batch_indices, "batch_indices", DType::kI32, rows, dev));
     FP4KV_RETURN_IF_ERROR(CheckIndexVector(a.positions, "positions", DType::kI32, rows, dev));
     FP4KV_RETURN_IF_ERROR(CheckIndexVector(a.kv_indptr, "kv_indptr", DType::kI32, kAny, dev));
     if (a.kv_indptr.shape[0] < 1) {
@@ -115,9 +118,9 @@ absl::Status Appender::Run(const AppendArgs& a, const PagedCache& cache, Stream 
   } else {
     FP4KV_RETURN_IF_ERROR(CheckIndexVector(a.slot_mapping, "slot_mapping", DType::kI64, kAny, dev));
     if (a.slot_mapping.shape[0] > rows) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "slot_mapping: expected at most append_key.shape[0] = ", rows, " entries, got ",
-          a.slot_mapping.shape[0]));
+      return absl::InvalidArgumentError(
+          absl::StrCat("slot_mapping: expected at most append_key.shape[0] = ", rows,
+                       " entries, got ", a.slot_mapping.shape[0]));
     }
     p.nnz = a.slot_mapping.shape[0];
     p.slot_mapping = a.slot_mapping.ptr<const int64_t>();
@@ -128,19 +131,26 @@ absl::Status Appender::Run(const AppendArgs& a, const PagedCache& cache, Stream 
   p.key_head_stride = a.key.strides[1];
   p.value_row_stride = a.value.strides[0];
   p.value_head_stride = a.value.strides[1];
-  p.input_dtype = options_.input_dtype;
+  p.input_dtype = o.input_dtype;
   p.num_heads = g.num_kv_heads;
   p.page_size = g.page_size;
   p.num_pages = g.num_pages;
   p.k_scale = a.k_scale;
   p.v_scale = a.v_scale;
-  p.recipe = options_.recipe;
-  if (p.nnz == 0) return absl::OkStatus();
-  if (!dev.is_cuda()) {
-    internal::ReferenceAppend(p);
+  p.recipe = o.recipe;
+  return p;
+}
+}  // namespace internal
+
+absl::Status Appender::Run(const AppendArgs& a, const PagedCache& cache, Stream stream) const {
+  absl::StatusOr<internal::AppendParams> p = internal::MakeAppendParams(options_, a, cache);
+  if (!p.ok()) return p.status();
+  if (p->nnz == 0) return absl::OkStatus();
+  if (!options_.device.is_cuda()) {
+    internal::ReferenceAppend(*p);
     return absl::OkStatus();
   }
-  return internal::LaunchAppend(p, stream);
+  return internal::LaunchAppend(*p, stream);
 }
 
 // -------------------------------------------------------------- Dequantizer
@@ -151,14 +161,16 @@ absl::StatusOr<Dequantizer> Dequantizer::Create(const Options& o) {
   return Dequantizer(o);
 }
 
-absl::Status Dequantizer::Run(const DequantArgs& a, const PagedCache& cache, Stream stream) const {
-  const CacheGeometry& g = options_.geometry;
-  const Device& dev = options_.device;
+namespace internal {
+absl::StatusOr<DequantParams> MakeDequantParams(const Dequantizer::Options& o, const DequantArgs& a,
+                                                const PagedCache& cache) {
+  const CacheGeometry& g = o.geometry;
+  const Device& dev = o.device;
   internal::DequantParams p;
   FP4KV_RETURN_IF_ERROR(internal::CheckCache(cache, g, dev, &p.k, &p.v));
   FP4KV_RETURN_IF_ERROR(CheckGiven(a.block_tables, "block_tables"));
   FP4KV_RETURN_IF_ERROR(CheckTableDType(a.block_tables.dtype, "block_tables"));
-  FP4KV_RETURN_IF_ERROR(CheckDType(a.block_tables, "block_tables", {options_.table_dtype}));
+  FP4KV_RETURN_IF_ERROR(CheckDType(a.block_tables, "block_tables", {o.table_dtype}));
   FP4KV_RETURN_IF_ERROR(CheckShape(a.block_tables, "block_tables", {kAny, kAny}));
   FP4KV_RETURN_IF_ERROR(CheckInnerContiguous(a.block_tables, "block_tables"));
   FP4KV_RETURN_IF_ERROR(CheckDevice(a.block_tables, "block_tables", dev));
@@ -167,10 +179,11 @@ absl::Status Dequantizer::Run(const DequantArgs& a, const PagedCache& cache, Str
   FP4KV_RETURN_IF_ERROR(CheckGiven(a.k_out, "k_out"));
   FP4KV_RETURN_IF_ERROR(CheckShape(a.k_out, "k_out", {batch, kAny, g.num_kv_heads, g.head_dim_k}));
   const int64_t max_len = a.k_out.shape[1];
-  for (const auto& [t, name, dim] : {std::tuple<const TensorView&, const char*, int>{a.k_out, "k_out", g.head_dim_k},
-                                     std::tuple<const TensorView&, const char*, int>{a.v_out, "v_out", g.head_dim_v}}) {
+  for (const auto& [t, name, dim] :
+       {std::tuple<const TensorView&, const char*, int>{a.k_out, "k_out", g.head_dim_k},
+        std::tuple<const TensorView&, const char*, int>{a.v_out, "v_out", g.head_dim_v}}) {
     FP4KV_RETURN_IF_ERROR(CheckGiven(t, name));
-    FP4KV_RETURN_IF_ERROR(CheckDType(t, name, {options_.output_dtype}));
+    FP4KV_RETURN_IF_ERROR(CheckDType(t, name, {o.output_dtype}));
     FP4KV_RETURN_IF_ERROR(CheckShape(t, name, {batch, max_len, g.num_kv_heads, dim}));
     FP4KV_RETURN_IF_ERROR(CheckInnerContiguous(t, name));
     FP4KV_RETURN_IF_ERROR(CheckAligned(t, name, 16));
@@ -182,7 +195,7 @@ absl::Status Dequantizer::Run(const DequantArgs& a, const PagedCache& cache, Str
   p.page_size = g.page_size;
   p.num_pages = g.num_pages;
   p.block_tables = a.block_tables.data;
-  p.tables_i64 = options_.table_dtype == DType::kI64;
+  p.tables_i64 = o.table_dtype == DType::kI64;
   p.table_row_stride = a.block_tables.strides[0];
   p.max_pages = static_cast<int>(a.block_tables.shape[1]);
   p.seq_lens = a.seq_lens.ptr<const int32_t>();
@@ -196,15 +209,22 @@ absl::Status Dequantizer::Run(const DequantArgs& a, const PagedCache& cache, Str
   p.v_out_batch = a.v_out.strides[0];
   p.v_out_token = a.v_out.strides[1];
   p.v_out_head = a.v_out.strides[2];
-  p.output_dtype = options_.output_dtype;
+  p.output_dtype = o.output_dtype;
   p.k_scale = a.k_scale;
   p.v_scale = a.v_scale;
-  if (batch == 0 || max_len == 0 || p.max_pages == 0) return absl::OkStatus();
-  if (!dev.is_cuda()) {
-    internal::ReferenceDequantize(p);
+  return p;
+}
+}  // namespace internal
+
+absl::Status Dequantizer::Run(const DequantArgs& a, const PagedCache& cache, Stream stream) const {
+  absl::StatusOr<internal::DequantParams> p = internal::MakeDequantParams(options_, a, cache);
+  if (!p.ok()) return p.status();
+  if (p->batch_size == 0 || p->max_seq_len == 0 || p->max_pages == 0) return absl::OkStatus();
+  if (!options_.device.is_cuda()) {
+    internal::ReferenceDequantize(*p);
     return absl::OkStatus();
   }
-  return internal::LaunchDequantize(p, stream);
+  return internal::LaunchDequantize(*p, stream);
 }
 
 // ------------------------------------------------------------- Materializer
@@ -212,34 +232,36 @@ absl::StatusOr<Materializer> Materializer::Create(const Options& o) {
   FP4KV_RETURN_IF_ERROR(CheckTableDType(o.table_dtype, "options.table_dtype"));
   FP4KV_RETURN_IF_ERROR(o.geometry.Validate());
   if (o.geometry.head_dim_k != o.geometry.head_dim_v) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "geometry.head_dim_v: expected equal to head_dim_k (", o.geometry.head_dim_k,
-        ") for FP8 materialization, got ", o.geometry.head_dim_v));
+    return absl::InvalidArgumentError(
+        absl::StrCat("geometry.head_dim_v: expected equal to head_dim_k (", o.geometry.head_dim_k,
+                     ") for FP8 materialization, got ", o.geometry.head_dim_v));
   }
   if (o.geometry.head_dim_k % 64 != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "geometry.head_dim_k: expected a multiple of 64 for FP8 materialization, got ",
-        o.geometry.head_dim_k));
+    return absl::InvalidArgumentError(
+        absl::StrCat("geometry.head_dim_k: expected a multiple of 64 for FP8 materialization, got ",
+                     o.geometry.head_dim_k));
   }
   if (o.geometry.page_size % 4 != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "geometry.page_size: expected a multiple of 4 for FP8 materialization, got ",
-        o.geometry.page_size));
+    return absl::InvalidArgumentError(
+        absl::StrCat("geometry.page_size: expected a multiple of 4 for FP8 materialization, got ",
+                     o.geometry.page_size));
   }
   FP4KV_RETURN_IF_ERROR(internal::CheckDeviceAvailable(o.device));
   return Materializer(o);
 }
 
-absl::Status Materializer::Run(const MaterializeArgs& a, const PagedCache& cache,
-                               Stream stream) const {
-  const CacheGeometry& g = options_.geometry;
-  const Device& dev = options_.device;
+namespace internal {
+absl::StatusOr<MaterializeParams> MakeMaterializeParams(const Materializer::Options& o,
+                                                        const MaterializeArgs& a,
+                                                        const PagedCache& cache) {
+  const CacheGeometry& g = o.geometry;
+  const Device& dev = o.device;
   internal::MaterializeParams p;
   FP4KV_RETURN_IF_ERROR(internal::CheckCache(cache, g, dev, &p.k, &p.v));
   FP4KV_RETURN_IF_ERROR(CheckGiven(a.block_tables, "block_tables"));
   FP4KV_RETURN_IF_ERROR(CheckTableDType(a.block_tables.dtype, "block_tables"));
-  FP4KV_RETURN_IF_ERROR(CheckDType(a.block_tables, "block_tables", {options_.table_dtype}));
-  if (options_.separate_kv_tables) {
+  FP4KV_RETURN_IF_ERROR(CheckDType(a.block_tables, "block_tables", {o.table_dtype}));
+  if (o.separate_kv_tables) {
     FP4KV_RETURN_IF_ERROR(CheckShape(a.block_tables, "block_tables", {kAny, 2, kAny}));
   } else {
     FP4KV_RETURN_IF_ERROR(CheckShape(a.block_tables, "block_tables", {kAny, kAny}));
@@ -253,7 +275,8 @@ absl::Status Materializer::Run(const MaterializeArgs& a, const PagedCache& cache
       CheckIndexVector(a.kv_page_indptr, "kv_page_indptr", DType::kI32, batch + 1, dev));
   FP4KV_RETURN_IF_ERROR(CheckGiven(a.out, "out"));
   FP4KV_RETURN_IF_ERROR(CheckDType(a.out, "out", {DType::kE4M3, DType::kU8}));
-  FP4KV_RETURN_IF_ERROR(CheckShape(a.out, "out", {kAny, 2, g.num_kv_heads, g.page_size, g.head_dim_k}));
+  FP4KV_RETURN_IF_ERROR(
+      CheckShape(a.out, "out", {kAny, 2, g.num_kv_heads, g.page_size, g.head_dim_k}));
   if (a.out.shape[0] < 1) {
     return absl::InvalidArgumentError(
         absl::StrCat("out: expected at least 1 page (page 0 is the zero page), got shape ",
@@ -276,9 +299,9 @@ absl::Status Materializer::Run(const MaterializeArgs& a, const PagedCache& cache
   p.page_size = g.page_size;
   p.num_pages = g.num_pages;
   p.block_tables = a.block_tables.data;
-  p.tables_i64 = options_.table_dtype == DType::kI64;
+  p.tables_i64 = o.table_dtype == DType::kI64;
   p.table_row_stride = a.block_tables.strides[0];
-  p.table_kv_stride = options_.separate_kv_tables ? a.block_tables.strides[1] : 0;
+  p.table_kv_stride = o.separate_kv_tables ? a.block_tables.strides[1] : 0;
   p.max_pages = static_cast<int>(max_pages);
   p.seq_lens = a.seq_lens.ptr<const int32_t>();
   p.kv_page_indptr = a.kv_page_indptr.ptr<const int32_t>();
@@ -295,11 +318,20 @@ absl::Status Materializer::Run(const MaterializeArgs& a, const PagedCache& cache
   p.v_scale = a.v_scale;
   p.k_fp8_scale = a.k_fp8_scale;
   p.v_fp8_scale = a.v_fp8_scale;
-  if (!dev.is_cuda()) {
-    internal::ReferenceMaterialize(p);
+  return p;
+}
+}  // namespace internal
+
+absl::Status Materializer::Run(const MaterializeArgs& a, const PagedCache& cache,
+                               Stream stream) const {
+  absl::StatusOr<internal::MaterializeParams> p =
+      internal::MakeMaterializeParams(options_, a, cache);
+  if (!p.ok()) return p.status();
+  if (!options_.device.is_cuda()) {
+    internal::ReferenceMaterialize(*p);
     return absl::OkStatus();
   }
-  return internal::LaunchMaterialize(p, stream);
+  return internal::LaunchMaterialize(*p, stream);
 }
 
 absl::StatusOr<float> MinFp8Scale(float g) {
@@ -355,7 +387,8 @@ absl::Status CheckLinear(const TensorView& x, const char* x_name, DType dtype,
 absl::Status LinearQuantizer::Quantize(const TensorView& input, const TensorView& packed,
                                        const TensorView& scales, GlobalScale global_scale,
                                        Stream stream) const {
-  FP4KV_RETURN_IF_ERROR(CheckLinear(input, "input", options_.dtype, packed, scales, options_.device));
+  FP4KV_RETURN_IF_ERROR(
+      CheckLinear(input, "input", options_.dtype, packed, scales, options_.device));
   FP4KV_RETURN_IF_ERROR(CheckGlobalScale(global_scale, "global_scale"));
   internal::LinearQuantParams p;
   p.input = input.data;
@@ -380,7 +413,8 @@ absl::Status LinearQuantizer::Quantize(const TensorView& input, const TensorView
 absl::Status LinearQuantizer::Dequantize(const TensorView& packed, const TensorView& scales,
                                          const TensorView& output, GlobalScale global_scale,
                                          Stream stream) const {
-  FP4KV_RETURN_IF_ERROR(CheckLinear(output, "output", options_.dtype, packed, scales, options_.device));
+  FP4KV_RETURN_IF_ERROR(
+      CheckLinear(output, "output", options_.dtype, packed, scales, options_.device));
   FP4KV_RETURN_IF_ERROR(CheckGlobalScale(global_scale, "global_scale"));
   internal::LinearDequantParams p;
   p.packed = static_cast<const uint8_t*>(packed.data);
@@ -411,8 +445,8 @@ absl::Status QuantizeAppendPaged(const TensorView& append_key, const TensorView&
   absl::StatusOr<CacheGeometry> g = cache.Geometry();
   if (!g.ok()) return g.status();
   FP4KV_RETURN_IF_ERROR(internal::CheckFloatDType(append_key.dtype, "append_key"));
-  absl::StatusOr<Appender> op = Appender::Create(
-      {*g, append_key.dtype, AppendIndexing::kPaged, recipe, cache.k_data.device});
+  absl::StatusOr<Appender> op =
+      Appender::Create({*g, append_key.dtype, AppendIndexing::kPaged, recipe, cache.k_data.device});
   if (!op.ok()) return op.status();
   AppendArgs a;
   a.key = append_key;
@@ -434,8 +468,8 @@ absl::Status QuantizeAppendBySlot(const TensorView& append_key, const TensorView
   absl::StatusOr<CacheGeometry> g = cache.Geometry();
   if (!g.ok()) return g.status();
   FP4KV_RETURN_IF_ERROR(internal::CheckFloatDType(append_key.dtype, "append_key"));
-  absl::StatusOr<Appender> op = Appender::Create(
-      {*g, append_key.dtype, AppendIndexing::kSlot, recipe, cache.k_data.device});
+  absl::StatusOr<Appender> op =
+      Appender::Create({*g, append_key.dtype, AppendIndexing::kSlot, recipe, cache.k_data.device});
   if (!op.ok()) return op.status();
   AppendArgs a;
   a.key = append_key;
@@ -469,12 +503,12 @@ absl::Status MaterializeFp8(const PagedCache& cache, const TensorView& block_tab
   if (!g.ok()) return g.status();
   FP4KV_RETURN_IF_ERROR(CheckTableDType(block_tables.dtype, "block_tables"));
   if (block_tables.ndim != 2 && block_tables.ndim != 3) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("block_tables: expected rank 2 ([B, max_pages]) or 3 ([B, 2, max_pages]), got rank ",
-                     block_tables.ndim));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "block_tables: expected rank 2 ([B, max_pages]) or 3 ([B, 2, max_pages]), got rank ",
+        block_tables.ndim));
   }
-  absl::StatusOr<Materializer> op = Materializer::Create(
-      {*g, block_tables.dtype, block_tables.ndim == 3, cache.k_data.device});
+  absl::StatusOr<Materializer> op =
+      Materializer::Create({*g, block_tables.dtype, block_tables.ndim == 3, cache.k_data.device});
   if (!op.ok()) return op.status();
   return op->Run({block_tables, seq_lens, kv_page_indptr, out, fp8_block_tables, k_scale, v_scale,
                   k_fp8_scale, v_fp8_scale},

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 
+#include "absl/status/statusor.h"
 #include "fp4kv/format.h"
 #include "fp4kv/ops.h"
 #include "fp4kv/tensor.h"
@@ -177,6 +178,17 @@ FP4KV_HD int64_t MaterializePages(const MaterializeParams& p, int b) {
   if (n > p.max_pages) n = p.max_pages;
   return n;
 }
+
+// Checks an op's per-call views against its (validated) options and fills
+// the params its reference and kernel read (src/ops.cc). Cheap: no device
+// access. Errors are InvalidArgument naming the argument.
+absl::StatusOr<AppendParams> MakeAppendParams(const Appender::Options& o, const AppendArgs& a,
+                                              const PagedCache& cache);
+absl::StatusOr<DequantParams> MakeDequantParams(const Dequantizer::Options& o,
+                                                const DequantArgs& a, const PagedCache& cache);
+absl::StatusOr<MaterializeParams> MakeMaterializeParams(const Materializer::Options& o,
+                                                        const MaterializeArgs& a,
+                                                        const PagedCache& cache);
 
 // CPU reference (src/reference/). Synchronous, host memory.
 void ReferenceAppend(const AppendParams& p);

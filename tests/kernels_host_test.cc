@@ -65,39 +65,12 @@ void EmulateAppendAny(const internal::AppendParams& p, uint32_t r) {
   }
 }
 
+// The same views -> params step as Appender::Run (src/ops.cc).
 internal::AppendParams AppendParamsFor(const testing::AppendCase& c, uint8_t* in, uint8_t* out) {
-  const AppendArgs a = c.Args(in, Device::Cpu());
-  internal::AppendParams p;
-  EXPECT_TRUE(
-      internal::CheckCache(c.Cache(out, Device::Cpu()), c.geometry, Device::Cpu(), &p.k, &p.v)
-          .ok());
-  p.key = a.key.data;
-  p.value = a.value.data;
-  p.key_row_stride = a.key.strides[0];
-  p.key_head_stride = a.key.strides[1];
-  p.value_row_stride = a.value.strides[0];
-  p.value_head_stride = a.value.strides[1];
-  p.input_dtype = c.spec.dtype;
-  p.num_heads = c.geometry.num_kv_heads;
-  p.page_size = c.geometry.page_size;
-  p.num_pages = c.geometry.num_pages;
-  p.indexing = c.spec.indexing;
-  if (c.spec.indexing == AppendIndexing::kPaged) {
-    p.nnz = a.batch_indices.shape[0];
-    p.batch_indices = a.batch_indices.ptr<const int32_t>();
-    p.positions = a.positions.ptr<const int32_t>();
-    p.kv_indices = a.kv_indices.ptr<const int32_t>();
-    p.kv_indptr = a.kv_indptr.ptr<const int32_t>();
-    p.num_kv_indices = a.kv_indices.shape[0];
-    p.batch_size = static_cast<int>(a.kv_indptr.shape[0] - 1);
-  } else {
-    p.nnz = a.slot_mapping.shape[0];
-    p.slot_mapping = a.slot_mapping.ptr<const int64_t>();
-  }
-  p.k_scale = a.k_scale;
-  p.v_scale = a.v_scale;
-  p.recipe = c.spec.recipe;
-  return p;
+  absl::StatusOr<internal::AppendParams> p = internal::MakeAppendParams(
+      c.Options(Device::Cpu()), c.Args(in, Device::Cpu()), c.Cache(out, Device::Cpu()));
+  EXPECT_TRUE(p.ok()) << p.status();
+  return p.ok() ? *p : internal::AppendParams();
 }
 
 class AppendHostTest : public ::testing::TestWithParam<testing::AppendSpec> {};
@@ -132,32 +105,10 @@ INSTANTIATE_TEST_SUITE_P(Sweep, AppendHostTest, ::testing::ValuesIn(testing::App
 
 // ----------------------------------------------------------------- dequant
 internal::DequantParams DequantParamsFor(const testing::DequantCase& c, uint8_t* in, uint8_t* out) {
-  const DequantArgs a = c.Args(in, out, Device::Cpu());
-  internal::DequantParams p;
-  EXPECT_TRUE(
-      internal::CheckCache(c.Cache(in, Device::Cpu()), c.geometry, Device::Cpu(), &p.k, &p.v).ok());
-  p.num_heads = c.geometry.num_kv_heads;
-  p.page_size = c.geometry.page_size;
-  p.num_pages = c.geometry.num_pages;
-  p.block_tables = a.block_tables.data;
-  p.tables_i64 = c.spec.table_dtype == DType::kI64;
-  p.table_row_stride = a.block_tables.strides[0];
-  p.max_pages = static_cast<int>(a.block_tables.shape[1]);
-  p.seq_lens = a.seq_lens.ptr<const int32_t>();
-  p.batch_size = static_cast<int>(a.block_tables.shape[0]);
-  p.max_seq_len = static_cast<int>(a.k_out.shape[1]);
-  p.k_out = a.k_out.data;
-  p.v_out = a.v_out.data;
-  p.k_out_batch = a.k_out.strides[0];
-  p.k_out_token = a.k_out.strides[1];
-  p.k_out_head = a.k_out.strides[2];
-  p.v_out_batch = a.v_out.strides[0];
-  p.v_out_token = a.v_out.strides[1];
-  p.v_out_head = a.v_out.strides[2];
-  p.output_dtype = c.spec.dtype;
-  p.k_scale = a.k_scale;
-  p.v_scale = a.v_scale;
-  return p;
+  absl::StatusOr<internal::DequantParams> p = internal::MakeDequantParams(
+      c.Options(Device::Cpu()), c.Args(in, out, Device::Cpu()), c.Cache(in, Device::Cpu()));
+  EXPECT_TRUE(p.ok()) << p.status();
+  return p.ok() ? *p : internal::DequantParams();
 }
 
 class DequantHostTest : public ::testing::TestWithParam<testing::DequantSpec> {};
@@ -201,35 +152,10 @@ INSTANTIATE_TEST_SUITE_P(Sweep, DequantHostTest, ::testing::ValuesIn(testing::De
 // ------------------------------------------------------------- materialize
 internal::MaterializeParams MaterializeParamsFor(const testing::MaterializeCase& c, uint8_t* in,
                                                  uint8_t* out) {
-  const MaterializeArgs a = c.Args(in, out, Device::Cpu());
-  internal::MaterializeParams p;
-  EXPECT_TRUE(
-      internal::CheckCache(c.Cache(in, Device::Cpu()), c.geometry, Device::Cpu(), &p.k, &p.v).ok());
-  p.num_heads = c.geometry.num_kv_heads;
-  p.head_dim = c.geometry.head_dim_k;
-  p.page_size = c.geometry.page_size;
-  p.num_pages = c.geometry.num_pages;
-  p.block_tables = a.block_tables.data;
-  p.tables_i64 = c.spec.table_dtype == DType::kI64;
-  p.table_row_stride = a.block_tables.strides[0];
-  p.table_kv_stride = c.spec.separate_kv_tables ? a.block_tables.strides[1] : 0;
-  p.max_pages = static_cast<int>(a.block_tables.shape[a.block_tables.ndim - 1]);
-  p.seq_lens = a.seq_lens.ptr<const int32_t>();
-  p.kv_page_indptr = a.kv_page_indptr.ptr<const int32_t>();
-  p.batch_size = static_cast<int>(a.block_tables.shape[0]);
-  p.out = static_cast<uint8_t*>(a.out.data);
-  p.num_out_pages = a.out.shape[0];
-  p.out_page = a.out.strides[0];
-  p.out_kv = a.out.strides[1];
-  p.out_head = a.out.strides[2];
-  p.out_entry = a.out.strides[3];
-  p.fp8_block_tables = a.fp8_block_tables.ptr<int32_t>();
-  p.fp8_table_row_stride = a.fp8_block_tables.strides[0];
-  p.k_scale = a.k_scale;
-  p.v_scale = a.v_scale;
-  p.k_fp8_scale = a.k_fp8_scale;
-  p.v_fp8_scale = a.v_fp8_scale;
-  return p;
+  absl::StatusOr<internal::MaterializeParams> p = internal::MakeMaterializeParams(
+      c.Options(Device::Cpu()), c.Args(in, out, Device::Cpu()), c.Cache(in, Device::Cpu()));
+  EXPECT_TRUE(p.ok()) << p.status();
+  return p.ok() ? *p : internal::MaterializeParams();
 }
 
 class MaterializeHostTest : public ::testing::TestWithParam<testing::MaterializeSpec> {};
