@@ -554,53 +554,77 @@ FP4KV_HD U32x4 DequantizeHalfFast(uint32_t codes, uint8_t scale_byte, float g, b
 }
 
 // ---------------------------------------------------------------------------
-// Materialize one block as FP8 (MaterializeFp8Value for each of 16 codes).
-// Per block, the 8 magnitudes |e2m1| * |s| * m are encoded once into a byte
-// table; each code then picks its byte with prmt and gets the product's sign.
-//
-// NaN products follow the reference on x86-64, where a NaN operand of a
-// multiply is passed through and 0 * inf gives the negative default NaN
-// (0xffc00000): a NaN block scale gives E4m3Encode(that NaN) for every code,
-// and a zero product times an infinite multiplier gives
-// E4m3Encode(-NaN). `m` (the multiplier) is >= 0 and not NaN by contract.
+// E4M3 encode of two floats into one 16-bit pair (lo in byte 0).
 // ---------------------------------------------------------------------------
-FP4KV_HD U32x4 MaterializeBlockFast(const U32x2& codes, uint8_t scale_byte, float m) {
+// E4m3Encode for every input: sm_89+ has it as one instruction (round to
+// nearest even, saturating, NaN -> 0x7f; tests/gpu_fast_format_test.cu checks
+// it over every pattern).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+#define FP4KV_HW_E4M3 1
+#endif
+FP4KV_HD uint32_t E4m3Encode2(float lo, float hi) {
+#if defined(FP4KV_HW_E4M3)
+  unsigned short d;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(d) : "f"(hi), "f"(lo));
+  return d;
+#else
+  return E4m3Encode(lo) | (static_cast<uint32_t>(E4m3Encode(hi)) << 8);
+#endif
+}
+
+// The same for lo, hi >= +0, not NaN (+inf allowed): the software form uses
+// the fast non-negative encoder.
+FP4KV_HD uint32_t E4m3Encode2NonNeg(float lo, float hi) {
+#if defined(FP4KV_HW_E4M3)
+  return E4m3Encode2(lo, hi);
+#else
+  return FastE4m3EncodeNonNeg(lo) | (static_cast<uint32_t>(FastE4m3EncodeNonNeg(hi)) << 8);
+#endif
+}
+
+// ---------------------------------------------------------------------------
+// Materialize one block as FP8 (MaterializeFp8Value for each of 16 codes).
+// Per block, the 8 magnitudes (|e2m1| * |s|) * m are encoded once into a
+// byte table; each code then picks its byte with prmt, and a second prmt
+// gives the sign (code sign xor scale sign: m > 0 and no product is NaN).
+// A NaN block scale or a multiplier that is infinite or has its sign bit set
+// (outside the contract m >= 0) takes the rolled loop over format.h.
+// ---------------------------------------------------------------------------
+FP4KV_COLD_HD U32x4 MaterializeBlockGeneric(U32x2 codes, uint8_t scale_byte, float m) {
   const float s = E4m3Decode(scale_byte);
-  if (IsNanF(s)) {
-    const uint32_t b = E4m3Encode(s) * 0x01010101u;
-    return U32x4{b, b, b, b};
+  uint32_t out[4] = {0, 0, 0, 0};
+  FP4KV_NO_UNROLL
+  for (int i = 0; i < kBlockSize; ++i) {
+    const uint32_t c = ((i < 8 ? codes.x : codes.y) >> (4 * (i % 8))) & 0xfu;
+    out[i / 4] |= static_cast<uint32_t>(MaterializeFp8Value(static_cast<uint8_t>(c), s, m))
+                  << (8 * (i % 4));
   }
-  const float as = AbsF(s);
-  const bool m_inf = FloatBits(m) == 0x7f800000u;
-  const uint32_t nan_byte = E4m3Encode(BitsFloat(0xffc00000u));
-  const float vs[8] = {0.0f,
-                       MulRn(0.5f, as),
-                       as,
-                       MulRn(1.5f, as),
-                       MulRn(2.0f, as),
-                       MulRn(3.0f, as),
-                       MulRn(4.0f, as),
-                       MulRn(6.0f, as)};
-  uint32_t mag[2] = {0, 0};
-  uint32_t sgn[2] = {0, 0};
-  FP4KV_UNROLL
-  for (int k = 0; k < 8; ++k) {
-    const bool nan = m_inf && vs[k] == 0.0f;
-    const uint32_t byte = nan ? nan_byte : FastE4m3EncodeNonNeg(MulRn(vs[k], m));
-    // Sign table: 0xfe marks bytes that take the product's sign (the
-    // sign-replicating prmt turns it into 0xff for negative codes), 0x7e
-    // bytes that keep their own.
-    mag[k / 4] |= byte << (8 * (k % 4));
-    sgn[k / 4] |= (nan ? 0x7eu : 0xfeu) << (8 * (k % 4));
+  return U32x4{out[0], out[1], out[2], out[3]};
+}
+
+// True when MaterializeBlockFast may use its table for multiplier m.
+FP4KV_HD bool MaterializeMultiplierFast(float m) { return FloatBits(m) < 0x7f800000u; }
+
+FP4KV_HD U32x4 MaterializeBlockFast(const U32x2& codes, uint8_t scale_byte, float m,
+                                    bool m_fast) {
+  if (!m_fast || (scale_byte & 0x7fu) == 0x7fu) {
+    return MaterializeBlockGeneric(codes, scale_byte, m);
   }
-  const uint32_t flip = (scale_byte & 0x80u) ? 0x88888888u : 0u;  // negative scale
-  const uint32_t words[2] = {codes.x, codes.y};
+  const float as = FastE4m3DecodeNonNeg(scale_byte & 0x7fu);
+  const uint32_t mag0 = E4m3Encode2NonNeg(0.0f, MulRn(MulRn(0.5f, as), m)) |
+                        (E4m3Encode2NonNeg(MulRn(as, m), MulRn(MulRn(1.5f, as), m)) << 16);
+  const uint32_t mag1 =
+      E4m3Encode2NonNeg(MulRn(MulRn(2.0f, as), m), MulRn(MulRn(3.0f, as), m)) |
+      (E4m3Encode2NonNeg(MulRn(MulRn(4.0f, as), m), MulRn(MulRn(6.0f, as), m)) << 16);
+  const uint32_t flip = (scale_byte & 0x80u) ? 0x88888888u : 0u;
+  const uint32_t mags[2] = {codes.x & 0x77777777u, codes.y & 0x77777777u};
+  const uint32_t sgns[2] = {codes.x ^ flip, codes.y ^ flip};
   uint32_t out[4];
   FP4KV_UNROLL
   for (int h = 0; h < 4; ++h) {
-    const uint32_t w = words[h / 2] >> (16 * (h % 2));
-    const uint32_t bytes = Prmt(mag[0], mag[1], w & 0x7777u);
-    const uint32_t neg = Prmt(sgn[0], sgn[1], (w ^ flip) & 0xffffu);
+    const uint32_t bytes = Prmt(mag0, mag1, mags[h / 2] >> (16 * (h % 2)));
+    // Byte 0x80 where the product is positive, 0xff where negative.
+    const uint32_t neg = Prmt(0x80808080u, 0x80808080u, sgns[h / 2] >> (16 * (h % 2)));
     out[h] = bytes | ((neg << 7) & 0x80808080u);
   }
   return U32x4{out[0], out[1], out[2], out[3]};

@@ -363,14 +363,16 @@ TEST(DequantizeHalf, MatchesDequantValueForEveryScaleByte) {
 TEST(MaterializeBlock, MatchesMaterializeFp8ValueForEveryScaleByte) {
   std::mt19937_64 rng(9);
   const float ms[] = {1.0f, 0.5f,   1.0f / 6.0f, 1e-20f,  1e20f,
-                      0.0f, 1e-40f, 3.4e38f,     7.3e-3f, std::numeric_limits<float>::infinity()};
+                      0.0f, 1e-40f, 3.4e38f,     7.3e-3f, std::numeric_limits<float>::infinity(),
+                      -0.0f, -2.0f};
   for (float m : ms) {
     for (uint32_t sb = 0; sb < 256; ++sb) {
       for (int k = 0; k < 6; ++k) {
         const U32x2 codes = k == 0
                                 ? U32x2{0x76543210u, 0xfedcba98u}
                                 : U32x2{static_cast<uint32_t>(rng()), static_cast<uint32_t>(rng())};
-        const U32x4 got = MaterializeBlockFast(codes, static_cast<uint8_t>(sb), m);
+        const U32x4 got =
+            MaterializeBlockFast(codes, static_cast<uint8_t>(sb), m, MaterializeMultiplierFast(m));
         const uint32_t gw[4] = {got.x, got.y, got.z, got.w};
         const float s = E4m3Decode(static_cast<uint8_t>(sb));
         for (int i = 0; i < 16; ++i) {
