@@ -519,6 +519,69 @@ FP4KV_HD uint8_t QuantizeBlockFast(const uint32_t (&w)[8], const QuantScale& qs,
 }
 
 // ---------------------------------------------------------------------------
+// Dequantize one block (16 values) to f16/bf16: DequantValue then
+// FloatToHalfBits / FloatToBf16Bits. `codes` holds the 8 packed bytes (value 0
+// in the low nibble of byte 0); out.w[j] holds values 2j (low half) and 2j + 1.
+// ---------------------------------------------------------------------------
+struct Words8Out {
+  U32x4 lo, hi;  // values 0..7, 8..15
+};
+
+// Results may be NaN; the software conversions map every NaN to 0x7fff.
+FP4KV_COLD_HD Words8Out DequantizeBlockGeneric(U32x2 codes, uint8_t scale_byte, float g,
+                                               bool bf16) {
+  const float s = E4m3Decode(scale_byte);
+  uint32_t out[8];
+  FP4KV_NO_UNROLL
+  for (int j = 0; j < 8; ++j) {
+    const uint32_t byte = ((j < 4 ? codes.x : codes.y) >> (8 * (j % 4))) & 0xffu;
+    const float lo = DequantValue(static_cast<uint8_t>(byte & 0xfu), s, g);
+    const float hi = DequantValue(static_cast<uint8_t>(byte >> 4), s, g);
+    out[j] = bf16 ? (FloatToBf16Bits(lo) | (static_cast<uint32_t>(FloatToBf16Bits(hi)) << 16))
+                  : (FloatToHalfBits(lo) | (static_cast<uint32_t>(FloatToHalfBits(hi)) << 16));
+  }
+  return Words8Out{U32x4{out[0], out[1], out[2], out[3]}, U32x4{out[4], out[5], out[6], out[7]}};
+}
+
+// Per block, the 8 magnitudes (|e2m1| * |s|) * |g| are rounded to f16/bf16
+// once and split into a table of low bytes and one of high bytes; each code
+// picks its two bytes with prmt. The sign of (e2m1 * s) * g is the xor of the
+// three signs (IEEE multiplication and round-to-nearest are symmetric, and
+// no product is NaN when s and g are finite), set with one more prmt.
+template <bool kBf16>
+FP4KV_HD Words8Out DequantizeBlockFast(U32x2 codes, uint8_t scale_byte, float g, bool g_finite) {
+  if (!g_finite || (scale_byte & 0x7fu) == 0x7fu) {
+    return DequantizeBlockGeneric(codes, scale_byte, g, kBf16);
+  }
+  const float as = FastE4m3DecodeNonNeg(scale_byte & 0x7fu);
+  const float ag = Abs(g);
+  const uint32_t e01 = Pack2<kBf16>(0.0f, MulRn(MulRn(0.5f, as), ag));
+  const uint32_t e23 = Pack2<kBf16>(MulRn(as, ag), MulRn(MulRn(1.5f, as), ag));
+  const uint32_t e45 = Pack2<kBf16>(MulRn(MulRn(2.0f, as), ag), MulRn(MulRn(3.0f, as), ag));
+  const uint32_t e67 = Pack2<kBf16>(MulRn(MulRn(4.0f, as), ag), MulRn(MulRn(6.0f, as), ag));
+  const uint32_t lo0 = Prmt(e01, e23, 0x6420u), lo1 = Prmt(e45, e67, 0x6420u);
+  const uint32_t hi0 = Prmt(e01, e23, 0x7531u), hi1 = Prmt(e45, e67, 0x7531u);
+  const bool neg = ((scale_byte >> 7) ^ (FloatBits(g) >> 31)) & 1u;
+  const uint32_t flip = neg ? 0x88888888u : 0u;
+  const uint32_t mags[2] = {codes.x & 0x77777777u, codes.y & 0x77777777u};
+  const uint32_t sgns[2] = {codes.x ^ flip, codes.y ^ flip};
+  uint32_t out[8];
+  FP4KV_UNROLL
+  for (int h = 0; h < 4; ++h) {  // values 4h .. 4h + 3
+    const uint32_t m = mags[h / 2] >> (16 * (h % 2));
+    const uint32_t sg = sgns[h / 2] >> (16 * (h % 2));
+    const uint32_t a = Prmt(lo0, lo1, m);
+    // Byte 0x80 where the value is positive, 0xff where negative: bit 0 is
+    // the sign.
+    const uint32_t neg = Prmt(0x80808080u, 0x80808080u, sg);
+    const uint32_t b = Prmt(hi0, hi1, m) | ((neg << 7) & 0x80808080u);
+    out[2 * h] = Prmt(a, b, 0x5140u);
+    out[2 * h + 1] = Prmt(a, b, 0x7362u);
+  }
+  return Words8Out{U32x4{out[0], out[1], out[2], out[3]}, U32x4{out[4], out[5], out[6], out[7]}};
+}
+
+// ---------------------------------------------------------------------------
 // Dequantize half a block (8 values) to f16/bf16: DequantValue then
 // FloatToHalfBits / FloatToBf16Bits. `codes` holds the 4 packed bytes
 // (value 0 in the low nibble); out[j] holds values 2j (low half) and 2j + 1.

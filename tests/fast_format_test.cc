@@ -360,6 +360,48 @@ TEST(DequantizeHalf, MatchesDequantValueForEveryScaleByte) {
   }
 }
 
+TEST(DequantizeBlock, MatchesDequantValueForEveryScaleByte) {
+  std::mt19937_64 rng(7);
+  const float gs[] = {1.0f,
+                      0.37f,
+                      1e-30f,
+                      1e30f,
+                      3.4e38f,
+                      1e-40f,
+                      0.0f,
+                      -0.0f,
+                      -2.0f,
+                      -3.4e38f,
+                      std::numeric_limits<float>::infinity(),
+                      std::numeric_limits<float>::quiet_NaN()};
+  for (bool bf : {false, true}) {
+    for (float g : gs) {
+      const bool g_finite = IsFiniteBits(FloatBits(g));
+      for (uint32_t sb = 0; sb < 256; ++sb) {
+        for (int k = 0; k < 8; ++k) {
+          const U32x2 codes = k == 0   ? U32x2{0x76543210u, 0xfedcba98u}
+                              : k == 1 ? U32x2{0xfedcba98u, 0x76543210u}
+                                       : U32x2{static_cast<uint32_t>(rng()),
+                                               static_cast<uint32_t>(rng())};
+          const Words8Out got =
+              bf ? DequantizeBlockFast<true>(codes, static_cast<uint8_t>(sb), g, g_finite)
+                 : DequantizeBlockFast<false>(codes, static_cast<uint8_t>(sb), g, g_finite);
+          const uint32_t gw[8] = {got.lo.x, got.lo.y, got.lo.z, got.lo.w,
+                                  got.hi.x, got.hi.y, got.hi.z, got.hi.w};
+          const float s = E4m3Decode(static_cast<uint8_t>(sb));
+          for (int i = 0; i < 16; ++i) {
+            const uint32_t word = i < 8 ? codes.x : codes.y;
+            const float v = DequantValue(static_cast<uint8_t>((word >> (4 * (i % 8))) & 0xfu), s, g);
+            const uint16_t want = bf ? FloatToBf16Bits(v) : FloatToHalfBits(v);
+            const uint16_t have = static_cast<uint16_t>(gw[i / 2] >> (16 * (i % 2)));
+            ASSERT_EQ(have, want) << "bf16=" << bf << " g=" << g << " sb=" << sb << " i=" << i;
+          }
+        }
+      }
+    }
+  }
+}
+
 TEST(MaterializeBlock, MatchesMaterializeFp8ValueForEveryScaleByte) {
   std::mt19937_64 rng(9);
   const float ms[] = {1.0f, 0.5f,   1.0f / 6.0f, 1e-20f,  1e20f,
