@@ -132,6 +132,13 @@ FP4KV_HD uint32_t E2m1CodeOfValue(float v) {
   return FloatBits(MulRn(v, BitsFloat(0x00800000u))) >> 22;
 }
 
+// E2m1CodeOfValue(v) << (4 * k) for k in [0, 7]: the bits of v * 2^-126 lie in
+// 22..24 only, so one shift moves the code to nibble k.
+FP4KV_HD uint32_t E2m1CodeOfValueAt(float v, int k) {
+  const uint32_t b = FloatBits(MulRn(v, BitsFloat(0x00800000u)));
+  return 4 * k <= 22 ? b >> (22 - 4 * k) : b << (4 * k - 22);
+}
+
 // E2m1Decode(c) for a code c in [0, 15]: the code's bits placed in an fp32
 // (exponent = E2M1 exponent, subnormal when 0) times 2^126.
 FP4KV_HD float FastE2m1Decode(uint32_t c) {
@@ -504,8 +511,8 @@ FP4KV_HD uint8_t QuantizeBlockFast(const uint32_t (&w)[8], const QuantScale& qs,
         const uint32_t d = H2Sub(xh, H2Pack(dq6, dq4));
         eh = H2Add(eh, kMse ? H2Mul(d, d) : H2Abs(d));
       }
-      p6[i / 8] |= E2m1CodeOfValue(v6) << (4 * (i % 8));
-      p4[i / 8] |= E2m1CodeOfValue(v4) << (4 * (i % 8));
+      p6[i / 8] += E2m1CodeOfValueAt(v6, i % 8);  // disjoint nibbles: + is |
+      p4[i / 8] += E2m1CodeOfValueAt(v4, i % 8);
     }
     if constexpr (kHalf) {
       e6 = HalfToFloat(eh & 0xffffu);

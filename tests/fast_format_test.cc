@@ -360,6 +360,15 @@ TEST(DequantizeHalf, MatchesDequantValueForEveryScaleByte) {
   }
 }
 
+TEST(E2m1CodeOfValueAt, PlacesTheCodeInEveryNibble) {
+  for (uint32_t c = 0; c < 8; ++c) {
+    const float v = E2m1Decode(static_cast<uint8_t>(c));
+    for (int k = 0; k < 8; ++k) {
+      EXPECT_EQ(E2m1CodeOfValueAt(v, k), c << (4 * k)) << "code " << c << " nibble " << k;
+    }
+  }
+}
+
 TEST(DequantizeBlock, MatchesDequantValueForEveryScaleByte) {
   std::mt19937_64 rng(7);
   const float gs[] = {1.0f,
