@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #if defined(__CUDACC__)
 #include <cuda_bf16.h>
@@ -100,10 +101,13 @@ FP4KV_HD float RcpRn(float x) {
 // The minimum is taken on the bit patterns (equal order for non-negative
 // floats, +inf included), which the device does with one 3-input integer min
 // and one 2-input min.
+// kCap = false drops the cap for a < 6.5 (then 4 + rint(a/2) <= 7 already).
+template <bool kCap = true>
 FP4KV_HD uint32_t E2m1MagnitudeT(float a) {
   const uint32_t t1 = FloatBits(FmaPow2Rn(a, 2.0f, kTwo23));
   const uint32_t t2 = FloatBits(AddRn(a, kTwo23 + 2.0f));
   const uint32_t t3 = FloatBits(FmaPow2Rn(a, 0.5f, kTwo23 + 4.0f));
+  if constexpr (!kCap) return MinU32(MinU32(t1, t2), t3);
   return MinU32(MinU32(t1, t2), MinU32(t3, kTwo23Bits + 7));
 }
 
@@ -119,8 +123,11 @@ FP4KV_HD uint8_t FastE2m1Encode(float y) {
 // |E2m1Decode(E2m1Encode(a))| for a >= 0 (not NaN; +inf allowed): a is
 // clamped to 6 and added to 2^(22+e), e = clamp(floor(log2 a), 0, 2), whose
 // ulp is the E2M1 step at a; the sum rounds to nearest even.
+// kClamp = false drops the clamp for a < 6.5 (a in [4, 6.5) rounds to 4 or
+// 6 on the step-2 grid already).
+template <bool kClamp = true>
 FP4KV_HD float E2m1RoundMagnitude(float a) {
-  const float a6 = MinF(a, 6.0f);
+  const float a6 = kClamp ? MinF(a, 6.0f) : a;
   const uint32_t e = FloatBits(a6) & 0x7f800000u;
   const float magic = BitsFloat(MaxU32(e + (22u << 23), 0x4a800000u));
   return SubRn(AddRn(a6, magic), magic);
@@ -299,9 +306,10 @@ inline RecipeVariant VariantOf(const Recipe& r) {
 // Per global scale, computed once per thread.
 struct QuantScale {
   float g = 1.0f;
-  float g6 = 6.0f;   // MulRn(6, g)
-  float g4 = 4.0f;   // MulRn(4, g)
-  bool fast = true;  // g positive and finite
+  float g6 = 6.0f;    // MulRn(6, g)
+  float g4 = 4.0f;    // MulRn(4, g)
+  bool fast = true;   // g positive and finite
+  bool tight = true;  // g in [2^-100, 2^100]: see TightScale
 };
 
 FP4KV_HD QuantScale MakeQuantScale(float g) {
@@ -310,8 +318,17 @@ FP4KV_HD QuantScale MakeQuantScale(float g) {
   q.g6 = MulRn(6.0f, g);
   q.g4 = MulRn(4.0f, g);
   q.fast = g > 0.0f && IsFiniteBits(FloatBits(g));
+  q.tight = FloatBits(g) - 0x0d800000u <= 0x71800000u - 0x0d800000u;  // 2^-100 .. 2^100
   return q;
 }
+
+// For g with QuantScale::tight and a block scale byte b = E4m3(rn(amax / rn(k g)))
+// (k = 6 or 4) that is normal and not the largest code (0x08..0x7d): no
+// saturation, and E4M3's relative rounding error is at most 2^-4, so with the
+// fp32 roundings of rn(k g), rn(s g), 1 / (s g) and |x| r (2^-24 each, all
+// results normal) every a = |x| r <= k * 17/16 * (1 + 2^-24)^5 < 6.5.
+// Then the E2M1 cap / clamp at 6 changes nothing.
+FP4KV_HD bool TightScale(uint32_t b) { return b - 0x08u <= 0x7du - 0x08u; }
 
 // r = 1 / (s g) as EncodeBlockWithScale computes it (s >= 0, g > 0).
 FP4KV_HD float BlockReciprocal(float s, float g) {
@@ -332,7 +349,7 @@ FP4KV_HD uint32_t SignNibbles(uint32_t w0, uint32_t w1, uint32_t w2, uint32_t w3
 }
 
 // Magnitude codes of the 8 values in w0..w3 times r (r >= 0), packed.
-template <bool kBf16>
+template <bool kBf16, bool kCap = true>
 FP4KV_HD uint32_t EncodeMagnitudes8(const uint32_t* w, float r) {
   uint32_t acc = 0;
   FP4KV_UNROLL
@@ -341,8 +358,8 @@ FP4KV_HD uint32_t EncodeMagnitudes8(const uint32_t* w, float r) {
     Unpack2<kBf16>(w[j], &lo, &hi);
     // Each term carries 2^23's bits (0x4b000000) shifted by 4k; their sum
     // mod 2^32 is 0xfb000000, removed once below.
-    acc += E2m1MagnitudeT(MulRn(Abs(lo), r)) << (8 * j);
-    acc += E2m1MagnitudeT(MulRn(Abs(hi), r)) << (8 * j + 4);
+    acc += E2m1MagnitudeT<kCap>(MulRn(Abs(lo), r)) << (8 * j);
+    acc += E2m1MagnitudeT<kCap>(MulRn(Abs(hi), r)) << (8 * j + 4);
   }
   return acc - 0xfb000000u;
 }
@@ -471,8 +488,13 @@ FP4KV_HD uint8_t QuantizeBlockFast(const uint32_t (&w)[8], const QuantScale& qs,
   const float s6 = FastE4m3DecodeNonNeg(b6);
   const float r6 = BlockReciprocal(s6, qs.g);
   if constexpr (kVariant == RecipeVariant::kStandard) {
-    packed[0] = EncodeMagnitudes8<kBf16>(&w[0], r6) | sign0;
-    packed[1] = EncodeMagnitudes8<kBf16>(&w[4], r6) | sign1;
+    if (qs.tight && TightScale(b6)) {
+      packed[0] = EncodeMagnitudes8<kBf16, false>(&w[0], r6) | sign0;
+      packed[1] = EncodeMagnitudes8<kBf16, false>(&w[4], r6) | sign1;
+    } else {
+      packed[0] = EncodeMagnitudes8<kBf16, true>(&w[0], r6) | sign0;
+      packed[1] = EncodeMagnitudes8<kBf16, true>(&w[4], r6) | sign1;
+    }
     return b6;
   } else {
     constexpr bool kHalf =
@@ -487,13 +509,15 @@ FP4KV_HD uint8_t QuantizeBlockFast(const uint32_t (&w)[8], const QuantScale& qs,
     uint32_t eh = 0;             // fp16 errors: candidate 6 low, 4 high
     // Candidates are compared on magnitudes: the code's sign is x's, so
     // x - dq has the magnitude |x| - |dq| and both metrics are even.
+    auto candidates = [&](auto clamp) {
+    constexpr bool kClamp = decltype(clamp)::value;
     FP4KV_UNROLL
     for (int i = 0; i < kBlockSize; ++i) {
       float lo, hi;
       Unpack2<kBf16>(w[i / 2], &lo, &hi);
       const float ax = Abs(i % 2 == 0 ? lo : hi);
-      const float v6 = E2m1RoundMagnitude(MulRn(ax, r6));
-      const float v4 = E2m1RoundMagnitude(MulRn(ax, r4));
+      const float v6 = E2m1RoundMagnitude<kClamp>(MulRn(ax, r6));
+      const float v4 = E2m1RoundMagnitude<kClamp>(MulRn(ax, r4));
       const float dq6 = MulRn(MulRn(v6, s6), qs.g);
       const float dq4 = MulRn(MulRn(v4, s4), qs.g);
       if constexpr (!kHalf) {
@@ -513,6 +537,12 @@ FP4KV_HD uint8_t QuantizeBlockFast(const uint32_t (&w)[8], const QuantScale& qs,
       }
       p6[i / 8] += E2m1CodeOfValueAt(v6, i % 8);  // disjoint nibbles: + is |
       p4[i / 8] += E2m1CodeOfValueAt(v4, i % 8);
+    }
+    };
+    if (qs.tight && TightScale(b6) && TightScale(b4)) {
+      candidates(std::false_type{});
+    } else {
+      candidates(std::true_type{});
     }
     if constexpr (kHalf) {
       e6 = HalfToFloat(eh & 0xffffu);

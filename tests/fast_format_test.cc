@@ -323,6 +323,51 @@ TEST_P(QuantizeBlockTest, FastAndFallbackMatchQuantizeBlock) {
 INSTANTIATE_TEST_SUITE_P(Dtypes, QuantizeBlockTest, ::testing::Values(DType::kF16, DType::kBF16),
                          [](const auto& info) { return std::string(DTypeName(info.param)); });
 
+// Blocks whose amax sits at the rounding midpoints of the block scale, where
+// |x| r is largest (up to 6 * 17/16 for amax / 6): the fast path without the
+// E2M1 cap / clamp (TightScale) must still match QuantizeBlock there.
+TEST(QuantizeBlockTight, AmaxAtScaleMidpoints) {
+  std::mt19937_64 rng(21);
+  int64_t checked = 0;
+  for (bool bf : {false, true}) {
+    for (const Recipe& recipe : TestRecipes()) {
+      for (float g : {1.0f, 0.37f, 3e-3f, 1e-29f, 1e29f}) {
+        for (uint32_t b = 0; b < 0x7e; ++b) {
+          const float mid = 0.5f * (E4m3Decode(static_cast<uint8_t>(b)) +
+                                    E4m3Decode(static_cast<uint8_t>(b + 1)));
+          for (float k : {6.0f, 4.0f}) {
+            const float target = MulRn(mid, MulRn(k, g));
+            const uint16_t t = bf ? FloatToBf16Bits(target) : FloatToHalfBits(target);
+            for (int delta = -2; delta <= 2; ++delta) {
+              const uint16_t a = static_cast<uint16_t>(t + delta);
+              if ((a & 0x7fffu) >= (bf ? 0x7f80u : 0x7c00u) || (a & 0x7fffu) == 0) continue;
+              std::vector<uint16_t> h(16);
+              for (int i = 0; i < 16; ++i) {
+                uint16_t v = i == 0 ? a : static_cast<uint16_t>(rng() % (a & 0x7fffu) + 1);
+                if (rng() % 4 == 0) v = a & 0x7fffu;
+                h[i] = static_cast<uint16_t>(v | ((rng() & 1) ? 0x8000u : 0u));
+              }
+              float x[kBlockSize];
+              for (int i = 0; i < kBlockSize; ++i)
+                x[i] = bf ? Bf16BitsToFloat(h[i]) : HalfBitsToFloat(h[i]);
+              uint32_t ref[2], w[8], got[2];
+              const uint8_t ref_b = QuantizeBlock(x, g, recipe, ref);
+              ToWords(h, w);
+              const uint8_t got_b = bf ? FastQuantizeAny<true>(w, g, recipe, got)
+                                       : FastQuantizeAny<false>(w, g, recipe, got);
+              ASSERT_EQ(got_b, ref_b) << "g=" << g << " b=" << b << " bf=" << bf;
+              ASSERT_EQ(got[0], ref[0]) << "g=" << g << " b=" << b << " bf=" << bf;
+              ASSERT_EQ(got[1], ref[1]) << "g=" << g << " b=" << b << " bf=" << bf;
+              ++checked;
+            }
+          }
+        }
+      }
+    }
+  }
+  EXPECT_GT(checked, 10000);
+}
+
 TEST(DequantizeHalf, MatchesDequantValueForEveryScaleByte) {
   std::mt19937_64 rng(5);
   const float gs[] = {1.0f,
