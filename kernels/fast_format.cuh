@@ -173,6 +173,45 @@ FP4KV_HD float FastE4m3DecodeNonNeg(uint32_t b) {
 }
 
 // ---------------------------------------------------------------------------
+// E4M3 encode of two floats into one 16-bit pair (lo in byte 0).
+// ---------------------------------------------------------------------------
+// E4m3Encode for every input: sm_89+ has it as one instruction (round to
+// nearest even, saturating, NaN -> 0x7f; tests/gpu_fast_format_test.cu checks
+// it over every pattern).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+#define FP4KV_HW_E4M3 1
+#endif
+FP4KV_HD uint32_t E4m3Encode2(float lo, float hi) {
+#if defined(FP4KV_HW_E4M3)
+  unsigned short d;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(d) : "f"(hi), "f"(lo));
+  return d;
+#else
+  return E4m3Encode(lo) | (static_cast<uint32_t>(E4m3Encode(hi)) << 8);
+#endif
+}
+
+// The same for lo, hi >= +0, not NaN (+inf allowed): the software form uses
+// the fast non-negative encoder.
+FP4KV_HD uint32_t E4m3Encode2NonNeg(float lo, float hi) {
+#if defined(FP4KV_HW_E4M3)
+  return E4m3Encode2(lo, hi);
+#else
+  return FastE4m3EncodeNonNeg(lo) | (static_cast<uint32_t>(FastE4m3EncodeNonNeg(hi)) << 8);
+#endif
+}
+
+// E4m3Encode(q) for a block scale q >= +0, not NaN (+inf allowed); the
+// result is below 256.
+FP4KV_HD uint32_t E4m3EncodeScale(float q) {
+#if defined(FP4KV_HW_E4M3)
+  return E4m3Encode2(q, 0.0f);
+#else
+  return FastE4m3EncodeNonNeg(q);
+#endif
+}
+
+// ---------------------------------------------------------------------------
 // f16 / bf16 pairs in one 32-bit word (element 0 in the low half).
 // ---------------------------------------------------------------------------
 #if defined(__CUDA_ARCH__)
@@ -484,7 +523,7 @@ FP4KV_HD uint8_t QuantizeBlockFast(const uint32_t (&w)[8], const QuantScale& qs,
   const float amax = kBf16 ? BitsFloat(amax16 << 16) : HalfToFloat(amax16);
   const uint32_t sign0 = SignNibbles(w[0], w[1], w[2], w[3]);
   const uint32_t sign1 = SignNibbles(w[4], w[5], w[6], w[7]);
-  const uint8_t b6 = FastE4m3EncodeNonNeg(DivRn(amax, qs.g6));
+  const uint32_t b6 = E4m3EncodeScale(DivRn(amax, qs.g6));
   const float s6 = FastE4m3DecodeNonNeg(b6);
   const float r6 = BlockReciprocal(s6, qs.g);
   if constexpr (kVariant == RecipeVariant::kStandard) {
@@ -495,12 +534,12 @@ FP4KV_HD uint8_t QuantizeBlockFast(const uint32_t (&w)[8], const QuantScale& qs,
       packed[0] = EncodeMagnitudes8<kBf16, true>(&w[0], r6) | sign0;
       packed[1] = EncodeMagnitudes8<kBf16, true>(&w[4], r6) | sign1;
     }
-    return b6;
+    return static_cast<uint8_t>(b6);
   } else {
     constexpr bool kHalf =
         kVariant == RecipeVariant::kMaeHalf || kVariant == RecipeVariant::kMseHalf;
     constexpr bool kMse = kVariant == RecipeVariant::kMse || kVariant == RecipeVariant::kMseHalf;
-    const uint8_t b4 = FastE4m3EncodeNonNeg(DivRn(amax, qs.g4));
+    const uint32_t b4 = E4m3EncodeScale(DivRn(amax, qs.g4));
     const float s4 = FastE4m3DecodeNonNeg(b4);
     const float r4 = BlockReciprocal(s4, qs.g);
     uint32_t p6[2] = {0, 0};
@@ -551,7 +590,7 @@ FP4KV_HD uint8_t QuantizeBlockFast(const uint32_t (&w)[8], const QuantScale& qs,
     const bool four = e4 < e6;
     packed[0] = (four ? p4[0] : p6[0]) | sign0;
     packed[1] = (four ? p4[1] : p6[1]) | sign1;
-    return four ? b4 : b6;
+    return static_cast<uint8_t>(four ? b4 : b6);
   }
 }
 
@@ -651,35 +690,6 @@ FP4KV_HD U32x4 DequantizeHalfFast(uint32_t codes, uint8_t scale_byte, float g, b
     out[j] = Pack2<kBf16>(lo, hi);
   }
   return U32x4{out[0], out[1], out[2], out[3]};
-}
-
-// ---------------------------------------------------------------------------
-// E4M3 encode of two floats into one 16-bit pair (lo in byte 0).
-// ---------------------------------------------------------------------------
-// E4m3Encode for every input: sm_89+ has it as one instruction (round to
-// nearest even, saturating, NaN -> 0x7f; tests/gpu_fast_format_test.cu checks
-// it over every pattern).
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-#define FP4KV_HW_E4M3 1
-#endif
-FP4KV_HD uint32_t E4m3Encode2(float lo, float hi) {
-#if defined(FP4KV_HW_E4M3)
-  unsigned short d;
-  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(d) : "f"(hi), "f"(lo));
-  return d;
-#else
-  return E4m3Encode(lo) | (static_cast<uint32_t>(E4m3Encode(hi)) << 8);
-#endif
-}
-
-// The same for lo, hi >= +0, not NaN (+inf allowed): the software form uses
-// the fast non-negative encoder.
-FP4KV_HD uint32_t E4m3Encode2NonNeg(float lo, float hi) {
-#if defined(FP4KV_HW_E4M3)
-  return E4m3Encode2(lo, hi);
-#else
-  return FastE4m3EncodeNonNeg(lo) | (static_cast<uint32_t>(FastE4m3EncodeNonNeg(hi)) << 8);
-#endif
 }
 
 // ---------------------------------------------------------------------------
