@@ -377,6 +377,51 @@ BENCHMARK(BM_AppendHostCost)
     ->Repetitions(5)
     ->ReportAggregatesOnly(true);
 
+// Baseline for BM_AppendHostCost: the host cost of launching an empty kernel
+// whose parameter is `kBytes` bytes (416 = the append kernel's parameter
+// struct), with the same queue draining. The difference to
+// BM_AppendHostCost is what Run() adds around cudaLaunchKernel.
+template <int kBytes>
+struct ParamBlob {
+  unsigned char bytes[kBytes];
+};
+
+template <int kBytes>
+__global__ void EmptyKernel(const ParamBlob<kBytes> blob) {
+  if (blob.bytes[0] == 0xff && threadIdx.x == 1024) asm volatile("trap;");
+}
+
+template <int kBytes>
+void BM_LaunchHostCost(benchmark::State& state) {
+  if (!HaveGpu(state)) return;
+  cudaStream_t s;
+  BENCH_CUDA(state, cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  ParamBlob<kBytes> blob{};
+  int64_t n = 0;
+  for (auto _ : state) {
+    EmptyKernel<kBytes><<<dim3(128, 1), 128, 0, s>>>(blob);
+    if (cudaGetLastError() != cudaSuccess) {
+      state.SkipWithError("launch");
+      break;
+    }
+    if (++n % 256 == 0) {
+      state.PauseTiming();
+      (void)cudaStreamSynchronize(s);
+      state.ResumeTiming();
+    }
+  }
+  BENCH_CUDA(state, cudaStreamSynchronize(s));
+  (void)cudaStreamDestroy(s);
+}
+BENCHMARK(BM_LaunchHostCost<16>)
+    ->Unit(benchmark::kMicrosecond)
+    ->Repetitions(5)
+    ->ReportAggregatesOnly(true);
+BENCHMARK(BM_LaunchHostCost<416>)
+    ->Unit(benchmark::kMicrosecond)
+    ->Repetitions(5)
+    ->ReportAggregatesOnly(true);
+
 // ------------------------------------------------------------ dequantize
 // args: batch, tokens per request
 void BM_Dequantize(benchmark::State& state) {

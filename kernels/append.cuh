@@ -106,19 +106,22 @@ FP4KV_HD void AppendThread(const AppendLaunch& a, uint32_t cta_x, uint32_t cta_y
   uint8_t* const scales = pool.scales + head * pool.scale_head + blk;
   // Global scale: read once per thread (a device pointer sees graph updates).
   const QuantScale qs = MakeQuantScale(is_v ? p.v_scale.Get() : p.k_scale.Get());
-  const int64_t first = a.row_begin + static_cast<int64_t>(cta_x) * a.shape.rows_per_cta;
-  const int64_t end_all = a.row_begin + a.rows;
-  const int64_t end =
-      first + a.shape.rows_per_cta < end_all ? first + a.shape.rows_per_cta : end_all;
-  for (int64_t r0 = first; r0 < end; r0 += kAppendUnroll) {
+  // Rows of this CTA: [first, first + n) of the launch (32-bit: a launch has
+  // fewer than 2^30 rows); pointers advance by a row per step.
+  const uint32_t first = cta_x * a.shape.rows_per_cta;
+  const uint32_t left = static_cast<uint32_t>(a.rows) - first;
+  const uint32_t n = left < a.shape.rows_per_cta ? left : a.shape.rows_per_cta;
+  const int64_t row0 = a.row_begin + first;
+  const uint16_t* src = in + row0 * in_row;
+  for (uint32_t r0 = 0; r0 < n; r0 += kAppendUnroll) {
     uint32_t w[kAppendUnroll][8];
     // Input loads first: they do not depend on the rows' index chains.
     FP4KV_UNROLL
     for (int u = 0; u < kAppendUnroll; ++u) {
-      if (r0 + u >= end) break;
-      const uint16_t* src = in + (r0 + u) * in_row;
+      if (r0 + u >= n) break;
       const U32x4 lo = LoadInput16(src);
       const U32x4 hi = LoadInput16(src + 8);
+      src += in_row;
       w[u][0] = lo.x;
       w[u][1] = lo.y;
       w[u][2] = lo.z;
@@ -130,10 +133,10 @@ FP4KV_HD void AppendThread(const AppendLaunch& a, uint32_t cta_x, uint32_t cta_y
     }
     FP4KV_UNROLL
     for (int u = 0; u < kAppendUnroll; ++u) {
-      if (r0 + u >= end) break;
+      if (r0 + u >= n) break;
       int64_t page;
       int entry;
-      if (!ResolveRow(p, a.page_div, r0 + u, &page, &entry)) continue;
+      if (!ResolveRow(p, a.page_div, row0 + r0 + u, &page, &entry)) continue;
       uint32_t packed[2];
       const uint8_t sb = QuantizeBlockFast<kBf16, kVariant>(w[u], qs, p.recipe, packed);
       Store8(data + page * pool.data_page + entry * pool.data_entry, U32x2{packed[0], packed[1]});

@@ -30,7 +30,7 @@ absl::Status LaunchDequantize(const DequantParams& p, Stream stream) {
   });
   if (!ok) {
     return absl::InvalidArgumentError(
-        "dequantize: expected num_kv_heads * (head_dim_k + head_dim_v) / 8 <= 2^24");
+        "dequantize: expected num_kv_heads * (head_dim_k + head_dim_v) / 16 <= 2^24");
   }
   return CudaStatus(cudaGetLastError(), "DequantizePagedKernel launch");
 }

@@ -1,10 +1,10 @@
 // Internal: paged dequantize, per thread. A row is one output position
-// (request b, position t < max_seq_len); its work items are the half blocks
-// (8 values) of K then V over all heads. A thread owns one item (offsets
+// (request b, position t < max_seq_len); its work items are the blocks
+// (16 values) of K then V over all heads. A thread owns one item (offsets
 // computed once) and handles it for the positions of its CTA, two at a time;
 // positions past the request's length are skipped, so the grid depends only
-// on B, max_seq_len and the geometry. A warp reads 128 contiguous bytes of
-// codes and writes 512 contiguous bytes of f16/bf16 (one 16-byte store per
+// on B, max_seq_len and the geometry. A warp reads 256 contiguous bytes of
+// codes and writes 1 KiB contiguous bytes of f16/bf16 (two 16-byte stores per
 // thread) when the output heads are contiguous.
 #ifndef FP4KV_KERNELS_DEQUANTIZE_CUH_
 #define FP4KV_KERNELS_DEQUANTIZE_CUH_
@@ -25,28 +25,28 @@ struct DequantLaunch {
   int batch_begin = 0;  // first request of this launch
   int64_t rows = 0;     // positions of this launch: requests * max_seq_len
   TileShape shape;
-  uint32_t items = 0;     // half blocks per position: H * (Dk + Dv) / 8
-  uint32_t k_halves = 0;  // H * Dk / 8
+  uint32_t items = 0;     // blocks per position: H * (Dk + Dv) / 16
+  uint32_t k_blocks = 0;  // H * Dk / 16
   FastDivmod seq_div;     // max_seq_len
   FastDivmod page_div;    // page_size
-  FastDivmod k_head_div;  // Dk / 8
-  FastDivmod v_head_div;  // Dv / 8
+  FastDivmod k_head_div;  // Dk / 16
+  FastDivmod v_head_div;  // Dv / 16
 };
 
 // Calls f(launch) for each launch covering p's requests. Returns false when
-// a position has too many half blocks for one grid.
+// a position has too many blocks for one grid.
 template <typename F>
 bool ForEachDequantLaunch(const internal::DequantParams& p, F&& f, uint32_t rows_per_cta = 0) {
-  const int64_t kh = static_cast<int64_t>(p.num_heads) * (p.k.head_dim / 8);
-  const int64_t vh = static_cast<int64_t>(p.num_heads) * (p.v.head_dim / 8);
+  const int64_t kh = static_cast<int64_t>(p.num_heads) * (p.k.head_dim / kBlockSize);
+  const int64_t vh = static_cast<int64_t>(p.num_heads) * (p.v.head_dim / kBlockSize);
   DequantLaunch a;
   a.p = p;
   a.items = static_cast<uint32_t>(kh + vh);
-  a.k_halves = static_cast<uint32_t>(kh);
+  a.k_blocks = static_cast<uint32_t>(kh);
   a.seq_div = FastDivmod::Make(static_cast<uint32_t>(p.max_seq_len));
   a.page_div = FastDivmod::Make(static_cast<uint32_t>(p.page_size));
-  a.k_head_div = FastDivmod::Make(static_cast<uint32_t>(p.k.head_dim / 8));
-  a.v_head_div = FastDivmod::Make(static_cast<uint32_t>(p.v.head_dim / 8));
+  a.k_head_div = FastDivmod::Make(static_cast<uint32_t>(p.k.head_dim / kBlockSize));
+  a.v_head_div = FastDivmod::Make(static_cast<uint32_t>(p.v.head_dim / kBlockSize));
   const int64_t per_launch = kMaxLaunchItems / p.max_seq_len;  // requests
   const uint32_t per_cta = rows_per_cta > 0
                                ? rows_per_cta
@@ -66,16 +66,17 @@ FP4KV_HD void DequantThread(const DequantLaunch& a, uint32_t cta_x, uint32_t cta
   const internal::DequantParams& p = a.p;
   const uint32_t item = cta_y * a.shape.threads + tid;
   if (item >= a.items) return;
-  // This thread's half block: K or V, head, half block within the head row.
-  const bool is_v = item >= a.k_halves;
-  uint32_t hb;
+  // This thread's block: K or V, head, block within the head row.
+  const bool is_v = item >= a.k_blocks;
+  uint32_t blk;
   const uint32_t head =
-      is_v ? a.v_head_div.DivMod(item - a.k_halves, &hb) : a.k_head_div.DivMod(item, &hb);
+      is_v ? a.v_head_div.DivMod(item - a.k_blocks, &blk) : a.k_head_div.DivMod(item, &blk);
   const internal::PoolPtrs pool = SelectPool(p.k, p.v, is_v);
-  const uint8_t* const data = pool.data + head * pool.data_head + hb * 4;
-  const uint8_t* const scales = pool.scales + head * pool.scale_head + hb / 2;
+  const uint8_t* const data = pool.data + head * pool.data_head + blk * kBlockBytes;
+  const uint8_t* const scales = pool.scales + head * pool.scale_head + blk;
   uint16_t* const out = static_cast<uint16_t*>(is_v ? p.v_out : p.k_out) +
-                        head * (is_v ? p.v_out_head : p.k_out_head) + static_cast<int64_t>(hb) * 8;
+                        head * (is_v ? p.v_out_head : p.k_out_head) +
+                        static_cast<int64_t>(blk) * kBlockSize;
   const int64_t out_batch = is_v ? p.v_out_batch : p.k_out_batch;
   const int64_t out_token = is_v ? p.v_out_token : p.k_out_token;
   const float g = is_v ? p.v_scale.Get() : p.k_scale.Get();
@@ -101,19 +102,21 @@ FP4KV_HD void DequantThread(const DequantLaunch& a, uint32_t cta_x, uint32_t cta
       valid[u] = t[u] < internal::DequantTokens(p, b[u]) && page[u] >= 0 && page[u] < p.num_pages;
     }
     // Level 2: packed codes and scale bytes.
-    uint32_t codes[kDequantUnroll] = {};
+    U32x2 codes[kDequantUnroll] = {};
     uint8_t sb[kDequantUnroll] = {};
     FP4KV_UNROLL
     for (int u = 0; u < kDequantUnroll; ++u) {
       if (!valid[u]) continue;
-      codes[u] = LoadReadOnly4(data + page[u] * pool.data_page + entry[u] * pool.data_entry);
+      codes[u] = LoadReadOnly8(data + page[u] * pool.data_page + entry[u] * pool.data_entry);
       sb[u] = LoadReadOnly1(scales + page[u] * pool.scale_page + entry[u] * pool.scale_entry);
     }
     FP4KV_UNROLL
     for (int u = 0; u < kDequantUnroll; ++u) {
       if (!valid[u]) continue;
-      Store16(out + b[u] * out_batch + static_cast<int64_t>(t[u]) * out_token,
-              DequantizeHalfFast<kBf16>(codes[u], sb[u], g, g_finite));
+      uint16_t* const dst = out + b[u] * out_batch + static_cast<int64_t>(t[u]) * out_token;
+      const Words8Out v = DequantizeBlockFast<kBf16>(codes[u], sb[u], g, g_finite);
+      Store16(dst, v.lo);
+      Store16(dst + 8, v.hi);
     }
   }
 }

@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #if defined(__CUDACC__)
 #include <cuda_bf16.h>
@@ -100,10 +101,13 @@ FP4KV_HD float RcpRn(float x) {
 // The minimum is taken on the bit patterns (equal order for non-negative
 // floats, +inf included), which the device does with one 3-input integer min
 // and one 2-input min.
+// kCap = false drops the cap for a < 6.5 (then 4 + rint(a/2) <= 7 already).
+template <bool kCap = true>
 FP4KV_HD uint32_t E2m1MagnitudeT(float a) {
   const uint32_t t1 = FloatBits(FmaPow2Rn(a, 2.0f, kTwo23));
   const uint32_t t2 = FloatBits(AddRn(a, kTwo23 + 2.0f));
   const uint32_t t3 = FloatBits(FmaPow2Rn(a, 0.5f, kTwo23 + 4.0f));
+  if constexpr (!kCap) return MinU32(MinU32(t1, t2), t3);
   return MinU32(MinU32(t1, t2), MinU32(t3, kTwo23Bits + 7));
 }
 
@@ -119,8 +123,11 @@ FP4KV_HD uint8_t FastE2m1Encode(float y) {
 // |E2m1Decode(E2m1Encode(a))| for a >= 0 (not NaN; +inf allowed): a is
 // clamped to 6 and added to 2^(22+e), e = clamp(floor(log2 a), 0, 2), whose
 // ulp is the E2M1 step at a; the sum rounds to nearest even.
+// kClamp = false drops the clamp for a < 6.5 (a in [4, 6.5) rounds to 4 or
+// 6 on the step-2 grid already).
+template <bool kClamp = true>
 FP4KV_HD float E2m1RoundMagnitude(float a) {
-  const float a6 = MinF(a, 6.0f);
+  const float a6 = kClamp ? MinF(a, 6.0f) : a;
   const uint32_t e = FloatBits(a6) & 0x7f800000u;
   const float magic = BitsFloat(MaxU32(e + (22u << 23), 0x4a800000u));
   return SubRn(AddRn(a6, magic), magic);
@@ -130,6 +137,13 @@ FP4KV_HD float E2m1RoundMagnitude(float a) {
 // v * 2^-126 has the code in bits 22..24 (fp32 exponent = E2M1 exponent).
 FP4KV_HD uint32_t E2m1CodeOfValue(float v) {
   return FloatBits(MulRn(v, BitsFloat(0x00800000u))) >> 22;
+}
+
+// E2m1CodeOfValue(v) << (4 * k) for k in [0, 7]: the bits of v * 2^-126 lie in
+// 22..24 only, so one shift moves the code to nibble k.
+FP4KV_HD uint32_t E2m1CodeOfValueAt(float v, int k) {
+  const uint32_t b = FloatBits(MulRn(v, BitsFloat(0x00800000u)));
+  return 4 * k <= 22 ? b >> (22 - 4 * k) : b << (4 * k - 22);
 }
 
 // E2m1Decode(c) for a code c in [0, 15]: the code's bits placed in an fp32
@@ -156,6 +170,45 @@ FP4KV_HD uint8_t FastE4m3EncodeNonNeg(float q) {
 // E4m3Decode(b) for b in [0, 0x7e]: b's bits placed in an fp32 times 2^120.
 FP4KV_HD float FastE4m3DecodeNonNeg(uint32_t b) {
   return MulRn(BitsFloat(b << 20), BitsFloat(0x7b800000u));
+}
+
+// ---------------------------------------------------------------------------
+// E4M3 encode of two floats into one 16-bit pair (lo in byte 0).
+// ---------------------------------------------------------------------------
+// E4m3Encode for every input: sm_89+ has it as one instruction (round to
+// nearest even, saturating, NaN -> 0x7f; tests/gpu_fast_format_test.cu checks
+// it over every pattern).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+#define FP4KV_HW_E4M3 1
+#endif
+FP4KV_HD uint32_t E4m3Encode2(float lo, float hi) {
+#if defined(FP4KV_HW_E4M3)
+  unsigned short d;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(d) : "f"(hi), "f"(lo));
+  return d;
+#else
+  return E4m3Encode(lo) | (static_cast<uint32_t>(E4m3Encode(hi)) << 8);
+#endif
+}
+
+// The same for lo, hi >= +0, not NaN (+inf allowed): the software form uses
+// the fast non-negative encoder.
+FP4KV_HD uint32_t E4m3Encode2NonNeg(float lo, float hi) {
+#if defined(FP4KV_HW_E4M3)
+  return E4m3Encode2(lo, hi);
+#else
+  return FastE4m3EncodeNonNeg(lo) | (static_cast<uint32_t>(FastE4m3EncodeNonNeg(hi)) << 8);
+#endif
+}
+
+// E4m3Encode(q) for a block scale q >= +0, not NaN (+inf allowed); the
+// result is below 256.
+FP4KV_HD uint32_t E4m3EncodeScale(float q) {
+#if defined(FP4KV_HW_E4M3)
+  return E4m3Encode2(q, 0.0f);
+#else
+  return FastE4m3EncodeNonNeg(q);
+#endif
 }
 
 // ---------------------------------------------------------------------------
@@ -292,9 +345,10 @@ inline RecipeVariant VariantOf(const Recipe& r) {
 // Per global scale, computed once per thread.
 struct QuantScale {
   float g = 1.0f;
-  float g6 = 6.0f;   // MulRn(6, g)
-  float g4 = 4.0f;   // MulRn(4, g)
-  bool fast = true;  // g positive and finite
+  float g6 = 6.0f;    // MulRn(6, g)
+  float g4 = 4.0f;    // MulRn(4, g)
+  bool fast = true;   // g positive and finite
+  bool tight = true;  // g in [2^-100, 2^100]: see TightScale
 };
 
 FP4KV_HD QuantScale MakeQuantScale(float g) {
@@ -303,8 +357,17 @@ FP4KV_HD QuantScale MakeQuantScale(float g) {
   q.g6 = MulRn(6.0f, g);
   q.g4 = MulRn(4.0f, g);
   q.fast = g > 0.0f && IsFiniteBits(FloatBits(g));
+  q.tight = FloatBits(g) - 0x0d800000u <= 0x71800000u - 0x0d800000u;  // 2^-100 .. 2^100
   return q;
 }
+
+// For g with QuantScale::tight and a block scale byte b = E4m3(rn(amax / rn(k g)))
+// (k = 6 or 4) that is normal and not the largest code (0x08..0x7d): no
+// saturation, and E4M3's relative rounding error is at most 2^-4, so with the
+// fp32 roundings of rn(k g), rn(s g), 1 / (s g) and |x| r (2^-24 each, all
+// results normal) every a = |x| r <= k * 17/16 * (1 + 2^-24)^5 < 6.5.
+// Then the E2M1 cap / clamp at 6 changes nothing.
+FP4KV_HD bool TightScale(uint32_t b) { return b - 0x08u <= 0x7du - 0x08u; }
 
 // r = 1 / (s g) as EncodeBlockWithScale computes it (s >= 0, g > 0).
 FP4KV_HD float BlockReciprocal(float s, float g) {
@@ -325,7 +388,7 @@ FP4KV_HD uint32_t SignNibbles(uint32_t w0, uint32_t w1, uint32_t w2, uint32_t w3
 }
 
 // Magnitude codes of the 8 values in w0..w3 times r (r >= 0), packed.
-template <bool kBf16>
+template <bool kBf16, bool kCap = true>
 FP4KV_HD uint32_t EncodeMagnitudes8(const uint32_t* w, float r) {
   uint32_t acc = 0;
   FP4KV_UNROLL
@@ -334,8 +397,8 @@ FP4KV_HD uint32_t EncodeMagnitudes8(const uint32_t* w, float r) {
     Unpack2<kBf16>(w[j], &lo, &hi);
     // Each term carries 2^23's bits (0x4b000000) shifted by 4k; their sum
     // mod 2^32 is 0xfb000000, removed once below.
-    acc += E2m1MagnitudeT(MulRn(Abs(lo), r)) << (8 * j);
-    acc += E2m1MagnitudeT(MulRn(Abs(hi), r)) << (8 * j + 4);
+    acc += E2m1MagnitudeT<kCap>(MulRn(Abs(lo), r)) << (8 * j);
+    acc += E2m1MagnitudeT<kCap>(MulRn(Abs(hi), r)) << (8 * j + 4);
   }
   return acc - 0xfb000000u;
 }
@@ -460,18 +523,23 @@ FP4KV_HD uint8_t QuantizeBlockFast(const uint32_t (&w)[8], const QuantScale& qs,
   const float amax = kBf16 ? BitsFloat(amax16 << 16) : HalfToFloat(amax16);
   const uint32_t sign0 = SignNibbles(w[0], w[1], w[2], w[3]);
   const uint32_t sign1 = SignNibbles(w[4], w[5], w[6], w[7]);
-  const uint8_t b6 = FastE4m3EncodeNonNeg(DivRn(amax, qs.g6));
+  const uint32_t b6 = E4m3EncodeScale(DivRn(amax, qs.g6));
   const float s6 = FastE4m3DecodeNonNeg(b6);
   const float r6 = BlockReciprocal(s6, qs.g);
   if constexpr (kVariant == RecipeVariant::kStandard) {
-    packed[0] = EncodeMagnitudes8<kBf16>(&w[0], r6) | sign0;
-    packed[1] = EncodeMagnitudes8<kBf16>(&w[4], r6) | sign1;
-    return b6;
+    if (qs.tight && TightScale(b6)) {
+      packed[0] = EncodeMagnitudes8<kBf16, false>(&w[0], r6) | sign0;
+      packed[1] = EncodeMagnitudes8<kBf16, false>(&w[4], r6) | sign1;
+    } else {
+      packed[0] = EncodeMagnitudes8<kBf16, true>(&w[0], r6) | sign0;
+      packed[1] = EncodeMagnitudes8<kBf16, true>(&w[4], r6) | sign1;
+    }
+    return static_cast<uint8_t>(b6);
   } else {
     constexpr bool kHalf =
         kVariant == RecipeVariant::kMaeHalf || kVariant == RecipeVariant::kMseHalf;
     constexpr bool kMse = kVariant == RecipeVariant::kMse || kVariant == RecipeVariant::kMseHalf;
-    const uint8_t b4 = FastE4m3EncodeNonNeg(DivRn(amax, qs.g4));
+    const uint32_t b4 = E4m3EncodeScale(DivRn(amax, qs.g4));
     const float s4 = FastE4m3DecodeNonNeg(b4);
     const float r4 = BlockReciprocal(s4, qs.g);
     uint32_t p6[2] = {0, 0};
@@ -480,13 +548,15 @@ FP4KV_HD uint8_t QuantizeBlockFast(const uint32_t (&w)[8], const QuantScale& qs,
     uint32_t eh = 0;             // fp16 errors: candidate 6 low, 4 high
     // Candidates are compared on magnitudes: the code's sign is x's, so
     // x - dq has the magnitude |x| - |dq| and both metrics are even.
+    auto candidates = [&](auto clamp) {
+    constexpr bool kClamp = decltype(clamp)::value;
     FP4KV_UNROLL
     for (int i = 0; i < kBlockSize; ++i) {
       float lo, hi;
       Unpack2<kBf16>(w[i / 2], &lo, &hi);
       const float ax = Abs(i % 2 == 0 ? lo : hi);
-      const float v6 = E2m1RoundMagnitude(MulRn(ax, r6));
-      const float v4 = E2m1RoundMagnitude(MulRn(ax, r4));
+      const float v6 = E2m1RoundMagnitude<kClamp>(MulRn(ax, r6));
+      const float v4 = E2m1RoundMagnitude<kClamp>(MulRn(ax, r4));
       const float dq6 = MulRn(MulRn(v6, s6), qs.g);
       const float dq4 = MulRn(MulRn(v4, s4), qs.g);
       if constexpr (!kHalf) {
@@ -504,8 +574,14 @@ FP4KV_HD uint8_t QuantizeBlockFast(const uint32_t (&w)[8], const QuantScale& qs,
         const uint32_t d = H2Sub(xh, H2Pack(dq6, dq4));
         eh = H2Add(eh, kMse ? H2Mul(d, d) : H2Abs(d));
       }
-      p6[i / 8] |= E2m1CodeOfValue(v6) << (4 * (i % 8));
-      p4[i / 8] |= E2m1CodeOfValue(v4) << (4 * (i % 8));
+      p6[i / 8] += E2m1CodeOfValueAt(v6, i % 8);  // disjoint nibbles: + is |
+      p4[i / 8] += E2m1CodeOfValueAt(v4, i % 8);
+    }
+    };
+    if (qs.tight && TightScale(b6) && TightScale(b4)) {
+      candidates(std::false_type{});
+    } else {
+      candidates(std::true_type{});
     }
     if constexpr (kHalf) {
       e6 = HalfToFloat(eh & 0xffffu);
@@ -514,8 +590,71 @@ FP4KV_HD uint8_t QuantizeBlockFast(const uint32_t (&w)[8], const QuantScale& qs,
     const bool four = e4 < e6;
     packed[0] = (four ? p4[0] : p6[0]) | sign0;
     packed[1] = (four ? p4[1] : p6[1]) | sign1;
-    return four ? b4 : b6;
+    return static_cast<uint8_t>(four ? b4 : b6);
   }
+}
+
+// ---------------------------------------------------------------------------
+// Dequantize one block (16 values) to f16/bf16: DequantValue then
+// FloatToHalfBits / FloatToBf16Bits. `codes` holds the 8 packed bytes (value 0
+// in the low nibble of byte 0); out.w[j] holds values 2j (low half) and 2j + 1.
+// ---------------------------------------------------------------------------
+struct Words8Out {
+  U32x4 lo, hi;  // values 0..7, 8..15
+};
+
+// Results may be NaN; the software conversions map every NaN to 0x7fff.
+FP4KV_COLD_HD Words8Out DequantizeBlockGeneric(U32x2 codes, uint8_t scale_byte, float g,
+                                               bool bf16) {
+  const float s = E4m3Decode(scale_byte);
+  uint32_t out[8];
+  FP4KV_NO_UNROLL
+  for (int j = 0; j < 8; ++j) {
+    const uint32_t byte = ((j < 4 ? codes.x : codes.y) >> (8 * (j % 4))) & 0xffu;
+    const float lo = DequantValue(static_cast<uint8_t>(byte & 0xfu), s, g);
+    const float hi = DequantValue(static_cast<uint8_t>(byte >> 4), s, g);
+    out[j] = bf16 ? (FloatToBf16Bits(lo) | (static_cast<uint32_t>(FloatToBf16Bits(hi)) << 16))
+                  : (FloatToHalfBits(lo) | (static_cast<uint32_t>(FloatToHalfBits(hi)) << 16));
+  }
+  return Words8Out{U32x4{out[0], out[1], out[2], out[3]}, U32x4{out[4], out[5], out[6], out[7]}};
+}
+
+// Per block, the 8 magnitudes (|e2m1| * |s|) * |g| are rounded to f16/bf16
+// once and split into a table of low bytes and one of high bytes; each code
+// picks its two bytes with prmt. The sign of (e2m1 * s) * g is the xor of the
+// three signs (IEEE multiplication and round-to-nearest are symmetric, and
+// no product is NaN when s and g are finite), set with one more prmt.
+template <bool kBf16>
+FP4KV_HD Words8Out DequantizeBlockFast(U32x2 codes, uint8_t scale_byte, float g, bool g_finite) {
+  if (!g_finite || (scale_byte & 0x7fu) == 0x7fu) {
+    return DequantizeBlockGeneric(codes, scale_byte, g, kBf16);
+  }
+  const float as = FastE4m3DecodeNonNeg(scale_byte & 0x7fu);
+  const float ag = Abs(g);
+  const uint32_t e01 = Pack2<kBf16>(0.0f, MulRn(MulRn(0.5f, as), ag));
+  const uint32_t e23 = Pack2<kBf16>(MulRn(as, ag), MulRn(MulRn(1.5f, as), ag));
+  const uint32_t e45 = Pack2<kBf16>(MulRn(MulRn(2.0f, as), ag), MulRn(MulRn(3.0f, as), ag));
+  const uint32_t e67 = Pack2<kBf16>(MulRn(MulRn(4.0f, as), ag), MulRn(MulRn(6.0f, as), ag));
+  const uint32_t lo0 = Prmt(e01, e23, 0x6420u), lo1 = Prmt(e45, e67, 0x6420u);
+  const uint32_t hi0 = Prmt(e01, e23, 0x7531u), hi1 = Prmt(e45, e67, 0x7531u);
+  const bool neg = ((scale_byte >> 7) ^ (FloatBits(g) >> 31)) & 1u;
+  const uint32_t flip = neg ? 0x88888888u : 0u;
+  const uint32_t mags[2] = {codes.x & 0x77777777u, codes.y & 0x77777777u};
+  const uint32_t sgns[2] = {codes.x ^ flip, codes.y ^ flip};
+  uint32_t out[8];
+  FP4KV_UNROLL
+  for (int h = 0; h < 4; ++h) {  // values 4h .. 4h + 3
+    const uint32_t m = mags[h / 2] >> (16 * (h % 2));
+    const uint32_t sg = sgns[h / 2] >> (16 * (h % 2));
+    const uint32_t a = Prmt(lo0, lo1, m);
+    // Byte 0x80 where the value is positive, 0xff where negative: bit 0 is
+    // the sign.
+    const uint32_t neg = Prmt(0x80808080u, 0x80808080u, sg);
+    const uint32_t b = Prmt(hi0, hi1, m) | ((neg << 7) & 0x80808080u);
+    out[2 * h] = Prmt(a, b, 0x5140u);
+    out[2 * h + 1] = Prmt(a, b, 0x7362u);
+  }
+  return Words8Out{U32x4{out[0], out[1], out[2], out[3]}, U32x4{out[4], out[5], out[6], out[7]}};
 }
 
 // ---------------------------------------------------------------------------
@@ -555,52 +694,47 @@ FP4KV_HD U32x4 DequantizeHalfFast(uint32_t codes, uint8_t scale_byte, float g, b
 
 // ---------------------------------------------------------------------------
 // Materialize one block as FP8 (MaterializeFp8Value for each of 16 codes).
-// Per block, the 8 magnitudes |e2m1| * |s| * m are encoded once into a byte
-// table; each code then picks its byte with prmt and gets the product's sign.
-//
-// NaN products follow the reference on x86-64, where a NaN operand of a
-// multiply is passed through and 0 * inf gives the negative default NaN
-// (0xffc00000): a NaN block scale gives E4m3Encode(that NaN) for every code,
-// and a zero product times an infinite multiplier gives
-// E4m3Encode(-NaN). `m` (the multiplier) is >= 0 and not NaN by contract.
+// Per block, the 8 magnitudes (|e2m1| * |s|) * m are encoded once into a
+// byte table; each code then picks its byte with prmt, and a second prmt
+// gives the sign (code sign xor scale sign: m > 0 and no product is NaN).
+// A NaN block scale or a multiplier that is infinite or has its sign bit set
+// (outside the contract m >= 0) takes the rolled loop over format.h.
 // ---------------------------------------------------------------------------
-FP4KV_HD U32x4 MaterializeBlockFast(const U32x2& codes, uint8_t scale_byte, float m) {
+FP4KV_COLD_HD U32x4 MaterializeBlockGeneric(U32x2 codes, uint8_t scale_byte, float m) {
   const float s = E4m3Decode(scale_byte);
-  if (IsNanF(s)) {
-    const uint32_t b = E4m3Encode(s) * 0x01010101u;
-    return U32x4{b, b, b, b};
+  uint32_t out[4] = {0, 0, 0, 0};
+  FP4KV_NO_UNROLL
+  for (int i = 0; i < kBlockSize; ++i) {
+    const uint32_t c = ((i < 8 ? codes.x : codes.y) >> (4 * (i % 8))) & 0xfu;
+    out[i / 4] |= static_cast<uint32_t>(MaterializeFp8Value(static_cast<uint8_t>(c), s, m))
+                  << (8 * (i % 4));
   }
-  const float as = AbsF(s);
-  const bool m_inf = FloatBits(m) == 0x7f800000u;
-  const uint32_t nan_byte = E4m3Encode(BitsFloat(0xffc00000u));
-  const float vs[8] = {0.0f,
-                       MulRn(0.5f, as),
-                       as,
-                       MulRn(1.5f, as),
-                       MulRn(2.0f, as),
-                       MulRn(3.0f, as),
-                       MulRn(4.0f, as),
-                       MulRn(6.0f, as)};
-  uint32_t mag[2] = {0, 0};
-  uint32_t sgn[2] = {0, 0};
-  FP4KV_UNROLL
-  for (int k = 0; k < 8; ++k) {
-    const bool nan = m_inf && vs[k] == 0.0f;
-    const uint32_t byte = nan ? nan_byte : FastE4m3EncodeNonNeg(MulRn(vs[k], m));
-    // Sign table: 0xfe marks bytes that take the product's sign (the
-    // sign-replicating prmt turns it into 0xff for negative codes), 0x7e
-    // bytes that keep their own.
-    mag[k / 4] |= byte << (8 * (k % 4));
-    sgn[k / 4] |= (nan ? 0x7eu : 0xfeu) << (8 * (k % 4));
+  return U32x4{out[0], out[1], out[2], out[3]};
+}
+
+// True when MaterializeBlockFast may use its table for multiplier m.
+FP4KV_HD bool MaterializeMultiplierFast(float m) { return FloatBits(m) < 0x7f800000u; }
+
+FP4KV_HD U32x4 MaterializeBlockFast(const U32x2& codes, uint8_t scale_byte, float m,
+                                    bool m_fast) {
+  if (!m_fast || (scale_byte & 0x7fu) == 0x7fu) {
+    return MaterializeBlockGeneric(codes, scale_byte, m);
   }
-  const uint32_t flip = (scale_byte & 0x80u) ? 0x88888888u : 0u;  // negative scale
-  const uint32_t words[2] = {codes.x, codes.y};
+  const float as = FastE4m3DecodeNonNeg(scale_byte & 0x7fu);
+  const uint32_t mag0 = E4m3Encode2NonNeg(0.0f, MulRn(MulRn(0.5f, as), m)) |
+                        (E4m3Encode2NonNeg(MulRn(as, m), MulRn(MulRn(1.5f, as), m)) << 16);
+  const uint32_t mag1 =
+      E4m3Encode2NonNeg(MulRn(MulRn(2.0f, as), m), MulRn(MulRn(3.0f, as), m)) |
+      (E4m3Encode2NonNeg(MulRn(MulRn(4.0f, as), m), MulRn(MulRn(6.0f, as), m)) << 16);
+  const uint32_t flip = (scale_byte & 0x80u) ? 0x88888888u : 0u;
+  const uint32_t mags[2] = {codes.x & 0x77777777u, codes.y & 0x77777777u};
+  const uint32_t sgns[2] = {codes.x ^ flip, codes.y ^ flip};
   uint32_t out[4];
   FP4KV_UNROLL
   for (int h = 0; h < 4; ++h) {
-    const uint32_t w = words[h / 2] >> (16 * (h % 2));
-    const uint32_t bytes = Prmt(mag[0], mag[1], w & 0x7777u);
-    const uint32_t neg = Prmt(sgn[0], sgn[1], (w ^ flip) & 0xffffu);
+    const uint32_t bytes = Prmt(mag0, mag1, mags[h / 2] >> (16 * (h % 2)));
+    // Byte 0x80 where the product is positive, 0xff where negative.
+    const uint32_t neg = Prmt(0x80808080u, 0x80808080u, sgns[h / 2] >> (16 * (h % 2)));
     out[h] = bytes | ((neg << 7) & 0x80808080u);
   }
   return U32x4{out[0], out[1], out[2], out[3]};

@@ -23,7 +23,7 @@ absl::Status LaunchMaterialize(const MaterializeParams& p, Stream stream) {
   });
   if (!ok) {
     return absl::InvalidArgumentError(
-        "materialize: expected 2 * num_kv_heads * page_size * head_dim / 16 <= 2^24");
+        "materialize: expected num_kv_heads * page_size * head_dim / 16 <= 2^24");
   }
   return CudaStatus(cudaGetLastError(), "MaterializeFp8Kernel launch");
 }

@@ -1,9 +1,11 @@
 // Internal: FP8 materialization, per thread. A row is one output page: the
 // zero page, then page j of request b for every (b, j < max_pages); its work
-// items are the 16-value blocks of (K or V, head, entry). A thread owns one
-// item (offsets computed once) and handles it for the pages of its CTA, two
-// at a time; pages a request does not use are skipped. A warp writes 512
-// contiguous FP8 bytes.
+// items are the 16-value blocks of (head, entry), each for K and for V. A
+// thread owns one item (offsets computed once) and handles its K and V blocks
+// for the pages of its CTA, two pages at a time, so the page's index chain
+// (request, length, reserved pages, output page) serves 32 values; pages a
+// request does not use are skipped. A warp writes 512 contiguous FP8 bytes of
+// K and 512 of V.
 #ifndef FP4KV_KERNELS_MATERIALIZE_CUH_
 #define FP4KV_KERNELS_MATERIALIZE_CUH_
 
@@ -24,9 +26,8 @@ struct MaterializeLaunch {
   int batch_begin = 0;     // first request of this launch
   int64_t rows = 0;        // (zero_page ? 1 : 0) + requests * max_pages
   TileShape shape;
-  uint32_t items = 0;    // blocks per page: 2 * H * S * D / 16
+  uint32_t items = 0;    // blocks per page of K (and of V): H * S * D / 16
   FastDivmod pages_div;  // max_pages
-  FastDivmod kv_div;     // H * S * D / 16
   FastDivmod head_div;   // S * D / 16
   FastDivmod entry_div;  // D / 16
 };
@@ -39,9 +40,8 @@ bool ForEachMaterializeLaunch(const internal::MaterializeParams& p, F&& f,
   const int64_t per_kv = per_head * p.num_heads;
   MaterializeLaunch a;
   a.p = p;
-  a.items = static_cast<uint32_t>(2 * per_kv);
+  a.items = static_cast<uint32_t>(per_kv);
   a.pages_div = FastDivmod::Make(static_cast<uint32_t>(p.max_pages > 0 ? p.max_pages : 1));
-  a.kv_div = FastDivmod::Make(static_cast<uint32_t>(per_kv));
   a.head_div = FastDivmod::Make(static_cast<uint32_t>(per_head));
   a.entry_div = FastDivmod::Make(static_cast<uint32_t>(nb));
   const int64_t max_pages = p.max_pages > 0 ? p.max_pages : 1;
@@ -55,7 +55,7 @@ bool ForEachMaterializeLaunch(const internal::MaterializeParams& p, F&& f,
     a.zero_page = b == 0;
     a.batch_begin = static_cast<int>(b);
     a.rows = (a.zero_page ? 1 : 0) + n * p.max_pages;
-    if (!MakeTileShape(2 * per_kv, a.rows, per_cta, &a.shape)) return false;
+    if (!MakeTileShape(per_kv, a.rows, per_cta, &a.shape)) return false;
     f(a);
     b += n;
   } while (b < p.batch_size);
@@ -67,29 +67,36 @@ FP4KV_HD void MaterializeThread(const MaterializeLaunch& a, uint32_t cta_x, uint
   const internal::MaterializeParams& p = a.p;
   const uint32_t item = cta_y * a.shape.threads + tid;
   if (item >= a.items) return;
-  // This thread's block: K or V, head, entry, block within the row.
+  // This thread's block: head, entry, block within the row; K and V.
   uint32_t r, entry, blk;
-  const uint32_t kv = a.kv_div.DivMod(item, &r);
-  const uint32_t head = a.head_div.DivMod(r, &r);
+  const uint32_t head = a.head_div.DivMod(item, &r);
   entry = a.entry_div.DivMod(r, &blk);
-  uint8_t* const out =
-      p.out + kv * p.out_kv + head * p.out_head + entry * p.out_entry + blk * kBlockSize;
-  const internal::PoolPtrs pool = SelectPool(p.k, p.v, kv != 0);
-  const uint8_t* const data =
-      pool.data + entry * pool.data_entry + head * pool.data_head + blk * kBlockBytes;
-  const uint8_t* const scales =
-      pool.scales + entry * pool.scale_entry + head * pool.scale_head + blk;
-  // Multiplier g / fp8_scale, once per thread.
-  const float m = kv ? Fp8MaterializeMultiplier(p.v_scale.Get(), p.v_fp8_scale.Get())
-                     : Fp8MaterializeMultiplier(p.k_scale.Get(), p.k_fp8_scale.Get());
+  uint8_t* const out_k = p.out + head * p.out_head + entry * p.out_entry + blk * kBlockSize;
+  uint8_t* const out_v = out_k + p.out_kv;
+  const uint8_t* const data_k =
+      p.k.data + entry * p.k.data_entry + head * p.k.data_head + blk * kBlockBytes;
+  const uint8_t* const scales_k =
+      p.k.scales + entry * p.k.scale_entry + head * p.k.scale_head + blk;
+  const uint8_t* const data_v =
+      p.v.data + entry * p.v.data_entry + head * p.v.data_head + blk * kBlockBytes;
+  const uint8_t* const scales_v =
+      p.v.scales + entry * p.v.scale_entry + head * p.v.scale_head + blk;
+  // Multipliers g / fp8_scale, once per thread.
+  const float m_k = Fp8MaterializeMultiplier(p.k_scale.Get(), p.k_fp8_scale.Get());
+  const float m_v = Fp8MaterializeMultiplier(p.v_scale.Get(), p.v_fp8_scale.Get());
+  const bool fast_k = MaterializeMultiplierFast(m_k);
+  const bool fast_v = MaterializeMultiplierFast(m_v);
   const uint32_t skip = a.zero_page ? 1 : 0;
   const uint32_t first = cta_x * a.shape.rows_per_cta;
   const uint32_t end = static_cast<uint32_t>(
       first + a.shape.rows_per_cta < a.rows ? first + a.shape.rows_per_cta : a.rows);
   for (uint32_t r0 = first; r0 < end; r0 += kMaterializeUnroll) {
+    // Per page: written at all, zero (entry past the length), and per K / V
+    // whether the source page is in range.
     bool active[kMaterializeUnroll] = {}, zero[kMaterializeUnroll] = {};
-    int64_t out_page[kMaterializeUnroll] = {}, src[kMaterializeUnroll] = {};
-    // Level 1: request metadata and source page (independent loads).
+    bool src_ok[kMaterializeUnroll][2] = {};
+    int64_t out_page[kMaterializeUnroll] = {}, src[kMaterializeUnroll][2] = {};
+    // Level 1: request metadata and source pages (independent loads).
     FP4KV_UNROLL
     for (int u = 0; u < kMaterializeUnroll; ++u) {
       const uint32_t row = r0 + u;
@@ -97,16 +104,26 @@ FP4KV_HD void MaterializeThread(const MaterializeLaunch& a, uint32_t cta_x, uint
       active[u] = true;
       if (row < skip) {  // out page 0
         zero[u] = true;
+        src_ok[u][0] = true;
+        src_ok[u][1] = true;
         continue;
       }
       uint32_t j;
       const int b = a.batch_begin + static_cast<int>(a.pages_div.DivMod(row - skip, &j));
       const int32_t seq_len = p.seq_lens[b];
-      const int64_t pages = internal::MaterializePages(p, b);
-      src[u] = internal::TableEntry(p.block_tables, p.tables_i64,
-                                    b * p.table_row_stride + kv * p.table_kv_stride + j);
-      const int64_t o = static_cast<int64_t>(p.kv_page_indptr[b]) + j + 1;
-      if (j >= pages || o < 1 || o >= p.num_out_pages) {
+      const int32_t begin = p.kv_page_indptr[b];
+      const int32_t reserved_end = p.kv_page_indptr[b + 1];
+      const int64_t t = b * p.table_row_stride + j;
+      src[u][0] = internal::TableEntry(p.block_tables, p.tables_i64, t);
+      src[u][1] = internal::TableEntry(p.block_tables, p.tables_i64, t + p.table_kv_stride);
+      const int64_t o = static_cast<int64_t>(begin) + j + 1;
+      // j < internal::MaterializePages(p, b) without the division: j < max_pages
+      // holds by construction, j < ceil(len / page_size) <=> j * page_size < len.
+      const int64_t len = seq_len < 0 ? 0 : seq_len;
+      const int64_t page_start = static_cast<int64_t>(j) * p.page_size;
+      const bool used = page_start < len && static_cast<int64_t>(j) <
+                                                static_cast<int64_t>(reserved_end) - begin;
+      if (!used || o < 1 || o >= p.num_out_pages) {
         active[u] = false;
         continue;
       }
@@ -114,28 +131,40 @@ FP4KV_HD void MaterializeThread(const MaterializeLaunch& a, uint32_t cta_x, uint
       if (item == 0) {
         p.fp8_block_tables[b * p.fp8_table_row_stride + j] = static_cast<int32_t>(o);
       }
-      if (src[u] < 0 || src[u] >= p.num_pages) {
-        active[u] = false;
-        continue;
-      }
-      const int64_t len = seq_len < 0 ? 0 : seq_len;
-      zero[u] = static_cast<int64_t>(j) * p.page_size + entry >= len;
+      FP4KV_UNROLL
+      for (int kv = 0; kv < 2; ++kv) src_ok[u][kv] = src[u][kv] >= 0 && src[u][kv] < p.num_pages;
+      zero[u] = page_start + entry >= len;
     }
     // Level 2: packed codes and scale bytes.
-    U32x2 codes[kMaterializeUnroll];
-    uint8_t sb[kMaterializeUnroll] = {};
+    U32x2 codes[kMaterializeUnroll][2];
+    uint8_t sb[kMaterializeUnroll][2] = {};
     FP4KV_UNROLL
     for (int u = 0; u < kMaterializeUnroll; ++u) {
-      codes[u] = U32x2{0, 0};
+      codes[u][0] = U32x2{0, 0};
+      codes[u][1] = U32x2{0, 0};
       if (!active[u] || zero[u]) continue;
-      codes[u] = LoadReadOnly8(data + src[u] * pool.data_page);
-      sb[u] = LoadReadOnly1(scales + src[u] * pool.scale_page);
+      if (src_ok[u][0]) {
+        codes[u][0] = LoadReadOnly8(data_k + src[u][0] * p.k.data_page);
+        sb[u][0] = LoadReadOnly1(scales_k + src[u][0] * p.k.scale_page);
+      }
+      if (src_ok[u][1]) {
+        codes[u][1] = LoadReadOnly8(data_v + src[u][1] * p.v.data_page);
+        sb[u][1] = LoadReadOnly1(scales_v + src[u][1] * p.v.scale_page);
+      }
     }
     FP4KV_UNROLL
     for (int u = 0; u < kMaterializeUnroll; ++u) {
       if (!active[u]) continue;
-      Store16(out + out_page[u] * p.out_page,
-              zero[u] ? U32x4{0, 0, 0, 0} : MaterializeBlockFast(codes[u], sb[u], m));
+      const int64_t o = out_page[u] * p.out_page;
+      // A source page out of range writes nothing for that tensor.
+      if (src_ok[u][0]) {
+        Store16(out_k + o, zero[u] ? U32x4{0, 0, 0, 0}
+                                   : MaterializeBlockFast(codes[u][0], sb[u][0], m_k, fast_k));
+      }
+      if (src_ok[u][1]) {
+        Store16(out_v + o, zero[u] ? U32x4{0, 0, 0, 0}
+                                   : MaterializeBlockFast(codes[u][1], sb[u][1], m_v, fast_v));
+      }
     }
   }
 }

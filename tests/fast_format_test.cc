@@ -323,6 +323,51 @@ TEST_P(QuantizeBlockTest, FastAndFallbackMatchQuantizeBlock) {
 INSTANTIATE_TEST_SUITE_P(Dtypes, QuantizeBlockTest, ::testing::Values(DType::kF16, DType::kBF16),
                          [](const auto& info) { return std::string(DTypeName(info.param)); });
 
+// Blocks whose amax sits at the rounding midpoints of the block scale, where
+// |x| r is largest (up to 6 * 17/16 for amax / 6): the fast path without the
+// E2M1 cap / clamp (TightScale) must still match QuantizeBlock there.
+TEST(QuantizeBlockTight, AmaxAtScaleMidpoints) {
+  std::mt19937_64 rng(21);
+  int64_t checked = 0;
+  for (bool bf : {false, true}) {
+    for (const Recipe& recipe : TestRecipes()) {
+      for (float g : {1.0f, 0.37f, 3e-3f, 1e-29f, 1e29f}) {
+        for (uint32_t b = 0; b < 0x7e; ++b) {
+          const float mid = 0.5f * (E4m3Decode(static_cast<uint8_t>(b)) +
+                                    E4m3Decode(static_cast<uint8_t>(b + 1)));
+          for (float k : {6.0f, 4.0f}) {
+            const float target = MulRn(mid, MulRn(k, g));
+            const uint16_t t = bf ? FloatToBf16Bits(target) : FloatToHalfBits(target);
+            for (int delta = -2; delta <= 2; ++delta) {
+              const uint16_t a = static_cast<uint16_t>(t + delta);
+              if ((a & 0x7fffu) >= (bf ? 0x7f80u : 0x7c00u) || (a & 0x7fffu) == 0) continue;
+              std::vector<uint16_t> h(16);
+              for (int i = 0; i < 16; ++i) {
+                uint16_t v = i == 0 ? a : static_cast<uint16_t>(rng() % (a & 0x7fffu) + 1);
+                if (rng() % 4 == 0) v = a & 0x7fffu;
+                h[i] = static_cast<uint16_t>(v | ((rng() & 1) ? 0x8000u : 0u));
+              }
+              float x[kBlockSize];
+              for (int i = 0; i < kBlockSize; ++i)
+                x[i] = bf ? Bf16BitsToFloat(h[i]) : HalfBitsToFloat(h[i]);
+              uint32_t ref[2], w[8], got[2];
+              const uint8_t ref_b = QuantizeBlock(x, g, recipe, ref);
+              ToWords(h, w);
+              const uint8_t got_b = bf ? FastQuantizeAny<true>(w, g, recipe, got)
+                                       : FastQuantizeAny<false>(w, g, recipe, got);
+              ASSERT_EQ(got_b, ref_b) << "g=" << g << " b=" << b << " bf=" << bf;
+              ASSERT_EQ(got[0], ref[0]) << "g=" << g << " b=" << b << " bf=" << bf;
+              ASSERT_EQ(got[1], ref[1]) << "g=" << g << " b=" << b << " bf=" << bf;
+              ++checked;
+            }
+          }
+        }
+      }
+    }
+  }
+  EXPECT_GT(checked, 10000);
+}
+
 TEST(DequantizeHalf, MatchesDequantValueForEveryScaleByte) {
   std::mt19937_64 rng(5);
   const float gs[] = {1.0f,
@@ -360,17 +405,70 @@ TEST(DequantizeHalf, MatchesDequantValueForEveryScaleByte) {
   }
 }
 
+TEST(E2m1CodeOfValueAt, PlacesTheCodeInEveryNibble) {
+  for (uint32_t c = 0; c < 8; ++c) {
+    const float v = E2m1Decode(static_cast<uint8_t>(c));
+    for (int k = 0; k < 8; ++k) {
+      EXPECT_EQ(E2m1CodeOfValueAt(v, k), c << (4 * k)) << "code " << c << " nibble " << k;
+    }
+  }
+}
+
+TEST(DequantizeBlock, MatchesDequantValueForEveryScaleByte) {
+  std::mt19937_64 rng(7);
+  const float gs[] = {1.0f,
+                      0.37f,
+                      1e-30f,
+                      1e30f,
+                      3.4e38f,
+                      1e-40f,
+                      0.0f,
+                      -0.0f,
+                      -2.0f,
+                      -3.4e38f,
+                      std::numeric_limits<float>::infinity(),
+                      std::numeric_limits<float>::quiet_NaN()};
+  for (bool bf : {false, true}) {
+    for (float g : gs) {
+      const bool g_finite = IsFiniteBits(FloatBits(g));
+      for (uint32_t sb = 0; sb < 256; ++sb) {
+        for (int k = 0; k < 8; ++k) {
+          const U32x2 codes = k == 0   ? U32x2{0x76543210u, 0xfedcba98u}
+                              : k == 1 ? U32x2{0xfedcba98u, 0x76543210u}
+                                       : U32x2{static_cast<uint32_t>(rng()),
+                                               static_cast<uint32_t>(rng())};
+          const Words8Out got =
+              bf ? DequantizeBlockFast<true>(codes, static_cast<uint8_t>(sb), g, g_finite)
+                 : DequantizeBlockFast<false>(codes, static_cast<uint8_t>(sb), g, g_finite);
+          const uint32_t gw[8] = {got.lo.x, got.lo.y, got.lo.z, got.lo.w,
+                                  got.hi.x, got.hi.y, got.hi.z, got.hi.w};
+          const float s = E4m3Decode(static_cast<uint8_t>(sb));
+          for (int i = 0; i < 16; ++i) {
+            const uint32_t word = i < 8 ? codes.x : codes.y;
+            const float v = DequantValue(static_cast<uint8_t>((word >> (4 * (i % 8))) & 0xfu), s, g);
+            const uint16_t want = bf ? FloatToBf16Bits(v) : FloatToHalfBits(v);
+            const uint16_t have = static_cast<uint16_t>(gw[i / 2] >> (16 * (i % 2)));
+            ASSERT_EQ(have, want) << "bf16=" << bf << " g=" << g << " sb=" << sb << " i=" << i;
+          }
+        }
+      }
+    }
+  }
+}
+
 TEST(MaterializeBlock, MatchesMaterializeFp8ValueForEveryScaleByte) {
   std::mt19937_64 rng(9);
   const float ms[] = {1.0f, 0.5f,   1.0f / 6.0f, 1e-20f,  1e20f,
-                      0.0f, 1e-40f, 3.4e38f,     7.3e-3f, std::numeric_limits<float>::infinity()};
+                      0.0f, 1e-40f, 3.4e38f,     7.3e-3f, std::numeric_limits<float>::infinity(),
+                      -0.0f, -2.0f};
   for (float m : ms) {
     for (uint32_t sb = 0; sb < 256; ++sb) {
       for (int k = 0; k < 6; ++k) {
         const U32x2 codes = k == 0
                                 ? U32x2{0x76543210u, 0xfedcba98u}
                                 : U32x2{static_cast<uint32_t>(rng()), static_cast<uint32_t>(rng())};
-        const U32x4 got = MaterializeBlockFast(codes, static_cast<uint8_t>(sb), m);
+        const U32x4 got =
+            MaterializeBlockFast(codes, static_cast<uint8_t>(sb), m, MaterializeMultiplierFast(m));
         const uint32_t gw[4] = {got.x, got.y, got.z, got.w};
         const float s = E4m3Decode(static_cast<uint8_t>(sb));
         for (int i = 0; i < 16; ++i) {

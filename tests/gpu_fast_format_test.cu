@@ -31,6 +31,7 @@ enum Check : int {
   kHalfMul,
   kMaxU16,
   kPrmt,
+  kE4m3Encode2,
   kNumChecks
 };
 const char* const kNames[] = {"FastE2m1Encode",  "E2m1RoundMagnitude",
@@ -38,7 +39,8 @@ const char* const kNames[] = {"FastE2m1Encode",  "E2m1RoundMagnitude",
                               "Pack2<bf16>",     "Pack2<f16>",
                               "Unpack2<f16>",    "H2Sub",
                               "H2Add",           "H2Mul",
-                              "MaxU16x2",        "Prmt"};
+                              "MaxU16x2",        "Prmt",
+                              "E4m3Encode2"};
 
 // Reference f16 op result: RoundToHalf of the fp32 op (the reference's own
 // emulation); NaN results only need to be NaN.
@@ -99,6 +101,13 @@ __global__ void CheckEveryPattern(unsigned long long* bad, unsigned int* first, 
         want |= byte << (8 * n);
       }
       fail[kPrmt] = p != want;
+    }
+    {
+      // Every pattern in both halves: on sm_89+ the cvt.rn.satfinite.e4m3x2
+      // instruction, NaN of either sign included.
+      const uint32_t want = E4m3Encode(y);
+      fail[kE4m3Encode2] = E4m3Encode2(y, 1.0f) != (want | 0x3800u) ||
+                           E4m3Encode2(-2.0f, y) != (0xc0u | (want << 8));
     }
     for (int k = 0; k < kNumChecks; ++k) {
       if (fail[k]) {
