@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Builds the project for sm_90 (Release) into build-gpu and packs what a bare
 # CUDA machine needs to run the tests and benchmarks into .carry/ (ignored by
-# git): .carry/bin holds the stripped test and benchmark executables,
+# git): .carry/bin holds the stripped executables that use a GPU (gpu_*_test,
+# the KV cache tests, the benchmarks, the serving loop; the CPU-only tests run
+# in CI and would push the folder past what a device call carries),
 # .carry/lib every shared library they load from the system's
 # x86_64-linux-gnu folder except the C library itself (libc, libm,
 # libpthread, libdl, librt, ld-linux): Abseil, Google Benchmark, libstdc++,
@@ -14,12 +16,12 @@ cd "$(dirname "$0")/.."
 
 BUILD=build-gpu
 cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 \
-  -DFP4KV_BUILD_TESTS=ON -DFP4KV_BUILD_BENCHMARKS=ON -DFP4KV_BUILD_EXAMPLES=ON
+  -DFP4KV_BUILD_TESTS=ON -DFP4KV_BUILD_BENCHMARKS=ON -DFP4KV_BUILD_EXAMPLES=ON -DBUILD_SHARED_LIBS=OFF
 cmake --build "$BUILD" -j"${JOBS:-2}"
 
 rm -rf .carry
 mkdir -p .carry/bin .carry/lib
-mapfile -t exes < <(find "$BUILD" -maxdepth 1 -type f -perm -u+x \( -name '*_test' -o -name '*_bench' -o -name serving_loop -o -name quickstart -o -name accuracy_report \) | sort)
+mapfile -t exes < <(find "$BUILD" -maxdepth 1 -type f -perm -u+x \( -name 'gpu_*_test' -o -name 'kv_cache*_test' -o -name '*_bench' -o -name serving_loop \) | sort)
 for exe in "${exes[@]}"; do
   cp "$exe" .carry/bin/
   strip --strip-unneeded ".carry/bin/$(basename "$exe")"
