@@ -436,18 +436,28 @@ absl::Status LinearQuantizer::Dequantize(const TensorView& packed, const TensorV
 }
 
 // ------------------------------------------------------------ functional API
+namespace {
+
+// Create + Run of an Appender whose options come from the cache and the key.
+absl::Status AppendOnce(AppendIndexing indexing, const AppendArgs& a, const PagedCache& cache,
+                        const Recipe& recipe, Stream stream) {
+  absl::StatusOr<CacheGeometry> g = cache.Geometry();
+  if (!g.ok()) return g.status();
+  FP4KV_RETURN_IF_ERROR(internal::CheckFloatDType(a.key.dtype, "append_key"));
+  absl::StatusOr<Appender> op =
+      Appender::Create({*g, a.key.dtype, indexing, recipe, cache.k_data.device});
+  if (!op.ok()) return op.status();
+  return op->Run(a, cache, stream);
+}
+
+}  // namespace
+
 absl::Status QuantizeAppendPaged(const TensorView& append_key, const TensorView& append_value,
                                  const TensorView& batch_indices, const TensorView& positions,
                                  const PagedCache& cache, const TensorView& kv_indices,
                                  const TensorView& kv_indptr, const TensorView& kv_last_page_len,
                                  GlobalScale k_scale, GlobalScale v_scale, const Recipe& recipe,
                                  Stream stream) {
-  absl::StatusOr<CacheGeometry> g = cache.Geometry();
-  if (!g.ok()) return g.status();
-  FP4KV_RETURN_IF_ERROR(internal::CheckFloatDType(append_key.dtype, "append_key"));
-  absl::StatusOr<Appender> op =
-      Appender::Create({*g, append_key.dtype, AppendIndexing::kPaged, recipe, cache.k_data.device});
-  if (!op.ok()) return op.status();
   AppendArgs a;
   a.key = append_key;
   a.value = append_value;
@@ -458,26 +468,20 @@ absl::Status QuantizeAppendPaged(const TensorView& append_key, const TensorView&
   a.kv_last_page_len = kv_last_page_len;
   a.k_scale = k_scale;
   a.v_scale = v_scale;
-  return op->Run(a, cache, stream);
+  return AppendOnce(AppendIndexing::kPaged, a, cache, recipe, stream);
 }
 
 absl::Status QuantizeAppendBySlot(const TensorView& append_key, const TensorView& append_value,
                                   const TensorView& slot_mapping, const PagedCache& cache,
                                   GlobalScale k_scale, GlobalScale v_scale, const Recipe& recipe,
                                   Stream stream) {
-  absl::StatusOr<CacheGeometry> g = cache.Geometry();
-  if (!g.ok()) return g.status();
-  FP4KV_RETURN_IF_ERROR(internal::CheckFloatDType(append_key.dtype, "append_key"));
-  absl::StatusOr<Appender> op =
-      Appender::Create({*g, append_key.dtype, AppendIndexing::kSlot, recipe, cache.k_data.device});
-  if (!op.ok()) return op.status();
   AppendArgs a;
   a.key = append_key;
   a.value = append_value;
   a.slot_mapping = slot_mapping;
   a.k_scale = k_scale;
   a.v_scale = v_scale;
-  return op->Run(a, cache, stream);
+  return AppendOnce(AppendIndexing::kSlot, a, cache, recipe, stream);
 }
 
 absl::Status DequantizePaged(const PagedCache& cache, const TensorView& block_tables,
