@@ -10,16 +10,22 @@ namespace {
 
 using kernels::MaterializeLaunch;
 
+template <typename Index>
 __global__ void __launch_bounds__(kernels::kMaxTileThreads)
     MaterializeFp8Kernel(const MaterializeLaunch a) {
-  kernels::MaterializeThread(a, blockIdx.x, blockIdx.y, threadIdx.x);
+  kernels::MaterializeThreadT<Index>(a, blockIdx.x, blockIdx.y, threadIdx.x);
 }
 
 }  // namespace
 
 absl::Status LaunchMaterialize(const MaterializeParams& p, Stream stream) {
   const bool ok = kernels::ForEachMaterializeLaunch(p, [&](const MaterializeLaunch& a) {
-    MaterializeFp8Kernel<<<dim3(a.shape.grid_x, a.shape.grid_y), a.shape.threads, 0, stream>>>(a);
+    const dim3 grid(a.shape.grid_x, a.shape.grid_y);
+    if (a.wide_index) {
+      MaterializeFp8Kernel<int64_t><<<grid, a.shape.threads, 0, stream>>>(a);
+    } else {
+      MaterializeFp8Kernel<uint32_t><<<grid, a.shape.threads, 0, stream>>>(a);
+    }
   });
   if (!ok) {
     return absl::InvalidArgumentError(

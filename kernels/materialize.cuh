@@ -3,8 +3,9 @@
 // items are the 16-value blocks of (head, entry), each for K and for V. A
 // thread owns one item (offsets computed once) and handles its K and V blocks
 // for the pages of its CTA, two pages at a time, so the page's index chain
-// (request, length, reserved pages, output page) serves 32 values; pages a
-// request does not use are skipped. A warp writes 512 contiguous FP8 bytes of
+// (request, length, reserved pages, output page) serves 32 values; the next
+// two pages' index chain is loaded while the current two are converted; pages
+// a request does not use are skipped. A warp writes 512 contiguous FP8 bytes of
 // K and 512 of V.
 #ifndef FP4KV_KERNELS_MATERIALIZE_CUH_
 #define FP4KV_KERNELS_MATERIALIZE_CUH_
@@ -19,6 +20,26 @@ namespace fp4kv {
 namespace kernels {
 
 inline constexpr int kMaterializeUnroll = 2;
+inline constexpr uint32_t kActive = 1, kZero = 2, kSrcK = 4, kSrcV = 8;  // MaterializeGroup
+
+// Index chain of one group of kMaterializeUnroll pages (see MaterializeThread).
+// Index holds a checked source page (< num_pages) and an output page
+// (< num_out_pages): uint32_t when both counts are at most 2^32 (fewer
+// registers), int64_t otherwise.
+template <typename Index>
+struct MaterializeGroup {
+  // Per page u, bits of 4 * u: written at all, zero (entry past the length),
+  // K source in range, V source in range.
+  uint32_t flags;
+  Index out_page[kMaterializeUnroll];
+  Index src[kMaterializeUnroll][2];
+};
+
+// Packed codes and scale bytes of one group, K and V.
+struct MaterializeData {
+  U32x2 codes[kMaterializeUnroll][2];
+  uint8_t sb[kMaterializeUnroll][2];
+};
 
 struct MaterializeLaunch {
   internal::MaterializeParams p;
@@ -26,11 +47,19 @@ struct MaterializeLaunch {
   int batch_begin = 0;     // first request of this launch
   int64_t rows = 0;        // (zero_page ? 1 : 0) + requests * max_pages
   TileShape shape;
-  uint32_t items = 0;    // blocks per page of K (and of V): H * S * D / 16
-  FastDivmod pages_div;  // max_pages
-  FastDivmod head_div;   // S * D / 16
-  FastDivmod entry_div;  // D / 16
+  uint32_t items = 0;       // blocks per page of K (and of V): H * S * D / 16
+  FastDivmod pages_div;     // max_pages
+  FastDivmod head_div;      // S * D / 16
+  FastDivmod entry_div;     // D / 16
+  bool wide_index = false;  // num_pages or num_out_pages above 2^32
 };
+
+// Rows per CTA: a thread pipelines its pages in groups of kMaterializeUnroll
+// (a group costs about one memory latency, plus one for the first), so large
+// launches give it four groups; small ones spread their pages for latency.
+inline uint32_t MaterializeRowsPerCta(int64_t rows) {
+  return rows >= 2048 ? 8 : rows >= 512 ? 4 : 1;
+}
 
 template <typename F>
 bool ForEachMaterializeLaunch(const internal::MaterializeParams& p, F&& f,
@@ -44,11 +73,13 @@ bool ForEachMaterializeLaunch(const internal::MaterializeParams& p, F&& f,
   a.pages_div = FastDivmod::Make(static_cast<uint32_t>(p.max_pages > 0 ? p.max_pages : 1));
   a.head_div = FastDivmod::Make(static_cast<uint32_t>(per_head));
   a.entry_div = FastDivmod::Make(static_cast<uint32_t>(nb));
+  a.wide_index = p.num_pages > (int64_t{1} << 32) || p.num_out_pages > (int64_t{1} << 32);
   const int64_t max_pages = p.max_pages > 0 ? p.max_pages : 1;
   const int64_t per_launch = (kMaxLaunchItems - 1) / max_pages;  // requests
-  const uint32_t per_cta = rows_per_cta > 0
-                               ? rows_per_cta
-                               : RowsPerCta(1 + static_cast<int64_t>(p.batch_size) * p.max_pages);
+  const uint32_t per_cta =
+      rows_per_cta > 0
+          ? rows_per_cta
+          : MaterializeRowsPerCta(1 + static_cast<int64_t>(p.batch_size) * p.max_pages);
   int64_t b = 0;
   do {
     const int64_t n = p.batch_size - b < per_launch ? p.batch_size - b : per_launch;
@@ -62,8 +93,9 @@ bool ForEachMaterializeLaunch(const internal::MaterializeParams& p, F&& f,
   return true;
 }
 
-FP4KV_HD void MaterializeThread(const MaterializeLaunch& a, uint32_t cta_x, uint32_t cta_y,
-                                uint32_t tid) {
+template <typename Index>
+FP4KV_HD void MaterializeThreadT(const MaterializeLaunch& a, uint32_t cta_x, uint32_t cta_y,
+                                 uint32_t tid) {
   const internal::MaterializeParams& p = a.p;
   const uint32_t item = cta_y * a.shape.threads + tid;
   if (item >= a.items) return;
@@ -90,22 +122,23 @@ FP4KV_HD void MaterializeThread(const MaterializeLaunch& a, uint32_t cta_x, uint
   const uint32_t first = cta_x * a.shape.rows_per_cta;
   const uint32_t end = static_cast<uint32_t>(
       first + a.shape.rows_per_cta < a.rows ? first + a.shape.rows_per_cta : a.rows);
-  for (uint32_t r0 = first; r0 < end; r0 += kMaterializeUnroll) {
-    // Per page: written at all, zero (entry past the length), and per K / V
-    // whether the source page is in range.
-    bool active[kMaterializeUnroll] = {}, zero[kMaterializeUnroll] = {};
-    bool src_ok[kMaterializeUnroll][2] = {};
-    int64_t out_page[kMaterializeUnroll] = {}, src[kMaterializeUnroll][2] = {};
-    // Level 1: request metadata and source pages (independent loads).
+  // Level 1 of a group of pages: request metadata and source pages
+  // (independent loads); per page whether it is written at all, zero (entry
+  // past the length), and per K / V whether the source page is in range.
+  auto resolve = [&](uint32_t r0, MaterializeGroup<Index>* g) {
+    g->flags = 0;
+    FP4KV_UNROLL
+    for (int u = 0; u < kMaterializeUnroll; ++u) {
+      g->out_page[u] = 0;
+      g->src[u][0] = 0;
+      g->src[u][1] = 0;
+    }
     FP4KV_UNROLL
     for (int u = 0; u < kMaterializeUnroll; ++u) {
       const uint32_t row = r0 + u;
       if (row >= end) break;
-      active[u] = true;
       if (row < skip) {  // out page 0
-        zero[u] = true;
-        src_ok[u][0] = true;
-        src_ok[u][1] = true;
+        g->flags |= (kActive | kZero | kSrcK | kSrcV) << (4 * u);
         continue;
       }
       uint32_t j;
@@ -114,58 +147,90 @@ FP4KV_HD void MaterializeThread(const MaterializeLaunch& a, uint32_t cta_x, uint
       const int32_t begin = p.kv_page_indptr[b];
       const int32_t reserved_end = p.kv_page_indptr[b + 1];
       const int64_t t = b * p.table_row_stride + j;
-      src[u][0] = internal::TableEntry(p.block_tables, p.tables_i64, t);
-      src[u][1] = internal::TableEntry(p.block_tables, p.tables_i64, t + p.table_kv_stride);
+      const int64_t s0 = internal::TableEntry(p.block_tables, p.tables_i64, t);
+      const int64_t s1 = internal::TableEntry(p.block_tables, p.tables_i64, t + p.table_kv_stride);
+      g->src[u][0] = static_cast<Index>(s0);  // kept only when in range
+      g->src[u][1] = static_cast<Index>(s1);
       const int64_t o = static_cast<int64_t>(begin) + j + 1;
       // j < internal::MaterializePages(p, b) without the division: j < max_pages
       // holds by construction, j < ceil(len / page_size) <=> j * page_size < len.
       const int64_t len = seq_len < 0 ? 0 : seq_len;
       const int64_t page_start = static_cast<int64_t>(j) * p.page_size;
-      const bool used = page_start < len && static_cast<int64_t>(j) <
-                                                static_cast<int64_t>(reserved_end) - begin;
-      if (!used || o < 1 || o >= p.num_out_pages) {
-        active[u] = false;
-        continue;
-      }
-      out_page[u] = o;
+      const bool used =
+          page_start < len && static_cast<int64_t>(j) < static_cast<int64_t>(reserved_end) - begin;
+      if (!used || o < 1 || o >= p.num_out_pages) continue;
+      g->out_page[u] = static_cast<Index>(o);
       if (item == 0) {
         p.fp8_block_tables[b * p.fp8_table_row_stride + j] = static_cast<int32_t>(o);
       }
-      FP4KV_UNROLL
-      for (int kv = 0; kv < 2; ++kv) src_ok[u][kv] = src[u][kv] >= 0 && src[u][kv] < p.num_pages;
-      zero[u] = page_start + entry >= len;
+      const uint32_t f = kActive | (page_start + entry >= len ? kZero : 0u) |
+                         (s0 >= 0 && s0 < p.num_pages ? kSrcK : 0u) |
+                         (s1 >= 0 && s1 < p.num_pages ? kSrcV : 0u);
+      g->flags |= f << (4 * u);
     }
-    // Level 2: packed codes and scale bytes.
-    U32x2 codes[kMaterializeUnroll][2];
-    uint8_t sb[kMaterializeUnroll][2] = {};
+  };
+  // Level 2: packed codes and scale bytes.
+  auto fetch = [&](const MaterializeGroup<Index>& g, MaterializeData* d) {
     FP4KV_UNROLL
     for (int u = 0; u < kMaterializeUnroll; ++u) {
-      codes[u][0] = U32x2{0, 0};
-      codes[u][1] = U32x2{0, 0};
-      if (!active[u] || zero[u]) continue;
-      if (src_ok[u][0]) {
-        codes[u][0] = LoadReadOnly8(data_k + src[u][0] * p.k.data_page);
-        sb[u][0] = LoadReadOnly1(scales_k + src[u][0] * p.k.scale_page);
+      d->codes[u][0] = U32x2{0, 0};
+      d->codes[u][1] = U32x2{0, 0};
+      d->sb[u][0] = 0;
+      d->sb[u][1] = 0;
+      const uint32_t f = g.flags >> (4 * u);
+      if ((f & (kActive | kZero)) != kActive) continue;
+      if (f & kSrcK) {
+        d->codes[u][0] = LoadReadOnly8(data_k + static_cast<int64_t>(g.src[u][0]) * p.k.data_page);
+        d->sb[u][0] = LoadReadOnly1(scales_k + static_cast<int64_t>(g.src[u][0]) * p.k.scale_page);
       }
-      if (src_ok[u][1]) {
-        codes[u][1] = LoadReadOnly8(data_v + src[u][1] * p.v.data_page);
-        sb[u][1] = LoadReadOnly1(scales_v + src[u][1] * p.v.scale_page);
+      if (f & kSrcV) {
+        d->codes[u][1] = LoadReadOnly8(data_v + static_cast<int64_t>(g.src[u][1]) * p.v.data_page);
+        d->sb[u][1] = LoadReadOnly1(scales_v + static_cast<int64_t>(g.src[u][1]) * p.v.scale_page);
       }
     }
+  };
+  // Software pipeline over groups: the next group's index chain is in flight
+  // while this group's codes arrive and are converted and stored, so a group
+  // costs about one memory latency instead of two.
+  MaterializeGroup<Index> cur, next;
+  MaterializeData data;
+  if (first < end) {
+    resolve(first, &cur);
+    fetch(cur, &data);
+  }
+  for (uint32_t r0 = first; r0 < end; r0 += kMaterializeUnroll) {
+    const bool more = r0 + kMaterializeUnroll < end;
+    if (more) resolve(r0 + kMaterializeUnroll, &next);
     FP4KV_UNROLL
     for (int u = 0; u < kMaterializeUnroll; ++u) {
-      if (!active[u]) continue;
-      const int64_t o = out_page[u] * p.out_page;
+      const uint32_t f = cur.flags >> (4 * u);
+      if (!(f & kActive)) continue;
+      const int64_t o = static_cast<int64_t>(cur.out_page[u]) * p.out_page;
       // A source page out of range writes nothing for that tensor.
-      if (src_ok[u][0]) {
-        Store16(out_k + o, zero[u] ? U32x4{0, 0, 0, 0}
-                                   : MaterializeBlockFast(codes[u][0], sb[u][0], m_k, fast_k));
+      if (f & kSrcK) {
+        Store16(out_k + o,
+                (f & kZero) ? U32x4{0, 0, 0, 0}
+                            : MaterializeBlockFast(data.codes[u][0], data.sb[u][0], m_k, fast_k));
       }
-      if (src_ok[u][1]) {
-        Store16(out_v + o, zero[u] ? U32x4{0, 0, 0, 0}
-                                   : MaterializeBlockFast(codes[u][1], sb[u][1], m_v, fast_v));
+      if (f & kSrcV) {
+        Store16(out_v + o,
+                (f & kZero) ? U32x4{0, 0, 0, 0}
+                            : MaterializeBlockFast(data.codes[u][1], data.sb[u][1], m_v, fast_v));
       }
     }
+    if (more) {
+      cur = next;
+      fetch(cur, &data);
+    }
+  }
+}
+
+FP4KV_HD void MaterializeThread(const MaterializeLaunch& a, uint32_t cta_x, uint32_t cta_y,
+                                uint32_t tid) {
+  if (a.wide_index) {
+    MaterializeThreadT<int64_t>(a, cta_x, cta_y, tid);
+  } else {
+    MaterializeThreadT<uint32_t>(a, cta_x, cta_y, tid);
   }
 }
 

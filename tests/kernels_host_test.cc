@@ -171,19 +171,27 @@ TEST_P(MaterializeHostTest, GridMatchesReference) {
     ASSERT_TRUE(
         op->Run(c.Args(in.data(), want.data(), Device::Cpu()), c.Cache(in.data(), Device::Cpu()))
             .ok());
-    for (uint32_t rows_per_cta : kRowsPerCta) {
-      std::vector<uint8_t> got = c.out;
-      const internal::MaterializeParams p = MaterializeParamsFor(c, in.data(), got.data());
-      ASSERT_TRUE(kernels::ForEachMaterializeLaunch(
-          p,
-          [&](const kernels::MaterializeLaunch& l) {
-            ForEachThread(l.shape, [&](uint32_t x, uint32_t y, uint32_t t) {
-              kernels::MaterializeThread(l, x, y, t);
-            });
-          },
-          rows_per_cta));
-      ASSERT_EQ(FirstDifference(want, got), "")
-          << c.spec.Name() << " round " << round << " rows_per_cta " << rows_per_cta;
+    // Both index widths: 32-bit page indices (the normal case) and the
+    // 64-bit form that pools of more than 2^32 pages take.
+    for (const bool wide : {false, true}) {
+      for (uint32_t rows_per_cta : kRowsPerCta) {
+        std::vector<uint8_t> got = c.out;
+        const internal::MaterializeParams p = MaterializeParamsFor(c, in.data(), got.data());
+        ASSERT_TRUE(kernels::ForEachMaterializeLaunch(
+            p,
+            [&](const kernels::MaterializeLaunch& launch) {
+              EXPECT_FALSE(launch.wide_index);
+              kernels::MaterializeLaunch l = launch;
+              l.wide_index = wide;
+              ForEachThread(l.shape, [&](uint32_t x, uint32_t y, uint32_t t) {
+                kernels::MaterializeThread(l, x, y, t);
+              });
+            },
+            rows_per_cta));
+        ASSERT_EQ(FirstDifference(want, got), "")
+            << c.spec.Name() << " round " << round << " rows_per_cta " << rows_per_cta << " wide "
+            << wide;
+      }
     }
   }
 }
