@@ -1,0 +1,115 @@
+// Decode attention that reads NVFP4 pages directly.
+//
+// For each request b of a batch and each query head h, with query rows
+// q_indptr[b] .. q_indptr[b+1] (qlen_b of them, 1 .. max_q_len; one row per
+// request when max_q_len == 1 and q_indptr is not given):
+//
+//   query i of request b sits at position p = seq_lens[b] - qlen_b + i and
+//   attends the keys at positions t with
+//       0 <= t <= p                            (causal among the new tokens)
+//       t >= p - window_left                   (only when window_left >= 0)
+//   logit_t = sm_scale * g_k * (q . kq_t)     kq_t = e2m1(code) * e4m3(block scale)
+//   logit_t = cap * tanh(logit_t / cap)       (only when logits_soft_cap > 0)
+//   out     = g_v * sum_t w_t vq_t,  w_t = exp(logit_t - m) / Z,
+//   Z       = sum_t exp(logit_t - m) (+ exp(sink_h - m) with sinks),
+//   lse     = m + log(Z)                        natural log, sink included
+//
+// where h's KV head is h / (num_qo_heads / num_kv_heads). The global decode
+// scales g_k, g_v enter once per logit and once per output (the dequantized
+// tile e2m1 * e4m3 is exact in f16 and bf16). Softmax and accumulation are
+// fp32.
+//
+// Defined behaviour for values the host cannot check:
+//   - seq_lens[b] <= 0: request b writes nothing (padding rows of a step).
+//   - seq_lens[b] is clamped to max_pages * page_size of the block table.
+//   - a query whose position p is negative (qlen_b > seq_lens[b]) writes
+//     nothing; qlen_b is clamped to [0, max_q_len].
+//   - a block-table entry outside [0, num_pages): the tokens of that page are
+//     masked out (zero weight, never read). A query that attends no token
+//     writes out = 0 and lse = -inf.
+//
+// Prefill of long prompts is compute-bound and stays with the materializer or
+// dequantizer plus the server's own prefill kernel.
+//
+// Thread safety: immutable after Create(); Run() may be called concurrently
+// on different workspaces and outputs.
+#ifndef FP4KV_ATTENTION_H_
+#define FP4KV_ATTENTION_H_
+
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "fp4kv/geometry.h"
+#include "fp4kv/ops.h"
+#include "fp4kv/tensor.h"
+
+namespace fp4kv {
+
+struct DecodeAttentionArgs {
+  TensorView q;             // [total_q, Hq, Dk] f16/bf16, inner dim contiguous, 16-byte rows
+  TensorView q_indptr;      // [B + 1] i32; required when max_q_len > 1, else optional
+  TensorView block_tables;  // [B, max_pages] i32/i64 (K and V share pages)
+  TensorView seq_lens;      // [B] i32, lengths including the step's new tokens
+  TensorView out;           // [total_q, Hq, Dv], dtype of q
+  TensorView lse;           // [total_q, Hq] f32; required iff options.write_lse
+  TensorView sinks;         // [Hq] f32 logits; required iff options.has_sinks
+  GlobalScale k_scale;
+  GlobalScale v_scale;
+};
+
+class DecodeAttention {
+ public:
+  struct Options {
+    CacheGeometry geometry;  // head_dim_k and head_dim_v in {64, 128, 256}
+    int num_qo_heads = 0;    // a positive multiple of geometry.num_kv_heads
+    DType dtype = DType::kBF16;        // of q and out: f16 or bf16
+    DType table_dtype = DType::kI32;   // of block_tables
+    int max_batch = 0;                 // largest B
+    int max_pages_per_seq = 0;         // largest block-table width
+    int max_q_len = 1;                 // 1 .. 16
+    float sm_scale = 0.0f;             // 0: 1 / sqrt(head_dim_k)
+    float logits_soft_cap = 0.0f;      // 0: off
+    int window_left = -1;              // -1: off; else keys at p - window_left .. p
+    bool has_sinks = false;            // per-qo-head sink logits (args.sinks)
+    bool write_lse = false;            // args.lse is written
+    Device device;
+  };
+
+  // Validates the options and picks the launch shape (on CUDA it reads the
+  // device's SM count once, here).
+  static absl::StatusOr<DecodeAttention> Create(const Options& options);
+
+  // Scratch bytes Run() needs for split-KV partials (0 on the CPU): any
+  // memory of at least this size on the op's device, 256-byte aligned.
+  int64_t WorkspaceBytes() const { return workspace_bytes_; }
+
+  // Enqueues on `stream` (CUDA) or runs synchronously (CPU). Checks the views
+  // against the options (cheap, no device access); allocates nothing, never
+  // synchronizes, launch shapes depend only on the options: graph-safe, and a
+  // graph captured once replays for any lengths, tables and scales within the
+  // capacities. Nothing of `out` or `lse` but the rows described above is
+  // written.
+  absl::Status Run(const DecodeAttentionArgs& args, const PagedCache& cache, void* workspace,
+                   int64_t workspace_bytes, Stream stream = nullptr) const;
+
+  const Options& options() const { return options_; }
+
+ private:
+  DecodeAttention(const Options& o, int num_sms, int64_t workspace_bytes)
+      : options_(o), num_sms_(num_sms), workspace_bytes_(workspace_bytes) {}
+  Options options_;
+  int num_sms_ = 0;
+  int64_t workspace_bytes_ = 0;
+};
+
+// Create + Run with a caller-given workspace (WorkspaceBytes() of the same
+// options).
+absl::Status DecodeAttentionPaged(const DecodeAttention::Options& options,
+                                  const DecodeAttentionArgs& args, const PagedCache& cache,
+                                  void* workspace, int64_t workspace_bytes,
+                                  Stream stream = nullptr);
+
+}  // namespace fp4kv
+
+#endif  // FP4KV_ATTENTION_H_

@@ -1,0 +1,100 @@
+// Internal: the plain-pointer form of DecodeAttention, filled by validation
+// (src/attention.cc) and read by the CPU reference (src/reference/) and the
+// CUDA kernel (kernels/attention.cu). Fields are only ever added, never
+// changed in meaning.
+#ifndef FP4KV_SRC_ATTENTION_PARAMS_H_
+#define FP4KV_SRC_ATTENTION_PARAMS_H_
+
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "fp4kv/attention.h"
+#include "fp4kv/format.h"
+#include "fp4kv/ops.h"
+#include "src/params.h"
+
+namespace fp4kv {
+namespace internal {
+
+struct AttentionParams {
+  PoolPtrs k, v;  // read only; k.head_dim = Dk, v.head_dim = Dv
+  int num_kv_heads = 0;
+  int num_qo_heads = 0;
+  int group = 0;  // num_qo_heads / num_kv_heads
+  int page_size = 0;
+  int64_t num_pages = 0;
+
+  DType dtype = DType::kBF16;  // of q and out
+  const void* q = nullptr;     // [total_q, Hq, Dk]
+  int64_t q_row_stride = 0, q_head_stride = 0;  // elements
+  int64_t total_q = 0;                          // q.shape[0]
+  const int32_t* q_indptr = nullptr;            // [B + 1]; null: request b is q row b
+  int max_q_len = 1;
+
+  const void* block_tables = nullptr;  // [B, max_pages] i32 or i64
+  bool tables_i64 = false;
+  int64_t table_row_stride = 0;  // elements
+  int max_pages = 0;
+  const int32_t* seq_lens = nullptr;  // [B]
+  int batch_size = 0;                 // B (<= max_batch)
+
+  void* out = nullptr;  // [total_q, Hq, Dv]
+  int64_t out_row_stride = 0, out_head_stride = 0;  // elements
+  float* lse = nullptr;  // [total_q, Hq] f32 or null
+  int64_t lse_row_stride = 0;  // elements
+  const float* sinks = nullptr;  // [Hq] or null
+
+  float sm_scale = 0.0f;  // resolved (never 0)
+  float soft_cap = 0.0f;  // 0: off
+  int window_left = -1;   // -1: off
+  GlobalScale k_scale, v_scale;
+
+  void* workspace = nullptr;  // WorkspaceBytes() bytes on the device (null on the CPU)
+  int64_t workspace_bytes = 0;
+  // Launch-shape inputs fixed at Create (options, not per-call values).
+  int max_batch = 0;
+  int num_sms = 0;
+};
+
+// Request b's query rows: [*q_begin, *q_begin + *q_len). Shared by the
+// reference and the kernel.
+FP4KV_HD void AttentionQueryRows(const AttentionParams& p, int b, int64_t* q_begin, int* q_len) {
+  if (p.q_indptr == nullptr) {
+    *q_begin = b;
+    *q_len = 1;
+    return;
+  }
+  const int64_t begin = p.q_indptr[b];
+  int64_t n = static_cast<int64_t>(p.q_indptr[b + 1]) - begin;
+  if (n < 0) n = 0;
+  if (n > p.max_q_len) n = p.max_q_len;
+  if (begin < 0 || begin >= p.total_q) n = 0;
+  if (begin + n > p.total_q) n = p.total_q - begin;
+  *q_begin = begin;
+  *q_len = static_cast<int>(n);
+}
+
+// Tokens of request b that attention may read: seq_lens[b] clamped to
+// [0, max_pages * page_size].
+FP4KV_HD int64_t AttentionTokens(const AttentionParams& p, int b) {
+  int64_t n = p.seq_lens[b];
+  if (n < 0) n = 0;
+  const int64_t cap = static_cast<int64_t>(p.max_pages) * p.page_size;
+  return n < cap ? n : cap;
+}
+
+// Scratch bytes of the CUDA kernel for these options (kernels/attention.cu).
+int64_t AttentionWorkspaceBytes(const DecodeAttention::Options& o, int num_sms);
+
+// CPU reference (src/reference/attention_reference.cc): fp64 accumulation over
+// the values format.h decodes. Synchronous, host memory.
+void ReferenceDecodeAttention(const AttentionParams& p);
+
+// CUDA launcher (kernels/attention.cu): enqueues on `stream`, allocates
+// nothing, never synchronizes; returns the launch status.
+absl::Status LaunchDecodeAttention(const AttentionParams& p, Stream stream);
+
+}  // namespace internal
+}  // namespace fp4kv
+
+#endif  // FP4KV_SRC_ATTENTION_PARAMS_H_
