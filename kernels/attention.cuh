@@ -310,6 +310,12 @@ __device__ __forceinline__ uint32_t PackHalf2(float lo, float hi) {
   return d;
 }
 
+__device__ __forceinline__ void UnpackHalf2(uint32_t h, float* lo, float* hi) {
+  asm("{\n .reg .b16 a, b;\n mov.b32 {a, b}, %2;\n cvt.f32.f16 %0, a;\n cvt.f32.f16 %1, b;\n}"
+      : "=f"(*lo), "=f"(*hi)
+      : "r"(h));
+}
+
 template <bool kBf16>
 __device__ __forceinline__ uint32_t PackOut2(float lo, float hi) {
   uint32_t d;
@@ -661,8 +667,20 @@ __global__ void __launch_bounds__(kAttnThreads, AttnConfig<D>::kCtasPerSm)
           o[n][3] *= alpha[1];
         }
       }
-      const uint32_t pa[4] = {PackHalf2(s[0][0], s[0][1]), PackHalf2(s[0][2], s[0][3]),
-                              PackHalf2(s[1][0], s[1][1]), PackHalf2(s[1][2], s[1][3])};
+      // P as f16 (and, for bf16 outputs, the f16 remainder p - f16(p) too,
+      // so that P V carries ~22 bits of each weight: bf16 rounding of the
+      // result then agrees with an exact computation almost always).
+      uint32_t pa[4], pl[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const float x0 = s[k >> 1][2 * (k & 1)], x1 = s[k >> 1][2 * (k & 1) + 1];
+        pa[k] = PackHalf2(x0, x1);
+        if constexpr (kBf16) {
+          float h0, h1;
+          UnpackHalf2(pa[k], &h0, &h1);
+          pl[k] = PackHalf2(x0 - h0, x1 - h1);
+        }
+      }
 
       // ---- O += P V.
       uint32_t vw[4][kVWords];  // tokens 2c, 2c+1, 2c+8, 2c+9
@@ -702,7 +720,10 @@ __global__ void __launch_bounds__(kAttnThreads, AttnConfig<D>::kCtasPerSm)
         device::DecodeWordPairHalf2(vw[0][w], vw[1][w], vsb[0][q], b0);
         device::DecodeWordPairHalf2(vw[2][w], vw[3][w], vsb[1][q], b1);
 #pragma unroll
-        for (int d = 0; d < 8; ++d) Mma16816(o[8 * w + d], pa, b0[d], b1[d]);
+        for (int d = 0; d < 8; ++d) {
+          Mma16816(o[8 * w + d], pa, b0[d], b1[d]);
+          if constexpr (kBf16) Mma16816(o[8 * w + d], pl, b0[d], b1[d]);
+        }
       }
       __syncwarp();
     }
