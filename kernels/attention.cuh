@@ -604,14 +604,6 @@ __global__ void __launch_bounds__(kAttnThreads, AttnConfig<D>::kCtasPerSm)
           ksb[nt] = *reinterpret_cast<const uint32_t*>(srow);
         }
       }
-      uint32_t kmul[2][kKWords / 2];  // per K block of this lane's range
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
-#pragma unroll
-        for (int q = 0; q < kKWords / 2; ++q) {
-          kmul[nt][q] = device::ScalePairMultiplier(((ksb[nt] >> (8 * q)) & 0xffu) * 0x0101u);
-        }
-      }
 #pragma unroll
       for (int w = 0; w < kKWords; ++w) {
         uint32_t qa[2][4];
@@ -619,8 +611,10 @@ __global__ void __launch_bounds__(kAttnThreads, AttnConfig<D>::kCtasPerSm)
         LdMatrixX4(q_lane + (2 * w + 1) * 32, qa[1]);
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt) {
+          const uint32_t sbyte = (ksb[nt] >> (8 * (w / 2))) & 0xffu;
+          const uint32_t mul = device::ScalePairMultiplier(sbyte * 0x0101u);
           uint32_t b[4];
-          device::DecodeWordHalf2(kw[nt][w], kmul[nt][w / 2], b);
+          device::DecodeWordHalf2(kw[nt][w], mul, b);
           Mma16816(s[nt], qa[0], b[0], b[2]);
           Mma16816(s[nt], qa[1], b[1], b[3]);
         }
@@ -825,7 +819,6 @@ __global__ void __launch_bounds__(kAttnThreads) MergeAttentionKernel(const AttnL
       float acc[D / 32];
 #pragma unroll
       for (int j = 0; j < D / 32; ++j) acc[j] = 0.0f;
-#pragma unroll 4
       for (int k = 0; k < it.splits; ++k) {
         const int64_t base = static_cast<int64_t>(it.slot0 + k) * a.rows_per_slot + r;
         const float w = Ex2(a.ws_ml[base * 2] - m_use) * f;
