@@ -55,6 +55,10 @@ struct AttentionParams {
   // Launch-shape inputs fixed at Create (options, not per-call values).
   int max_batch = 0;
   int num_sms = 0;
+
+  // Reference only (tests): when set, the CPU reference also stores every
+  // output element unrounded here, [total_q, Hq, Dv] with out's strides.
+  double* ref_out_f64 = nullptr;
 };
 
 // Request b's query rows: [*q_begin, *q_begin + *q_len). Shared by the

@@ -92,6 +92,9 @@ void AttendOne(const AttentionParams& p, const RequestRows& r, int64_t row, int 
   float* lse = p.lse != nullptr ? p.lse + row * p.lse_row_stride + h : nullptr;
   if (tokens.empty()) {
     for (int d = 0; d < dv; ++d) StoreHalf(p.out, p.dtype, out0 + d, 0.0);
+    if (p.ref_out_f64 != nullptr) {
+      for (int d = 0; d < dv; ++d) p.ref_out_f64[out0 + d] = 0.0;
+    }
     if (lse != nullptr) *lse = -std::numeric_limits<float>::infinity();
     return;
   }
@@ -106,7 +109,11 @@ void AttendOne(const AttentionParams& p, const RequestRows& r, int64_t row, int 
     z += w;
     for (int d = 0; d < dv; ++d) acc[d] += w * r.v[tokens[i] * dv + d];
   }
-  for (int d = 0; d < dv; ++d) StoreHalf(p.out, p.dtype, out0 + d, gv * (acc[d] / z));
+  for (int d = 0; d < dv; ++d) {
+    const double x = gv * (acc[d] / z);
+    StoreHalf(p.out, p.dtype, out0 + d, x);
+    if (p.ref_out_f64 != nullptr) p.ref_out_f64[out0 + d] = x;
+  }
   if (lse != nullptr) *lse = static_cast<float>(m + std::log(z));
 }
 

@@ -92,14 +92,22 @@ struct AttentionQuery {
 };
 std::vector<AttentionQuery> AttentionQueries(const AttentionCase& c);
 
+// The CPU reference's output blob for the case's current inputs (out
+// rounded to the case's dtype, as Run writes it) and, when `exact` is set,
+// the same outputs before rounding: fp64, indexed like out_view's elements
+// (NaN where the contract writes nothing).
+std::vector<uint8_t> ReferenceAttentionOutputs(const AttentionCase& c,
+                                               std::vector<double>* exact = nullptr);
+
 // Compares an output blob with the reference's: per (query row, qo head)
 // written by the contract, ||got - ref|| / ||ref|| <= rel_tol (ref norm 0:
 // got must be 0 too), lse within lse_tol absolute (both -inf allowed), and
-// every byte the contract leaves alone still kPoison. Returns "" or a
-// description of the first failure.
+// every byte the contract leaves alone still kPoison. ref is the unrounded
+// `exact` output when given (ReferenceAttentionOutputs), else want's out.
+// Returns "" or a description of the first failure.
 std::string CompareAttentionOutputs(const AttentionCase& c, const std::vector<uint8_t>& want,
                                     const std::vector<uint8_t>& got, double rel_tol,
-                                    double lse_tol);
+                                    double lse_tol, const std::vector<double>* exact = nullptr);
 
 // A representative mixed sweep (batch 1..64, lengths 1..33000, groups 1..8,
 // q_len 1..8, head dims 64/128/256, both layouts, page sizes 1/16/17, both
