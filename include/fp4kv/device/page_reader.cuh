@@ -84,6 +84,22 @@ __device__ __forceinline__ uint32_t E4m3x2ToHalf2Raw(uint32_t two_bytes) {
 #endif
 }
 
+// Four E4M3 bytes to two f16x2 as E4m3x2ToHalf2Raw does: bytes 0, 1 into
+// *lo, bytes 2, 3 into *hi (on sm_89+ the halves go to the conversions as
+// 16-bit registers, with no masking or shifting).
+__device__ __forceinline__ void E4m3x4ToHalf2x2Raw(uint32_t four_bytes, uint32_t* lo,
+                                                   uint32_t* hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  asm("{\n .reg .b16 a, b;\n mov.b32 {a, b}, %2;\n cvt.rn.f16x2.e4m3x2 %0, a;\n"
+      " cvt.rn.f16x2.e4m3x2 %1, b;\n}"
+      : "=r"(*lo), "=r"(*hi)
+      : "r"(four_bytes));
+#else
+  *lo = E4m3x2ToHalf2Raw(four_bytes & 0xffffu);
+  *hi = E4m3x2ToHalf2Raw(four_bytes >> 16);
+#endif
+}
+
 // Multiplier that turns E4m3x2ToHalf2Raw of an expanded code pair into the
 // tile value e2m1 * s * 2^-7, from two scale bytes (low byte first): on
 // sm_89+ (s * 2^-1), on sm_80 (s * 2^-8) * 2^15. Exact in f16.
@@ -110,12 +126,11 @@ __device__ __forceinline__ uint32_t Half2Mul(uint32_t a, uint32_t b) {
 // {v0,v2}, {v4,v6}, {v1,v3}, {v5,v7} in f16x2, scaled by 2^-7.
 __device__ __forceinline__ void DecodeWordHalf2(uint32_t codes, uint32_t scale_mul,
                                                 uint32_t out[4]) {
-  const uint32_t lo = LowNibblesToE4m3(codes);
-  const uint32_t hi = HighNibblesToE4m3(codes);
-  out[0] = Half2Mul(E4m3x2ToHalf2Raw(lo & 0xffffu), scale_mul);
-  out[1] = Half2Mul(E4m3x2ToHalf2Raw(lo >> 16), scale_mul);
-  out[2] = Half2Mul(E4m3x2ToHalf2Raw(hi & 0xffffu), scale_mul);
-  out[3] = Half2Mul(E4m3x2ToHalf2Raw(hi >> 16), scale_mul);
+  uint32_t h[4];
+  E4m3x4ToHalf2x2Raw(LowNibblesToE4m3(codes), &h[0], &h[1]);
+  E4m3x4ToHalf2x2Raw(HighNibblesToE4m3(codes), &h[2], &h[3]);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) out[i] = Half2Mul(h[i], scale_mul);
 }
 
 // The same 8 dims of two rows a and b (e.g. two tokens of V, whose values a
@@ -130,12 +145,13 @@ __device__ __forceinline__ void DecodeWordPairHalf2(uint32_t codes_a, uint32_t c
   const uint32_t y[2] = {y0, y1};
 #pragma unroll
   for (int i = 0; i < 2; ++i) {  // dims 4i .. 4i + 3
-    const uint32_t lo = LowNibblesToE4m3(y[i]);   // a d0, b d0, a d2, b d2
-    const uint32_t hi = HighNibblesToE4m3(y[i]);  // a d1, b d1, a d3, b d3
-    out[4 * i + 0] = Half2Mul(E4m3x2ToHalf2Raw(lo & 0xffffu), scale_mul);
-    out[4 * i + 1] = Half2Mul(E4m3x2ToHalf2Raw(hi & 0xffffu), scale_mul);
-    out[4 * i + 2] = Half2Mul(E4m3x2ToHalf2Raw(lo >> 16), scale_mul);
-    out[4 * i + 3] = Half2Mul(E4m3x2ToHalf2Raw(hi >> 16), scale_mul);
+    uint32_t l0, l1, h0, h1;
+    E4m3x4ToHalf2x2Raw(LowNibblesToE4m3(y[i]), &l0, &l1);   // {a d0, b d0}, {a d2, b d2}
+    E4m3x4ToHalf2x2Raw(HighNibblesToE4m3(y[i]), &h0, &h1);  // {a d1, b d1}, {a d3, b d3}
+    out[4 * i + 0] = Half2Mul(l0, scale_mul);
+    out[4 * i + 1] = Half2Mul(h0, scale_mul);
+    out[4 * i + 2] = Half2Mul(l1, scale_mul);
+    out[4 * i + 3] = Half2Mul(h1, scale_mul);
   }
 }
 
