@@ -3,6 +3,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <climits>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -20,14 +21,31 @@ absl::Status LaunchFor(const AttentionParams& p, Stream stream) {
   using Cfg = kernels::AttnConfig<D>;
   kernels::AttnLaunch a;
   a.p = p;
-  a.num_warps_total = p.num_sms * Cfg::kCtasPerSm * kernels::kAttnWarps;
+  a.num_ctas = p.num_sms * Cfg::kCtasPerSm;
   a.rows_per_slot = kernels::AttnRowsPerSlot(p.group, p.max_q_len);
   a.page_q16 = kernels::kAttnTile / p.page_size;
   a.page_r16 = kernels::kAttnTile % p.page_size;
-  const int64_t slots = 2 * static_cast<int64_t>(a.num_warps_total);
+  {
+    const auto al = [](const void* ptr, int64_t stride, int64_t m) {
+      return reinterpret_cast<uintptr_t>(ptr) % m == 0 && stride % m == 0;
+    };
+    const PoolPtrs* pools[2] = {&p.k, &p.v};
+    bool ok = p.page_size % kernels::kAttnTile == 0 && p.num_pages <= INT32_MAX;
+    for (const PoolPtrs* q : pools) {
+      ok = ok && al(q->data, q->data_page, 16) && q->data_entry % 16 == 0 &&
+           q->data_head % 16 == 0 && al(q->scales, q->scale_page, Cfg::kScaleBytes) &&
+           q->scale_entry % Cfg::kScaleBytes == 0 && q->scale_head % Cfg::kScaleBytes == 0 &&
+           q->data_entry >= 0 && q->scale_entry >= 0 && q->data_page >= 0 &&
+           q->scale_page >= 0 &&
+           (p.page_size - 1) * q->data_entry < INT32_MAX &&
+           (p.page_size - 1) * q->scale_entry < INT32_MAX;
+    }
+    a.fast_copy = ok;
+  }
+  const int64_t slots = kernels::AttnSlots(a.num_ctas);
   a.ws_o = static_cast<float*>(p.workspace);
   a.ws_ml = a.ws_o + slots * a.rows_per_slot * D;
-  const int grid = p.num_sms * Cfg::kCtasPerSm;
+  const int grid = a.num_ctas;
   const size_t sched_bytes = kernels::AttnScheduleBytes(p.max_batch);
   const size_t smem = static_cast<size_t>(kernels::kAttnWarps) * Cfg::kWarpBytes + sched_bytes;
   auto* kernel = &kernels::DecodeAttentionKernel<D, kBf16>;
@@ -56,7 +74,7 @@ int64_t AttentionWorkspaceBytes(const DecodeAttention::Options& o, int num_sms) 
                    : d == 128 ? kernels::AttnConfig<128>::kCtasPerSm
                               : kernels::AttnConfig<256>::kCtasPerSm;
   const int group = o.num_qo_heads / o.geometry.num_kv_heads;
-  const int64_t slots = 2 * static_cast<int64_t>(num_sms) * ctas * kernels::kAttnWarps;
+  const int64_t slots = kernels::AttnSlots(num_sms * ctas);
   const int64_t rows = kernels::AttnRowsPerSlot(group, o.max_q_len);
   const int64_t bytes = slots * rows * (d + 2) * static_cast<int64_t>(sizeof(float));
   return (bytes + 255) / 256 * 256;

@@ -5,26 +5,30 @@
 // CTA derives the same schedule from seq_lens / q_indptr: request b's
 // attended key range [lo_b, L_b) is cut into splits_b chunks of at most C
 // tokens, C chosen so that all chunks of all requests give about 0.8 work
-// items per warp. A work item is (request, KV head, 16-row query tile,
-// chunk) and runs on one warp; warp w takes items w, w + W, ... A request
-// with one chunk writes its output directly; otherwise each chunk writes an
-// fp32 partial (unnormalized O, running max, sum) and MergeAttentionKernel
-// (same grid, same schedule) combines them. The grid depends only on the
-// options, so one captured graph serves every length.
+// items per CTA. A work item is (request, KV head, 16-row query tile,
+// chunk) and runs on one CTA; CTA x takes items x, x + grid, ... Each warp
+// of the CTA takes a contiguous quarter of the chunk's 16-token tiles, and
+// the four (O, max, sum) are combined through shared memory at the end. A
+// request with one chunk writes its output directly; otherwise each chunk
+// writes an fp32 partial (unnormalized O, running max, sum) and
+// MergeAttentionKernel (same grid, same schedule) combines them. The grid
+// depends only on the options, so one captured graph serves every length.
 //
-// One warp, one item: query rows r = qi * group + gi (padded to 16) in the
+// One warp, its tiles: query rows r = qi * group + gi (padded to 16) in the
 // M dimension of mma.m16n8k16 (f16 in, f32 accumulate). Per 16-token tile,
 // 32 lanes copy the tile's K and V rows (codes and scales) with cp.async
 // into a 3-stage shared-memory ring (lane 2t + h: token t, half h; one
-// page-table lookup per lane and tile). Then
+// page-table entry per tile when page_size % 16 == 0 and the pools allow
+// 16-byte copies, else one lookup per lane and tile). Then
 //   S = Q K^T : B fragments from page_reader's DecodeWordHalf2. The reduction
 //     index is permuted so that lane (g, c) decodes token g's bytes
 //     [c D/8, (c+1) D/8) (contiguous); Q is stored permuted the same way.
 //   online softmax in fp32 on the S fragment (log2 domain);
-//   O += P V   : the S accumulator is the A fragment (f16); V's B fragment
-//     for lane (g, c) is "segment" g (dims [g D/8, (g+1) D/8)) of tokens
-//     2c, 2c+1, 2c+8, 2c+9 (page_reader's DecodeWordPairHalf2), so output
-//     n-tile l holds dims seg * D/8 + l; lane (g, c) owns segments 2c, 2c+1.
+//   O += P V   : the S accumulator, rounded to f16, is the A fragment; V's B
+//     fragment for lane (g, c) is "segment" g (dims [g D/8, (g+1) D/8)) of
+//     tokens 2c, 2c+1, 2c+8, 2c+9 (page_reader's DecodeWordPairHalf2), so
+//     output n-tile l holds dims seg * D/8 + l; lane (g, c) owns segments
+//     2c, 2c+1.
 // The dequantized tile is e2m1 * e4m3 * 2^-7, exact in f16; the 2^7, g_k
 // and sm_scale enter the logit scale once, g_v * 2^7 the output once.
 #ifndef FP4KV_KERNELS_ATTENTION_CUH_
@@ -49,7 +53,7 @@ inline constexpr int kAttnMinChunk = 64;
 template <int D>
 struct AttnConfig {
   static constexpr int kStages = D <= 128 ? 3 : 2;
-  static constexpr int kCtasPerSm = D == 64 ? 4 : (D == 128 ? 3 : 2);
+  static constexpr int kCtasPerSm = D == 64 ? 4 : (D == 128 ? 4 : 2);
   static constexpr int kQStride = D + 8;  // halves per Q row in shared memory
   static constexpr int kRowBytes = D / 2;
   static constexpr int kScaleBytes = D / 16;
@@ -61,6 +65,9 @@ struct AttnConfig {
   static constexpr int kStageBytes = kMaskOff + 16;
   static constexpr int kQBytes = kAttnTile * kQStride * 2;
   static constexpr int kWarpBytes = kQBytes + kStages * kStageBytes;
+  static constexpr int kRedStride = D + 4;  // floats per row of the warp combine
+  static_assert(kAttnTile * kRedStride * 4 <= kWarpBytes, "combine fits a warp's shared memory");
+  static_assert(kWarpBytes % 16 == 0, "16-byte aligned warp regions");
 };
 
 // Query rows kept per partial slot.
@@ -69,17 +76,24 @@ inline int AttnRowsPerSlot(int group, int max_q_len) {
   return r < kAttnTile ? static_cast<int>(r) : kAttnTile;
 }
 
+// Partial slots the schedule can use: fewer than 2 * (0.8 * ctas + 1).
+inline int64_t AttnSlots(int num_ctas) { return 2 * (static_cast<int64_t>(num_ctas) + 1); }
+
 inline size_t AttnScheduleBytes(int max_batch) {
   return (2 * static_cast<size_t>(max_batch) + 2) * sizeof(int);
 }
 
 struct AttnLaunch {
   internal::AttentionParams p;
-  int num_warps_total = 0;  // W
+  int num_ctas = 0;  // the grid of both kernels (the schedule's workers)
   int rows_per_slot = 0;
   int page_q16 = 0, page_r16 = 0;  // 16 = q16 * page_size + r16
-  float* ws_o = nullptr;   // [2W, rows_per_slot, D] unnormalized partial outputs
-  float* ws_ml = nullptr;  // [2W, rows_per_slot, 2] running max (log2 units), sum
+  // Set when a 16-aligned tile always lies in one page (page_size % 16 == 0)
+  // and the pools allow 16-byte code copies, scale rows of kScaleBytes
+  // aligned, 32-bit page indices and 32-bit entry offsets within a page.
+  bool fast_copy = false;
+  float* ws_o = nullptr;   // [AttnSlots(num_ctas), rows_per_slot, D] unnormalized partial outputs
+  float* ws_ml = nullptr;  // [AttnSlots(num_ctas), rows_per_slot, 2] running max (log2), sum
 };
 
 struct AttnRequest {
@@ -144,6 +158,8 @@ __device__ __forceinline__ int BlockExclusiveScan(int v, int* tmp, int* total) {
 
 // Every CTA computes the same schedule: chunk bound c and, per request, the
 // first item and the first partial slot (prefix arrays of B + 1 ints).
+// Request metadata is read from global memory once: between the passes each
+// thread keeps its requests' values in its own entries of the two arrays.
 __device__ __forceinline__ int BuildAttnSchedule(const AttnLaunch& a, int* item_prefix,
                                                  int* slot_prefix) {
   __shared__ int tmp[kAttnWarps];
@@ -157,6 +173,8 @@ __device__ __forceinline__ int BuildAttnSchedule(const AttnLaunch& a, int* item_
   for (int b = b0; b < b1; ++b) {
     const AttnRequest r = GetAttnRequest(p, b);
     work += static_cast<long long>(r.span) * r.mtiles;
+    item_prefix[b] = r.span;
+    slot_prefix[b] = r.mtiles;
   }
   work *= p.num_kv_heads;
 #pragma unroll
@@ -166,32 +184,30 @@ __device__ __forceinline__ int BuildAttnSchedule(const AttnLaunch& a, int* item_
   long long total = 0;
 #pragma unroll
   for (int w = 0; w < kAttnWarps; ++w) total += wsum[w];
-  const long long target = (static_cast<long long>(a.num_warps_total) * 4) / 5 + 1;
+  const long long target = (static_cast<long long>(a.num_ctas) * 4) / 5 + 1;
   long long c = (total + target - 1) / target;
   if (c < kAttnMinChunk) c = kAttnMinChunk;
   if (c > (1 << 30)) c = 1 << 30;
   const int chunk_bound = static_cast<int>(c);
   int items = 0, slots = 0;
   for (int b = b0; b < b1; ++b) {
-    const AttnRequest r = GetAttnRequest(p, b);
     int splits, chunk;
-    AttnSplit(r.span, chunk_bound, &splits, &chunk);
-    const int n = splits * p.num_kv_heads * r.mtiles;
+    AttnSplit(item_prefix[b], chunk_bound, &splits, &chunk);
+    const int n = splits * p.num_kv_heads * slot_prefix[b];
     items += n;
     slots += splits > 1 ? n : 0;
+    item_prefix[b] = n;  // items of request b
+    slot_prefix[b] = splits > 1 ? n : 0;  // its partial slots
   }
   int total_items, total_slots;
   int ib = BlockExclusiveScan(items, tmp, &total_items);
   int sb = BlockExclusiveScan(slots, tmp, &total_slots);
   for (int b = b0; b < b1; ++b) {
-    const AttnRequest r = GetAttnRequest(p, b);
-    int splits, chunk;
-    AttnSplit(r.span, chunk_bound, &splits, &chunk);
-    const int n = splits * p.num_kv_heads * r.mtiles;
+    const int n = item_prefix[b], ns = slot_prefix[b];
     item_prefix[b] = ib;
     slot_prefix[b] = sb;
     ib += n;
-    sb += splits > 1 ? n : 0;
+    sb += ns;
   }
   if (threadIdx.x == 0) {
     item_prefix[B] = total_items;
@@ -310,12 +326,6 @@ __device__ __forceinline__ uint32_t PackHalf2(float lo, float hi) {
   return d;
 }
 
-__device__ __forceinline__ void UnpackHalf2(uint32_t h, float* lo, float* hi) {
-  asm("{\n .reg .b16 a, b;\n mov.b32 {a, b}, %2;\n cvt.f32.f16 %0, a;\n cvt.f32.f16 %1, b;\n}"
-      : "=f"(*lo), "=f"(*hi)
-      : "r"(h));
-}
-
 template <bool kBf16>
 __device__ __forceinline__ uint32_t PackOut2(float lo, float hi) {
   uint32_t d;
@@ -400,9 +410,15 @@ __global__ void __launch_bounds__(kAttnThreads, AttnConfig<D>::kCtasPerSm)
   const float gv = p.v_scale.Get();
   const bool soft_cap = p.soft_cap > 0.0f;
 
-  for (int item = blockIdx.x * kAttnWarps + warp; item < total_items;
-       item += a.num_warps_total) {
+  __shared__ float2 ml_sm[kAttnWarps][kAttnTile];
+  for (int item = blockIdx.x; item < total_items; item += gridDim.x) {
     const AttnItem it = ResolveAttnItem(a, item, chunk_bound, item_prefix, slot_prefix);
+    // This warp's tiles: a quarter of the item's, contiguous.
+    const int item_tiles = (it.t1 - it.t0 + kAttnTile - 1) / kAttnTile;
+    const int warp_tiles = (item_tiles + kAttnWarps - 1) / kAttnWarps;
+    const int w_t0 = it.t0 + warp * warp_tiles * kAttnTile;
+    const int w_t1 = min(it.t1, w_t0 + warp_tiles * kAttnTile);
+    const int n_tiles = w_t0 < w_t1 ? (w_t1 - w_t0 + kAttnTile - 1) / kAttnTile : 0;
 
     // ---- Q tile into shared memory (permuted; bf16 rows scaled by 2^kq).
     int kq = 0;
@@ -461,8 +477,6 @@ __global__ void __launch_bounds__(kAttnThreads, AttnConfig<D>::kCtasPerSm)
     // ---- Per-thread rows g and g + 8.
     float lf[2];  // logit factor (natural units without soft cap: log2 units)
     int row_lo[2], row_hi[2];
-    bool row_stored[2];
-    int row_q[2], row_head[2];
     int lo_max = -(1 << 30), hi_min = 1 << 30;
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
@@ -471,9 +485,6 @@ __global__ void __launch_bounds__(kAttnThreads, AttnConfig<D>::kCtasPerSm)
       const float f = p.sm_scale * gk * device::kHalfTileScale *
                       __uint_as_float(static_cast<uint32_t>(127 - k) << 23);
       lf[i] = soft_cap ? f : f * kLog2e;
-      row_stored[i] = row.stored;
-      row_q[i] = row.qi;
-      row_head[i] = it.head * p.group + row.gi;
       row_lo[i] = -(1 << 30);
       row_hi[i] = 1 << 30;
       if (row.stored) {
@@ -492,8 +503,8 @@ __global__ void __launch_bounds__(kAttnThreads, AttnConfig<D>::kCtasPerSm)
 
     // ---- Copy pipeline state of this lane: token tau of every tile.
     const int tau = lane >> 1, hf = lane & 1;
-    int pj = (it.t0 + tau) / p.page_size;
-    int pe = (it.t0 + tau) - pj * p.page_size;
+    int pj = (w_t0 + tau) / p.page_size;
+    int pe = (w_t0 + tau) - pj * p.page_size;
     const int64_t table_row = static_cast<int64_t>(it.b) * p.table_row_stride;
     const uint8_t* kd = p.k.data + it.head * p.k.data_head + hf * (D / 4);
     const uint8_t* vd = p.v.data + it.head * p.v.data_head + hf * (D / 4);
@@ -502,10 +513,50 @@ __global__ void __launch_bounds__(kAttnThreads, AttnConfig<D>::kCtasPerSm)
     const int64_t s_page = hf == 0 ? p.k.scale_page : p.v.scale_page;
     const int64_t s_entry = hf == 0 ? p.k.scale_entry : p.v.scale_entry;
 
+    // Fast path (a.fast_copy, tiles aligned to 16): one table entry per tile,
+    // 32-bit page index and entry offsets; fj / fe: the tile's page and entry.
+    const bool fast = a.fast_copy && (w_t0 % kAttnTile) == 0;
+    int fj = w_t0 / p.page_size;
+    int fe = w_t0 - fj * p.page_size;
+    const uint32_t k_entry = static_cast<uint32_t>(p.k.data_entry);
+    const uint32_t v_entry = static_cast<uint32_t>(p.v.data_entry);
+    const uint32_t s_entry32 = static_cast<uint32_t>(s_entry);
+    auto issue_fast = [&](int stage, int tile_start) {
+      uint8_t* st = stages + stage * Cfg::kStageBytes;
+      const int64_t pg = internal::TableEntry(p.block_tables, p.tables_i64, table_row + fj);
+      const bool valid = tile_start + tau < w_t1 && pg >= 0 && pg < p.num_pages;
+      const uint64_t page = valid ? static_cast<uint32_t>(pg) : 0u;
+      const uint32_t e = static_cast<uint32_t>(fe + tau);
+      const uint8_t* ksrc = kd + page * static_cast<uint64_t>(p.k.data_page) + e * k_entry;
+      const uint8_t* vsrc = vd + page * static_cast<uint64_t>(p.v.data_page) + e * v_entry;
+      const uint8_t* ssrc = sd + page * static_cast<uint64_t>(s_page) + e * s_entry32;
+      const uint32_t kdst = SmemAddr(st + Cfg::kKcOff + tau * Cfg::kRowBytes + hf * (D / 4));
+      const uint32_t vdst =
+          SmemAddr(st + Cfg::kVcOff + VSlot(tau) * Cfg::kRowBytes + hf * (D / 4));
+#pragma unroll
+      for (int i = 0; i < D / 64; ++i) {
+        CpAsync<16>(kdst + 16 * i, ksrc + 16 * i, valid);
+        CpAsync<16>(vdst + 16 * i, vsrc + 16 * i, valid);
+      }
+      uint8_t* sdst = st + (hf == 0 ? Cfg::kKsOff + tau * Cfg::kScaleBytes
+                                    : Cfg::kVsOff + VSlot(tau) * Cfg::kScaleBytes);
+      CpAsync<Cfg::kScaleBytes>(SmemAddr(sdst), ssrc, valid);
+      const uint32_t ballot = __ballot_sync(0xffffffffu, valid);
+      if (lane == 0) *reinterpret_cast<uint32_t*>(st + Cfg::kMaskOff) = ballot;
+      fe += kAttnTile;
+      if (fe == p.page_size) {
+        fe = 0;
+        ++fj;
+      }
+    };
     auto issue = [&](int stage, int tile_start) {
+      if (fast) {
+        issue_fast(stage, tile_start);
+        return;
+      }
       uint8_t* st = stages + stage * Cfg::kStageBytes;
       const int t = tile_start + tau;
-      bool valid = t < it.t1;
+      bool valid = t < w_t1;
       int64_t page = 0;
       if (valid) {
         page = internal::TableEntry(p.block_tables, p.tables_i64, table_row + pj);
@@ -557,10 +608,9 @@ __global__ void __launch_bounds__(kAttnThreads, AttnConfig<D>::kCtasPerSm)
     for (int n = 0; n < kNT; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
     float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.0f, 0.0f};
 
-    const int n_tiles = (it.t1 - it.t0 + kAttnTile - 1) / kAttnTile;
 #pragma unroll
     for (int s = 0; s < kStages - 1; ++s) {
-      if (s < n_tiles) issue(s, it.t0 + kAttnTile * s);
+      if (s < n_tiles) issue(s, w_t0 + kAttnTile * s);
       CpAsyncCommit();
     }
     const uint32_t q_base = SmemAddr(qs);
@@ -573,11 +623,11 @@ __global__ void __launch_bounds__(kAttnThreads, AttnConfig<D>::kCtasPerSm)
       __syncwarp();
       {
         const int nx = i + kStages - 1;
-        if (nx < n_tiles) issue(nx % kStages, it.t0 + kAttnTile * nx);
+        if (nx < n_tiles) issue(nx % kStages, w_t0 + kAttnTile * nx);
         CpAsyncCommit();
       }
       const uint8_t* st = stages + (i % kStages) * Cfg::kStageBytes;
-      const int tile_start = it.t0 + kAttnTile * i;
+      const int tile_start = w_t0 + kAttnTile * i;
       const uint32_t ballot = *reinterpret_cast<const uint32_t*>(st + Cfg::kMaskOff);
 
       // ---- S = Q K^T.
@@ -667,19 +717,11 @@ __global__ void __launch_bounds__(kAttnThreads, AttnConfig<D>::kCtasPerSm)
           o[n][3] *= alpha[1];
         }
       }
-      // P as f16 (and, for bf16 outputs, the f16 remainder p - f16(p) too,
-      // so that P V carries ~22 bits of each weight: bf16 rounding of the
-      // result then agrees with an exact computation almost always).
-      uint32_t pa[4], pl[4];
+      // P as f16 (the A fragment of P V).
+      uint32_t pa[4];
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
-        const float x0 = s[k >> 1][2 * (k & 1)], x1 = s[k >> 1][2 * (k & 1) + 1];
-        pa[k] = PackHalf2(x0, x1);
-        if constexpr (kBf16) {
-          float h0, h1;
-          UnpackHalf2(pa[k], &h0, &h1);
-          pl[k] = PackHalf2(x0 - h0, x1 - h1);
-        }
+        pa[k] = PackHalf2(s[k >> 1][2 * (k & 1)], s[k >> 1][2 * (k & 1) + 1]);
       }
 
       // ---- O += P V.
@@ -722,7 +764,6 @@ __global__ void __launch_bounds__(kAttnThreads, AttnConfig<D>::kCtasPerSm)
 #pragma unroll
         for (int d = 0; d < 8; ++d) {
           Mma16816(o[8 * w + d], pa, b0[d], b1[d]);
-          if constexpr (kBf16) Mma16816(o[8 * w + d], pl, b0[d], b1[d]);
         }
       }
       __syncwarp();
@@ -730,108 +771,208 @@ __global__ void __launch_bounds__(kAttnThreads, AttnConfig<D>::kCtasPerSm)
     CpAsyncWait<0>();
     __syncwarp();
 
-    // ---- Row sums across the quad, then output or partial.
+    // ---- Row sums across the quad.
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 1);
       l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 2);
     }
+
+    // ---- Combine the warps: each stores its O rescaled to the CTA's row
+    // max into its own (now idle) shared memory as [16][D + 4] floats, in
+    // natural dim order; then 8 threads per row sum the warps and write the
+    // output or the partial.
+    if (c == 0) {
+      ml_sm[warp][g] = make_float2(m_run[0], l_run[0]);
+      ml_sm[warp][g + 8] = make_float2(m_run[1], l_run[1]);
+    }
+    __syncthreads();
+    float* red = reinterpret_cast<float*>(wsm);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      if (!row_stored[r]) continue;
-      const int row_in_tile = g + 8 * r;
-      if (it.splits > 1) {
-        float* dst = a.ws_o + (static_cast<int64_t>(it.slot) * a.rows_per_slot + row_in_tile) * D;
+      const int row = g + 8 * r;
+      float mx = -INFINITY;
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          float* seg = dst + (2 * c + half) * kNT;
+      for (int w = 0; w < kAttnWarps; ++w) mx = fmaxf(mx, ml_sm[w][row].x);
+      const float f = Ex2(m_run[r] - (mx == -INFINITY ? 0.0f : mx));
 #pragma unroll
-          for (int n = 0; n < kNT; n += 4) {
-            *reinterpret_cast<float4*>(seg + n) =
-                make_float4(o[n][2 * r + half], o[n + 1][2 * r + half], o[n + 2][2 * r + half],
-                            o[n + 3][2 * r + half]);
-          }
+      for (int half = 0; half < 2; ++half) {
+        float* seg = red + row * Cfg::kRedStride + (2 * c + half) * kNT;
+#pragma unroll
+        for (int n = 0; n < kNT; n += 4) {
+          *reinterpret_cast<float4*>(seg + n) =
+              make_float4(o[n][2 * r + half] * f, o[n + 1][2 * r + half] * f,
+                          o[n + 2][2 * r + half] * f, o[n + 3][2 * r + half] * f);
         }
-        if (c == 0) {
-          *reinterpret_cast<float2*>(
-              a.ws_ml + (static_cast<int64_t>(it.slot) * a.rows_per_slot + row_in_tile) * 2) =
-              make_float2(m_run[r], l_run[r]);
-        }
-      } else {
-        float inv, lse;
-        FinishRow(m_run[r], l_run[r], p.sinks, row_head[r], &inv, &lse);
-        const float f = inv * gv * device::kHalfTileScale;
-        const int64_t qrow = it.r.q_begin + row_q[r];
-        uint16_t* out = static_cast<uint16_t*>(p.out) + qrow * p.out_row_stride +
-                        static_cast<int64_t>(row_head[r]) * p.out_head_stride;
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          uint32_t* seg = reinterpret_cast<uint32_t*>(out + (2 * c + half) * kNT);
-#pragma unroll
-          for (int n = 0; n < kNT; n += 2) {
-            seg[n / 2] = PackOut2<kBf16>(o[n][2 * r + half] * f, o[n + 1][2 * r + half] * f);
-          }
-        }
-        if (c == 0 && p.lse != nullptr) p.lse[qrow * p.lse_row_stride + row_head[r]] = lse;
       }
     }
+    __syncthreads();
+    {
+      const int row = threadIdx.x >> 3, part = threadIdx.x & 7;
+      float mx = -INFINITY;
+#pragma unroll
+      for (int w = 0; w < kAttnWarps; ++w) mx = fmaxf(mx, ml_sm[w][row].x);
+      const float m_use = mx == -INFINITY ? 0.0f : mx;
+      float l = 0.0f;
+#pragma unroll
+      for (int w = 0; w < kAttnWarps; ++w) {
+        const float2 ml = ml_sm[w][row];
+        l += ml.y * Ex2(ml.x - m_use);
+      }
+      const AttnRow rw = GetAttnRow(p, it, row);
+      if (rw.stored) {
+        float4 acc[D / 32];
+#pragma unroll
+        for (int j = 0; j < D / 32; ++j) {
+          const int col = 4 * part + 32 * j;
+          acc[j] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+          for (int w = 0; w < kAttnWarps; ++w) {
+            const float4 v = *reinterpret_cast<const float4*>(
+                reinterpret_cast<const float*>(smem + w * Cfg::kWarpBytes) +
+                row * Cfg::kRedStride + col);
+            acc[j].x += v.x;
+            acc[j].y += v.y;
+            acc[j].z += v.z;
+            acc[j].w += v.w;
+          }
+        }
+        const int head = it.head * p.group + rw.gi;
+        if (it.splits > 1) {
+          const int64_t base = static_cast<int64_t>(it.slot) * a.rows_per_slot + row;
+          float* dst = a.ws_o + base * D;
+#pragma unroll
+          for (int j = 0; j < D / 32; ++j) {
+            *reinterpret_cast<float4*>(dst + 4 * part + 32 * j) = acc[j];
+          }
+          if (part == 0) *reinterpret_cast<float2*>(a.ws_ml + base * 2) = make_float2(mx, l);
+        } else {
+          float inv, lse;
+          FinishRow(m_use, l, p.sinks, head, &inv, &lse);
+          const float f = inv * gv * device::kHalfTileScale;
+          const int64_t qrow = it.r.q_begin + rw.qi;
+          uint16_t* out = static_cast<uint16_t*>(p.out) + qrow * p.out_row_stride +
+                          static_cast<int64_t>(head) * p.out_head_stride;
+#pragma unroll
+          for (int j = 0; j < D / 32; ++j) {
+            uint2 v;
+            v.x = PackOut2<kBf16>(acc[j].x * f, acc[j].y * f);
+            v.y = PackOut2<kBf16>(acc[j].z * f, acc[j].w * f);
+            *reinterpret_cast<uint2*>(out + 4 * part + 32 * j) = v;
+          }
+          if (part == 0 && p.lse != nullptr) p.lse[qrow * p.lse_row_stride + head] = lse;
+        }
+      }
+    }
+    __syncthreads();
   }
 }
 
-// Combines the partials of every split (request, head, tile): one warp per
-// (request, head, tile), lanes over splits for (m, l) and over dims for O.
+// Combines the partials of the split items. A CTA takes split items
+// blockIdx.x, blockIdx.x + grid, ...; the item with chunk index k merges the
+// tile rows r with r % splits == k (so a group of many splits spreads its
+// rows over as many CTAs as it has rows). One row: thread t owns float4
+// t % (D/4) of the splits t / (D/4), t / (D/4) + kLanes, ..., merged online
+// four at a time (loads of (m, l) and O together), then the split lanes are
+// combined through shared memory.
 template <int D, bool kBf16>
 __global__ void __launch_bounds__(kAttnThreads) MergeAttentionKernel(const AttnLaunch a) {
+  constexpr int kVecs = D / 4;                  // float4 per row
+  constexpr int kLanes = kAttnThreads / kVecs;  // splits read at once
+  constexpr int kUnroll = 4;
+  static_assert(kAttnThreads % kVecs == 0, "head dim");
   extern __shared__ __align__(16) uint8_t smem[];
+  __shared__ float4 red[kAttnThreads];
+  __shared__ float2 red_ml[kLanes];
   const internal::AttentionParams& p = a.p;
   int* item_prefix = reinterpret_cast<int*>(smem);
   int* slot_prefix = item_prefix + p.max_batch + 1;
   const int chunk_bound = BuildAttnSchedule(a, item_prefix, slot_prefix);
+  if (slot_prefix[p.batch_size] == 0) return;  // no request was split
   const int total_items = item_prefix[p.batch_size];
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int tid = threadIdx.x;
+  const int vec = tid % kVecs, sl = tid / kVecs;
   const float gv = p.v_scale.Get();
-  for (int item = blockIdx.x * kAttnWarps + warp; item < total_items;
-       item += a.num_warps_total) {
+  for (int item = blockIdx.x; item < total_items; item += gridDim.x) {
     const AttnItem it = ResolveAttnItem(a, item, chunk_bound, item_prefix, slot_prefix);
-    if (it.splits <= 1 || it.chunk_index != 0) continue;
-    for (int r = 0; r < kAttnTile; ++r) {
+    if (it.splits <= 1 || it.chunk_index >= kAttnTile) continue;
+    for (int r = it.chunk_index; r < kAttnTile; r += it.splits) {
       const AttnRow row = GetAttnRow(p, it, r);
       if (!row.stored) continue;
-      float m = -INFINITY;
-      for (int k = lane; k < it.splits; k += 32) {
-        m = fmaxf(m, a.ws_ml[(static_cast<int64_t>(it.slot0 + k) * a.rows_per_slot + r) * 2]);
+      const int64_t base = static_cast<int64_t>(it.slot0) * a.rows_per_slot + r;
+      const float2* ml = reinterpret_cast<const float2*>(a.ws_ml) + base;
+      const float4* src = reinterpret_cast<const float4*>(a.ws_o) + base * kVecs + vec;
+      const int64_t step = static_cast<int64_t>(a.rows_per_slot) * kVecs;
+      float m_t = -INFINITY, l_t = 0.0f;
+      float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      for (int k = sl; k < it.splits; k += kUnroll * kLanes) {
+        float2 mlv[kUnroll];
+        float4 v[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          const int kk = k + u * kLanes;
+          mlv[u] = make_float2(-INFINITY, 0.0f);
+          v[u] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+          if (kk < it.splits) {
+            mlv[u] = ml[kk * a.rows_per_slot];
+            v[u] = src[kk * step];
+          }
+        }
+        float mx = m_t;
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) mx = fmaxf(mx, mlv[u].x);
+        const float mu = mx == -INFINITY ? 0.0f : mx;
+        const float sc = Ex2(m_t - mu);
+        l_t *= sc;
+        acc.x *= sc;
+        acc.y *= sc;
+        acc.z *= sc;
+        acc.w *= sc;
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          const float e = Ex2(mlv[u].x - mu);
+          l_t += e * mlv[u].y;
+          acc.x += e * v[u].x;
+          acc.y += e * v[u].y;
+          acc.z += e * v[u].z;
+          acc.w += e * v[u].w;
+        }
+        m_t = mx;
       }
+      red[tid] = acc;
+      if (vec == 0) red_ml[sl] = make_float2(m_t, l_t);
+      __syncthreads();
+      if (sl == 0) {
+        float m = -INFINITY;
 #pragma unroll
-      for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-      const float m_use = m == -INFINITY ? 0.0f : m;
-      float l = 0.0f;
-      for (int k = lane; k < it.splits; k += 32) {
-        const float2 ml = *reinterpret_cast<const float2*>(
-            a.ws_ml + (static_cast<int64_t>(it.slot0 + k) * a.rows_per_slot + r) * 2);
-        l += ml.y * Ex2(ml.x - m_use);
+        for (int j = 0; j < kLanes; ++j) m = fmaxf(m, red_ml[j].x);
+        const float m_use = m == -INFINITY ? 0.0f : m;
+        float l = 0.0f;
+        acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+        for (int j = 0; j < kLanes; ++j) {
+          const float e = Ex2(red_ml[j].x - m_use);
+          const float4 v = red[j * kVecs + vec];
+          l += e * red_ml[j].y;
+          acc.x += e * v.x;
+          acc.y += e * v.y;
+          acc.z += e * v.z;
+          acc.w += e * v.w;
+        }
+        const int head = it.head * p.group + row.gi;
+        float inv, lse;
+        FinishRow(m_use, l, p.sinks, head, &inv, &lse);
+        const float f = inv * gv * device::kHalfTileScale;
+        const int64_t qrow = it.r.q_begin + row.qi;
+        uint16_t* out = static_cast<uint16_t*>(p.out) + qrow * p.out_row_stride +
+                        static_cast<int64_t>(head) * p.out_head_stride;
+        uint2 packed;
+        packed.x = PackOut2<kBf16>(acc.x * f, acc.y * f);
+        packed.y = PackOut2<kBf16>(acc.z * f, acc.w * f);
+        *reinterpret_cast<uint2*>(out + 4 * vec) = packed;
+        if (vec == 0 && p.lse != nullptr) p.lse[qrow * p.lse_row_stride + head] = lse;
       }
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) l += __shfl_xor_sync(0xffffffffu, l, o);
-      const int head = it.head * p.group + row.gi;
-      float inv, lse;
-      FinishRow(m_use, l, p.sinks, head, &inv, &lse);
-      const float f = inv * gv * device::kHalfTileScale;
-      float acc[D / 32];
-#pragma unroll
-      for (int j = 0; j < D / 32; ++j) acc[j] = 0.0f;
-      for (int k = 0; k < it.splits; ++k) {
-        const int64_t base = static_cast<int64_t>(it.slot0 + k) * a.rows_per_slot + r;
-        const float w = Ex2(a.ws_ml[base * 2] - m_use) * f;
-        const float* src = a.ws_o + base * D;
-#pragma unroll
-        for (int j = 0; j < D / 32; ++j) acc[j] += w * src[lane + 32 * j];
-      }
-      const int64_t qrow = it.r.q_begin + row.qi;
-      uint16_t* out = static_cast<uint16_t*>(p.out) + qrow * p.out_row_stride +
-                      static_cast<int64_t>(head) * p.out_head_stride;
-#pragma unroll
-      for (int j = 0; j < D / 32; ++j) out[lane + 32 * j] = PackOut1<kBf16>(acc[j]);
-      if (lane == 0 && p.lse != nullptr) p.lse[qrow * p.lse_row_stride + head] = lse;
+      __syncthreads();
     }
   }
 }
