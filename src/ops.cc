@@ -95,6 +95,22 @@ absl::StatusOr<AppendParams> MakeAppendParams(const Appender::Options& o, const 
       CheckRows(a.value, "append_value", o.input_dtype, rows, g.num_kv_heads, g.head_dim_v, dev));
   FP4KV_RETURN_IF_ERROR(CheckGlobalScale(a.k_scale, "k_scale"));
   FP4KV_RETURN_IF_ERROR(CheckGlobalScale(a.v_scale, "v_scale"));
+  if (o.count_scale_events) {
+    if (a.scale_events == nullptr) {
+      return absl::InvalidArgumentError(
+          "scale_events: expected 4 uint64 counters (options.count_scale_events is on), got a "
+          "null pointer");
+    }
+    if (reinterpret_cast<uintptr_t>(a.scale_events) % 8 != 0) {
+      return absl::InvalidArgumentError(
+          "scale_events: expected an 8-byte aligned pointer, got a misaligned one");
+    }
+    p.scale_events = a.scale_events;
+  } else if (a.scale_events != nullptr) {
+    return absl::InvalidArgumentError(
+        "scale_events: expected a null pointer (options.count_scale_events is off), got a "
+        "pointer");
+  }
   p.indexing = o.indexing;
   if (o.indexing == AppendIndexing::kPaged) {
     FP4KV_RETURN_IF_ERROR(

@@ -54,6 +54,8 @@ struct AppendParams {
   const int64_t* slot_mapping = nullptr;  // [nnz]
   GlobalScale k_scale, v_scale;
   Recipe recipe;
+  // [4] K saturated, K underflow, V saturated, V underflow; null: not counted.
+  uint64_t* scale_events = nullptr;
 };
 
 struct DequantParams {
@@ -121,6 +123,41 @@ struct LinearDequantParams {
   int64_t output_row_stride = 0;  // elements
   DType dtype = DType::kBF16;
   GlobalScale scale;
+};
+
+// Calibration of a cache layer from the rows of its first append: amax over
+// the rows whose slot is >= 0, per K and V, NaN ignored; a side whose flag is
+// 0 and whose amax is > 0 gets g = MakeGlobalScale(amax * headroom, recipe)
+// and FP8 scale MinFp8ScaleFor(g), and its flag set to 1. A side with flag 1,
+// or with amax 0 (nothing but zeros so far), is left as it is.
+struct RowCalibrationParams {
+  const void* key = nullptr;    // [rows, H, Dk] f16/bf16
+  const void* value = nullptr;  // [rows, H, Dv]
+  int64_t key_row_stride = 0, key_head_stride = 0;  // elements
+  int64_t value_row_stride = 0, value_head_stride = 0;
+  DType dtype = DType::kBF16;
+  int64_t rows = 0;
+  int num_heads = 0;
+  int head_dim_k = 0, head_dim_v = 0;
+  const int64_t* slot_mapping = nullptr;  // [rows]; negative: padding, not read
+  float* scales = nullptr;      // [4] of the layer: K, V, K fp8, V fp8
+  int32_t* flags = nullptr;     // [2] K, V calibrated
+  int32_t* host_flags = nullptr;  // [2] host-visible mirror (mapped pinned), or null
+  uint32_t* scratch = nullptr;  // [3] amax K bits, amax V bits, CTA ticket; 0 between launches
+  float headroom = 1.0f;
+  Recipe recipe;
+};
+
+// Requantizes NVFP4 blocks in place from one global scale to another:
+// x = DequantizeBlock(old), then QuantizeBlock(x, new, recipe). The blocks are
+// dense: block i has bytes data[8i, 8i+8) and scale byte scales[i].
+struct ReencodeParams {
+  uint8_t* data = nullptr;
+  uint8_t* scales = nullptr;
+  int64_t blocks = 0;
+  const float* old_scale = nullptr;  // read when the op runs
+  const float* new_scale = nullptr;
+  Recipe recipe;
 };
 
 // Where row i of an append goes. Returns false for a row that writes nothing:
@@ -196,6 +233,8 @@ void ReferenceDequantize(const DequantParams& p);
 void ReferenceMaterialize(const MaterializeParams& p);
 void ReferenceQuantizeLinear(const LinearQuantParams& p);
 void ReferenceDequantizeLinear(const LinearDequantParams& p);
+void ReferenceCalibrateRows(const RowCalibrationParams& p);
+void ReferenceReencode(const ReencodeParams& p);
 
 // CUDA launchers (kernels/). Enqueue on `stream`, allocate nothing, never
 // synchronize; return the launch status (cudaGetLastError) as a Status.
@@ -204,6 +243,8 @@ absl::Status LaunchDequantize(const DequantParams& p, Stream stream);
 absl::Status LaunchMaterialize(const MaterializeParams& p, Stream stream);
 absl::Status LaunchQuantizeLinear(const LinearQuantParams& p, Stream stream);
 absl::Status LaunchDequantizeLinear(const LinearDequantParams& p, Stream stream);
+absl::Status LaunchCalibrateRows(const RowCalibrationParams& p, Stream stream);
+absl::Status LaunchReencode(const ReencodeParams& p, Stream stream);
 
 }  // namespace internal
 }  // namespace fp4kv

@@ -43,7 +43,11 @@ void EmulateAppend(const internal::AppendParams& p, uint32_t rows_per_cta) {
       p,
       [&](const kernels::AppendLaunch& a) {
         ForEachThread(a.shape, [&](uint32_t x, uint32_t y, uint32_t t) {
-          kernels::AppendThread<kBf16, kV>(a, x, y, t);
+          if (p.scale_events != nullptr) {
+            kernels::AppendThread<kBf16, kV, true>(a, x, y, t);
+          } else {
+            kernels::AppendThread<kBf16, kV, false>(a, x, y, t);
+          }
         });
       },
       rows_per_cta));
@@ -68,7 +72,7 @@ void EmulateAppendAny(const internal::AppendParams& p, uint32_t r) {
 // The same views -> params step as Appender::Run (src/ops.cc).
 internal::AppendParams AppendParamsFor(const testing::AppendCase& c, uint8_t* in, uint8_t* out) {
   absl::StatusOr<internal::AppendParams> p = internal::MakeAppendParams(
-      c.Options(Device::Cpu()), c.Args(in, Device::Cpu()), c.Cache(out, Device::Cpu()));
+      c.Options(Device::Cpu()), c.Args(in, Device::Cpu(), out), c.Cache(out, Device::Cpu()));
   EXPECT_TRUE(p.ok()) << p.status();
   return p.ok() ? *p : internal::AppendParams();
 }
@@ -84,7 +88,8 @@ TEST_P(AppendHostTest, GridMatchesReference) {
     auto op = Appender::Create(c.Options(Device::Cpu()));
     ASSERT_TRUE(op.ok()) << op.status();
     ASSERT_TRUE(
-        op->Run(c.Args(in.data(), Device::Cpu()), c.Cache(want.data(), Device::Cpu())).ok());
+        op->Run(c.Args(in.data(), Device::Cpu(), want.data()), c.Cache(want.data(), Device::Cpu()))
+            .ok());
     ASSERT_NE(want, c.out) << "the case wrote nothing";
     for (uint32_t rows_per_cta : kRowsPerCta) {
       std::vector<uint8_t> got = c.out;

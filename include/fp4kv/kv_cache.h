@@ -114,10 +114,21 @@ struct KVCacheOptions {
   int64_t memory_budget_bytes = 0;  // bytes for all pools of all layers
   Device device = Device::Cpu();
   Recipe recipe;  // fixed for the life of the cache
-  // Global decode scales per layer ([num_layers] each, positive, finite);
-  // empty means 1.0 for every layer. See UpdateGlobalScales.
+  // Global decode scales per layer ([num_layers] each, positive, finite),
+  // e.g. from a calibrated checkpoint (docs/recipes.md, "Choosing global
+  // scales"); they take precedence. Empty (the default): every layer's K (or
+  // V) scale is calibrated on the device from the first nonzero rows the
+  // cache's appender stores in that layer, before they are quantized:
+  //   g = MakeGlobalScale(calibration_headroom * amax, recipe)
+  // so tokens up to calibration_headroom times larger than the first ones
+  // still fit without saturating. Until then (no rows, or only zeros) the
+  // layer is "pending" (LayerScales::k_calibrated false).
   std::vector<float> k_global_scales;
   std::vector<float> v_global_scales;
+  float calibration_headroom = 4.0f;  // finite, >= 1
+  // The appender counts, per layer, blocks stored with a saturated or an
+  // underflowed block scale (ReadScaleEvents). Off costs nothing.
+  bool count_scale_events = false;
   // Step capacities: they fix the shapes of the step buffers.
   int max_seqs_per_step = 256;
   int max_tokens_per_step = 8192;
@@ -136,7 +147,12 @@ class CacheAppender {
   // 0 .. num_tokens-1 of the current step in the order of its entries; R >=
   // the step's num_tokens and rows past it are ignored (R = max_tokens_per_step
   // for a buffer that serves every step, as graph capture needs). Quantizes
-  // with the layer's global scales from device memory. Graph-safe.
+  // with the layer's global scales from device memory. While a layer's K or
+  // V scale is pending (KVCacheOptions::k_global_scales), a small kernel
+  // first calibrates it from these rows on the device; the host stops
+  // enqueuing it once it sees the calibration done (a mapped flag, no sync),
+  // and a graph captured while pending carries it as a no-op after the first
+  // nonzero rows. Graph-safe.
   absl::Status Run(int layer, const TensorView& key, const TensorView& value,
                    Stream stream = nullptr) const;
   const Appender& op() const { return op_; }
@@ -186,6 +202,29 @@ class CacheDequantizer {
       : state_(state), op_(std::move(op)) {}
   const internal::KVCacheState* state_;
   Dequantizer op_;
+};
+
+// A layer's scales as the device holds them (KVCache::ReadScales).
+struct LayerScales {
+  float k = 0, v = 0;          // global decode scales
+  float k_fp8 = 0, v_fp8 = 0;  // FP8 decode scales of materialized pages
+  bool k_calibrated = false;   // false: waiting for the first nonzero K rows
+  bool v_calibrated = false;
+};
+
+// Blocks the appender stored in one layer with a block scale that saturated
+// at the E4M3 maximum (values clipped: the global scale is too small) or
+// that underflowed to zero although the block was nonzero (stored as zeros:
+// the global scale is too large). See format.h ClassifyBlockScale.
+struct ScaleEventCounts {
+  uint64_t k_saturated = 0, k_underflow = 0;
+  uint64_t v_saturated = 0, v_underflow = 0;
+};
+
+// What a scale change does to tokens a layer already holds.
+enum class StoredTokens : uint8_t {
+  kRefuse = 0,    // FailedPrecondition while the layer holds tokens
+  kReencode = 1,  // requantize the layer's pages to the new scales (extra error: docs/recipes.md)
 };
 
 // Invariants: every page is free (reference count 0) or referenced by the
@@ -276,31 +315,52 @@ class KVCache {
   std::vector<int64_t> Fp8WorkspaceShape(int64_t pages) const;
 
   // ------------------------------------------------------ scales and views
+  // A stored byte means something only under the scale it was written with,
+  // so a scale change of a layer that holds tokens (tokens of live sequences
+  // whose append on this layer was issued; the current step's new tokens
+  // count once this layer's appender ran for the step, or once it was
+  // captured in a graph) is refused with FailedPrecondition naming the layer
+  // and its token count, and changes nothing; with StoredTokens::kReencode
+  // the layer's pages (all of them, K and V) are requantized on the device
+  // from the old scales to the new ones in the same call, on `stream`.
+  //
   // Sets layer `layer`'s global decode scales (positive, finite) and the FP8
-  // decode scales derived from them (MinFp8Scale). CUDA: an async copy on
-  // `stream` from host memory that may be reused on return; ordered with the
-  // kernels on that stream. Existing tokens dequantize with the new scales,
-  // so change them only before storing tokens (or knowingly).
-  absl::Status UpdateGlobalScales(int layer, float k_scale, float v_scale, Stream stream = nullptr);
-  // All layers at once ([num_layers] each).
+  // decode scales derived from them (MinFp8Scale); the layer counts as
+  // calibrated from then on. CUDA: async copies on `stream` from host memory
+  // that may be reused on return, ordered with the kernels on that stream.
+  absl::Status UpdateGlobalScales(int layer, float k_scale, float v_scale, Stream stream = nullptr,
+                                  StoredTokens stored = StoredTokens::kRefuse);
+  // All layers at once ([num_layers] each); refused as a whole when any
+  // layer holds tokens (the first is named) unless kReencode.
   absl::Status UpdateGlobalScales(absl::Span<const float> k_scales,
-                                  absl::Span<const float> v_scales, Stream stream = nullptr);
+                                  absl::Span<const float> v_scales, Stream stream = nullptr,
+                                  StoredTokens stored = StoredTokens::kRefuse);
   // Calibrates layer `layer`'s K and V global decode scales from tensors
   // (e.g. the layer's prefill rows) where they live, with no host sync:
-  // each scale becomes MakeGlobalScale(amax, recipe) and its FP8 decode scale
+  // each scale becomes MakeGlobalScale(amax, recipe) (no headroom: the data
+  // given is taken as representative) and its FP8 decode scale
   // MinFp8ScaleFor(scale), written into the cache's device scale array by
   // work enqueued on `stream` (graph-capturable on CUDA; synchronous on the
   // CPU). `calibrator` must have the cache's device and recipe, and k and v
   // its dtype and at most its max_elements. Both tensors are checked before
-  // anything is enqueued. The host values below keep what was last set from
-  // the host; the device pointers hold the calibrated scales.
+  // anything is enqueued. Refused like UpdateGlobalScales while the layer
+  // holds tokens, unless kReencode.
   absl::Status CalibrateGlobalScales(int layer, const TensorView& k, const TensorView& v,
-                                     Calibrator& calibrator, Stream stream = nullptr);
-  // Host values of the scales (what was last set from the host).
-  float k_global_scale(int layer) const;
-  float v_global_scale(int layer) const;
-  float k_fp8_scale(int layer) const;
-  float v_fp8_scale(int layer) const;
+                                     Calibrator& calibrator, Stream stream = nullptr,
+                                     StoredTokens stored = StoredTokens::kRefuse);
+  // The scales layer `layer` uses, read back from the device after all work
+  // enqueued on `stream` so far (the first append's calibration included):
+  // synchronizes `stream` on CUDA, so not for a hot path or a capture.
+  // InvalidArgument for a bad layer.
+  absl::StatusOr<LayerScales> ReadScales(int layer, Stream stream = nullptr) const;
+  // Tokens layer `layer` holds in the sense of the scale-change rule above.
+  absl::StatusOr<int64_t> LayerTokens(int layer) const;
+  // The layer's scale-event counters (options.count_scale_events), read back
+  // after the work on `stream` (synchronizes it on CUDA). FailedPrecondition
+  // when counting is off.
+  absl::StatusOr<ScaleEventCounts> ReadScaleEvents(int layer, Stream stream = nullptr) const;
+  // Zeroes every layer's counters (on `stream`). FailedPrecondition when off.
+  absl::Status ResetScaleEvents(Stream stream = nullptr);
   // Device pointers (fixed addresses): the global decode scale of layer's K
   // (kv = 0) or V (kv = 1), and the FP8 decode scale of the materialized
   // pages, for an attention kernel.
@@ -320,6 +380,8 @@ class KVCache {
 
  private:
   explicit KVCache(std::unique_ptr<internal::KVCacheState> state);
+  absl::Status UpdateGlobalScalesRange(int first, int count, const float* k_scales,
+                                       const float* v_scales, Stream stream, StoredTokens stored);
   std::unique_ptr<internal::KVCacheState> state_;
 };
 

@@ -65,6 +65,12 @@ struct AppendArgs {
   TensorView slot_mapping;  // [n] i64; only the first n rows of key/value are read
   GlobalScale k_scale;
   GlobalScale v_scale;
+  // Scale-event counters, required iff Options::count_scale_events (null
+  // otherwise): 4 uint64 on the op's device, 8-byte aligned, to which the
+  // append adds the blocks it stored with a saturated / underflowed scale
+  // (format.h ClassifyBlockScale): [K saturated, K underflow, V saturated,
+  // V underflow]. Rows that write nothing count nothing.
+  uint64_t* scale_events = nullptr;
 };
 
 class Appender {
@@ -75,6 +81,9 @@ class Appender {
     AppendIndexing indexing = AppendIndexing::kPaged;
     Recipe recipe;
     Device device;
+    // Count saturated and underflowed block scales into args.scale_events.
+    // Off, the kernels carry no counting code at all.
+    bool count_scale_events = false;
   };
 
   // Validates the options once.

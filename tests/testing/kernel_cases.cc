@@ -184,7 +184,8 @@ std::string AppendSpec::Name() const {
       "h", num_heads, "_k", head_dim_k, "_v", head_dim_v, "_s", page_size, "_", LayoutTag(layout),
       stacked ? "_stacked" : "_tuple", dtype == DType::kBF16 ? "_bf16" : "_f16",
       indexing == AppendIndexing::kSlot ? "_slot" : "_paged", "_", RecipeTag(recipe), "_b", batch,
-      "x", max_new_tokens, pointer_scales ? "_ptr" : "", padded_input ? "_pad" : "");
+      "x", max_new_tokens, pointer_scales ? "_ptr" : "", padded_input ? "_pad" : "",
+      count_events ? "_events" : "");
 }
 
 AppendCase MakeAppendCase(const AppendSpec& spec, uint64_t seed) {
@@ -221,6 +222,7 @@ AppendCase MakeAppendCase(const AppendSpec& spec, uint64_t seed) {
   c.in.assign(in.size(), kPoison);
   BlobLayout out;
   c.pool = AddPool(out, c.geometry, spec.stacked);
+  if (spec.count_events) c.scale_events = out.Add(DType::kI64, {4});
   c.out.assign(out.size(), kPoison);
   c.Rewrite(seed);
   return c;
@@ -305,8 +307,11 @@ void AppendCase::Rewrite(uint64_t seed) {
   }
 }
 
-AppendArgs AppendCase::Args(uint8_t* base, Device device) const {
+AppendArgs AppendCase::Args(uint8_t* base, Device device, uint8_t* out_base) const {
   AppendArgs a;
+  if (spec.count_events) {
+    a.scale_events = reinterpret_cast<uint64_t*>(out_base + scale_events.offset);
+  }
   a.key = key.At(base, device);
   a.value = value.At(base, device);
   a.batch_indices = batch_indices.At(base, device);
@@ -321,7 +326,8 @@ AppendArgs AppendCase::Args(uint8_t* base, Device device) const {
 }
 
 Appender::Options AppendCase::Options(Device device) const {
-  return Appender::Options{geometry, spec.dtype, spec.indexing, spec.recipe, device};
+  return Appender::Options{geometry, spec.dtype, spec.indexing, spec.recipe, device,
+                           spec.count_events};
 }
 
 // ----------------------------------------------------------------- dequant
@@ -556,6 +562,7 @@ std::vector<AppendSpec> AppendSweep() {
     s.padded_input = i % 4 == 2;
     s.num_heads = s.batch >= 31 ? 2 : (i % 2 ? 8 : 3);
     s.max_new_tokens = s.batch >= 31 ? 2 : (s.page_size >= 16 ? 70 : 9);
+    s.count_events = i % 5 == 2;
     out.push_back(s);
   }
   // A launch with many rows per CTA (>= 8192 rows).

@@ -87,6 +87,7 @@ struct AppendSpec {
   bool pointer_scales = false;
   bool padded_input = false;  // key/value rows and heads with extra stride
   bool invalid_rows = true;   // padding and out-of-range rows
+  bool count_events = false;  // scale-event counters (in the output blob)
   std::string Name() const;
 };
 
@@ -98,10 +99,12 @@ struct AppendCase {
   std::vector<uint8_t> out;  // the pools, poisoned
   ViewSpec key, value, batch_indices, positions, kv_indices, kv_indptr, kv_last_page_len,
       slot_mapping;
+  ViewSpec scale_events;  // [4] u64 in the output blob when spec.count_events
   PoolSpec pool;
   ScaleSpec k_scale, v_scale;
 
-  AppendArgs Args(uint8_t* in_base, Device device) const;
+  // out_base: where scale_events lives (may be null without count_events).
+  AppendArgs Args(uint8_t* in_base, Device device, uint8_t* out_base = nullptr) const;
   PagedCache Cache(uint8_t* out_base, Device device) const { return pool.At(out_base, device); }
   Appender::Options Options(Device device) const;
   // New data, indices and scale values in place (same shapes), as the host
