@@ -951,8 +951,9 @@ absl::Span<const int32_t> KVCache::host_block_table(int row) const {
 // --------------------------------------------------------------------- ops
 absl::StatusOr<CacheAppender> KVCache::appender(DType input_dtype) const {
   const KVCacheState& s = *state_;
-  absl::StatusOr<Appender> op = Appender::Create(
-      {s.geometry, input_dtype, AppendIndexing::kSlot, s.options.recipe, s.options.device});
+  absl::StatusOr<Appender> op =
+      Appender::Create({s.geometry, input_dtype, AppendIndexing::kSlot, s.options.recipe,
+                        s.options.device, s.options.count_scale_events});
   if (!op.ok()) return op.status();
   return CacheAppender(&s, *std::move(op));
 }
