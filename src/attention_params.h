@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "fp4kv/attention.h"
 #include "fp4kv/format.h"
 #include "fp4kv/ops.h"
@@ -82,6 +83,16 @@ FP4KV_HD int64_t AttentionTokens(const AttentionParams& p, int b) {
   const int64_t cap = static_cast<int64_t>(p.max_pages) * p.page_size;
   return n < cap ? n : cap;
 }
+
+// Checks the per-call views of a Run against (validated) options and fills
+// the params (src/attention.cc). Cheap: no device access. `num_sms` is the SM
+// count Create() read (0 on the CPU); on CUDA it sizes the workspace the
+// kernel needs (AttentionWorkspaceBytes), which `workspace` must provide.
+// Errors are InvalidArgument naming the argument.
+absl::StatusOr<AttentionParams> MakeAttentionParams(const DecodeAttention::Options& o,
+                                                    const DecodeAttentionArgs& a,
+                                                    const PagedCache& cache, void* workspace,
+                                                    int64_t workspace_bytes, int num_sms = 0);
 
 // Scratch bytes of the CUDA kernel for these options (kernels/attention.cu).
 int64_t AttentionWorkspaceBytes(const DecodeAttention::Options& o, int num_sms);

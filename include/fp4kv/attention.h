@@ -17,16 +17,19 @@
 // where h's KV head is h / (num_qo_heads / num_kv_heads). The global decode
 // scales g_k, g_v enter once per logit and once per output (the dequantized
 // tile e2m1 * e4m3 is exact in f16 and bf16). Softmax and accumulation are
-// fp32.
+// fp32 in the CUDA kernel and fp64 in the CPU reference, so the two agree to
+// rounding, not bit for bit.
 //
 // Defined behaviour for values the host cannot check:
 //   - seq_lens[b] <= 0: request b writes nothing (padding rows of a step).
 //   - seq_lens[b] is clamped to max_pages * page_size of the block table.
 //   - a query whose position p is negative (qlen_b > seq_lens[b]) writes
-//     nothing; qlen_b is clamped to [0, max_q_len].
+//     nothing; qlen_b is clamped to [0, max_q_len], and to the rows of q: a
+//     request whose q_indptr[b] is outside [0, total_q) has no rows, one
+//     running past total_q keeps the rows that fit.
 //   - a block-table entry outside [0, num_pages): the tokens of that page are
 //     masked out (zero weight, never read). A query that attends no token
-//     writes out = 0 and lse = -inf.
+//     writes out = 0 and lse = -inf (with sinks too).
 //
 // Prefill of long prompts is compute-bound and stays with the materializer or
 // dequantizer plus the server's own prefill kernel.
@@ -49,11 +52,12 @@ namespace fp4kv {
 struct DecodeAttentionArgs {
   TensorView q;             // [total_q, Hq, Dk] f16/bf16, inner dim contiguous, 16-byte rows
   TensorView q_indptr;      // [B + 1] i32; required when max_q_len > 1, else optional
+                            // (without it q and out have B rows, request b is row b)
   TensorView block_tables;  // [B, max_pages] i32/i64 (K and V share pages)
   TensorView seq_lens;      // [B] i32, lengths including the step's new tokens
   TensorView out;           // [total_q, Hq, Dv], dtype of q
-  TensorView lse;           // [total_q, Hq] f32; required iff options.write_lse
-  TensorView sinks;         // [Hq] f32 logits; required iff options.has_sinks
+  TensorView lse;           // [total_q, Hq] f32; required iff options.write_lse (else empty)
+  TensorView sinks;         // [Hq] f32 logits; required iff options.has_sinks (else empty)
   GlobalScale k_scale;
   GlobalScale v_scale;
 };
