@@ -980,6 +980,27 @@ absl::StatusOr<CacheDequantizer> KVCache::dequantizer(DType output_dtype) const 
   return CacheDequantizer(&s, *std::move(op));
 }
 
+absl::StatusOr<CacheAttention> KVCache::attention(const CacheAttentionOptions& co) const {
+  const KVCacheState& s = *state_;
+  DecodeAttention::Options o;
+  o.geometry = s.geometry;
+  o.num_qo_heads = co.num_qo_heads;
+  o.dtype = co.dtype;
+  o.table_dtype = DType::kI32;
+  o.max_batch = s.options.max_seqs_per_step;
+  o.max_pages_per_seq = s.options.max_pages_per_seq;
+  o.max_q_len = co.max_q_len;
+  o.sm_scale = co.sm_scale;
+  o.logits_soft_cap = co.logits_soft_cap;
+  o.window_left = co.window_left;
+  o.has_sinks = co.has_sinks;
+  o.write_lse = co.write_lse;
+  o.device = s.options.device;
+  absl::StatusOr<DecodeAttention> op = DecodeAttention::Create(o);
+  if (!op.ok()) return op.status();
+  return CacheAttention(&s, *std::move(op));
+}
+
 int64_t KVCache::Fp8WorkspacePagesAtCapacity() const {
   return 1 + static_cast<int64_t>(state_->options.max_seqs_per_step) *
                  state_->options.max_pages_per_seq;
@@ -1107,6 +1128,54 @@ absl::Status CacheDequantizer::Run(int layer, const TensorView& k_out, const Ten
   a.k_scale = GlobalScale::Pointer(s.d_scales + 4 * layer + 0);
   a.v_scale = GlobalScale::Pointer(s.d_scales + 4 * layer + 1);
   return op_.Run(a, s.LayerCache(layer), stream);
+}
+
+absl::Status CacheAttention::Run(int layer, const TensorView& q, const TensorView& out,
+                                 void* workspace, int64_t workspace_bytes, Stream stream,
+                                 const TensorView& lse, const TensorView& sinks) const {
+  const KVCacheState& s = *state_;
+  FP4KV_KV_RETURN_IF_ERROR(s.CheckLayer(layer));
+  const int S = s.options.max_seqs_per_step;
+  const int max_q_len = op_.options().max_q_len;
+  int64_t batch = S;
+  DecodeAttentionArgs a;
+  a.q = q;
+  a.out = out;
+  a.lse = lse;
+  a.sinks = sinks;
+  if (max_q_len == 1) {
+    if (q.ndim >= 1) {
+      batch = q.shape[0];
+      if (batch < s.step.num_seqs || batch > S) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "q: expected dimension 0 in [", s.step.num_seqs, ", ", S,
+            "] (one row per step entry, up to max_seqs_per_step), got shape ", q.ShapeString()));
+      }
+    }
+  } else {
+    if (q.ndim >= 1 && q.shape[0] < s.step.num_tokens) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("q: expected at least ", s.step.num_tokens,
+                       " rows (the step's new tokens), got shape ", q.ShapeString()));
+    }
+    for (int i = 0; i < s.step.num_seqs; ++i) {
+      const int32_t n = s.h_token_indptr[i + 1] - s.h_token_indptr[i];
+      if (n > max_q_len) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "step: expected at most max_q_len = ", max_q_len, " new tokens per entry, got ", n,
+            " for entry ", i, " (prefill chunks need a prefill attention)"));
+      }
+    }
+    a.q_indptr = s.views.token_indptr;
+  }
+  a.block_tables = s.views.block_tables;
+  a.block_tables.shape[0] = batch;
+  a.seq_lens = s.views.seq_lens;
+  a.seq_lens.shape[0] = batch;
+  if (max_q_len > 1) a.q_indptr.shape[0] = batch + 1;
+  a.k_scale = GlobalScale::Pointer(s.d_scales + 4 * layer + 0);
+  a.v_scale = GlobalScale::Pointer(s.d_scales + 4 * layer + 1);
+  return op_.Run(a, s.LayerCache(layer), workspace, workspace_bytes, stream);
 }
 
 // ------------------------------------------------------- scales and views

@@ -48,6 +48,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "fp4kv/attention.h"
 #include "fp4kv/format.h"
 #include "fp4kv/geometry.h"
 #include "fp4kv/ops.h"
@@ -227,6 +228,48 @@ enum class StoredTokens : uint8_t {
   kReencode = 1,  // requantize the layer's pages to the new scales (extra error: docs/recipes.md)
 };
 
+// Options of a cache's decode attention (KVCache::attention); the geometry,
+// capacities and table dtype come from the cache.
+struct CacheAttentionOptions {
+  int num_qo_heads = 0;            // a positive multiple of the cache's num_kv_heads
+  DType dtype = DType::kBF16;      // of q and out
+  int max_q_len = 1;               // > 1: q rows follow the step's token_indptr
+  float sm_scale = 0.0f;           // 0: 1 / sqrt(head_dim_k)
+  float logits_soft_cap = 0.0f;    // 0: off
+  int window_left = -1;            // -1: off
+  bool has_sinks = false;
+  bool write_lse = false;
+};
+
+// DecodeAttention over the current step's sequences, reading the layer's
+// NVFP4 pages directly (attention.h has the math and the defined behaviour).
+class CacheAttention {
+ public:
+  // q: [R, Hq, Dk], out: [R, Hq, Dv] (dtype of the options). max_q_len == 1:
+  // row b is the step's entry b, num_seqs <= R <= max_seqs_per_step (R =
+  // max_seqs_per_step serves every step; rows past num_seqs have seq_len 0
+  // and are not written). max_q_len > 1: the rows are the step's new tokens
+  // in order (query rows of entry b = token_indptr[b] .. [b+1], the same
+  // rows the appender read), R >= num_tokens; every entry may add at most
+  // max_q_len tokens (checked here; a replayed graph clamps instead, see
+  // attention.h). lse [R, Hq] f32 iff write_lse; sinks [Hq] f32 iff
+  // has_sinks. workspace: WorkspaceBytes() bytes on the cache's device.
+  // Run after the step's append of this layer, on the same stream.
+  // Graph-safe.
+  absl::Status Run(int layer, const TensorView& q, const TensorView& out, void* workspace,
+                   int64_t workspace_bytes, Stream stream = nullptr,
+                   const TensorView& lse = TensorView(), const TensorView& sinks = TensorView()) const;
+  int64_t WorkspaceBytes() const { return op_.WorkspaceBytes(); }
+  const DecodeAttention& op() const { return op_; }
+
+ private:
+  friend class KVCache;
+  CacheAttention(const internal::KVCacheState* state, DecodeAttention op)
+      : state_(state), op_(std::move(op)) {}
+  const internal::KVCacheState* state_;
+  DecodeAttention op_;
+};
+
 // Invariants: every page is free (reference count 0) or referenced by the
 // sequences that hold it in their block tables, and by no other; a sequence of
 // length n holds exactly ceil(n / page_size) pages; pages are written only
@@ -307,6 +350,9 @@ class KVCache {
   absl::StatusOr<CacheAppender> appender(DType input_dtype = DType::kBF16) const;
   absl::StatusOr<CacheMaterializer> materializer() const;
   absl::StatusOr<CacheDequantizer> dequantizer(DType output_dtype = DType::kBF16) const;
+  // Errors: DecodeAttention::Create's (head dims 64/128/256, num_qo_heads,
+  // max_q_len ...), naming the option.
+  absl::StatusOr<CacheAttention> attention(const CacheAttentionOptions& options) const;
 
   // FP8 workspace for the materializer: out pages any step can need
   // (1 + max_seqs_per_step * max_pages_per_seq), and the shape of the
