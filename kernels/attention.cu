@@ -1,15 +1,108 @@
-// Decode attention kernel over NVFP4 pages (placeholder until the kernel
-// lands: the CUDA path reports Unimplemented).
+// Decode attention over NVFP4 pages (kernels/attention.cuh documents the
+// design; docs/attention.md the math and the launch strategy).
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
 #include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "kernels/attention.cuh"
 #include "src/attention_params.h"
+#include "src/cuda_util.h"
 
 namespace fp4kv {
 namespace internal {
 
-int64_t AttentionWorkspaceBytes(const DecodeAttention::Options&, int) { return 0; }
+namespace {
 
-absl::Status LaunchDecodeAttention(const AttentionParams&, Stream) {
-  return absl::UnimplementedError("DecodeAttention: the CUDA kernel is not built yet");
+template <int D, bool kBf16>
+absl::Status LaunchFor(const AttentionParams& p, Stream stream) {
+  using Cfg = kernels::AttnConfig<D>;
+  kernels::AttnLaunch a;
+  a.p = p;
+  a.num_warps_total = p.num_sms * Cfg::kCtasPerSm * kernels::kAttnWarps;
+  a.rows_per_slot = kernels::AttnRowsPerSlot(p.group, p.max_q_len);
+  a.page_q16 = kernels::kAttnTile / p.page_size;
+  a.page_r16 = kernels::kAttnTile % p.page_size;
+  const int64_t slots = 2 * static_cast<int64_t>(a.num_warps_total);
+  a.ws_o = static_cast<float*>(p.workspace);
+  a.ws_ml = a.ws_o + slots * a.rows_per_slot * D;
+  const int grid = p.num_sms * Cfg::kCtasPerSm;
+  const size_t sched_bytes = kernels::AttnScheduleBytes(p.max_batch);
+  const size_t smem = static_cast<size_t>(kernels::kAttnWarps) * Cfg::kWarpBytes + sched_bytes;
+  auto* kernel = &kernels::DecodeAttentionKernel<D, kBf16>;
+  FP4KV_CUDA_RETURN_IF_ERROR(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           static_cast<int>(smem)));
+  kernel<<<grid, kernels::kAttnThreads, smem, stream>>>(a);
+  FP4KV_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  kernels::MergeAttentionKernel<D, kBf16>
+      <<<grid, kernels::kAttnThreads, sched_bytes, stream>>>(a);
+  return CudaStatus(cudaGetLastError(), "MergeAttentionKernel launch");
+}
+
+template <int D>
+absl::Status LaunchForDim(const AttentionParams& p, Stream stream) {
+  return p.dtype == DType::kBF16 ? LaunchFor<D, true>(p, stream) : LaunchFor<D, false>(p, stream);
+}
+
+}  // namespace
+
+int64_t AttentionWorkspaceBytes(const DecodeAttention::Options& o, int num_sms) {
+  const int d = o.geometry.head_dim_v;
+  if (o.geometry.num_kv_heads <= 0 || o.num_qo_heads <= 0 || num_sms <= 0) return 0;
+  if (d != 64 && d != 128 && d != 256) return 0;
+  const int ctas = d == 64    ? kernels::AttnConfig<64>::kCtasPerSm
+                   : d == 128 ? kernels::AttnConfig<128>::kCtasPerSm
+                              : kernels::AttnConfig<256>::kCtasPerSm;
+  const int group = o.num_qo_heads / o.geometry.num_kv_heads;
+  const int64_t slots = 2 * static_cast<int64_t>(num_sms) * ctas * kernels::kAttnWarps;
+  const int64_t rows = kernels::AttnRowsPerSlot(group, o.max_q_len);
+  const int64_t bytes = slots * rows * (d + 2) * static_cast<int64_t>(sizeof(float));
+  return (bytes + 255) / 256 * 256;
+}
+
+absl::Status LaunchDecodeAttention(const AttentionParams& p, Stream stream) {
+  if (p.k.head_dim != p.v.head_dim) {
+    return absl::UnimplementedError(absl::StrCat(
+        "DecodeAttention on CUDA needs head_dim_k == head_dim_v, got ", p.k.head_dim, " and ",
+        p.v.head_dim));
+  }
+  if (p.dtype != DType::kF16 && p.dtype != DType::kBF16) {
+    return absl::InvalidArgumentError("DecodeAttention: q/out dtype must be f16 or bf16");
+  }
+  if (p.num_sms <= 0 || p.page_size <= 0 || p.group <= 0) {
+    return absl::InvalidArgumentError("DecodeAttention: launch shape not set (num_sms, page_size)");
+  }
+  if (static_cast<int64_t>(p.max_pages) * p.page_size >= (int64_t{1} << 30)) {
+    return absl::InvalidArgumentError("DecodeAttention: max_pages * page_size must be below 2^30");
+  }
+  if (p.batch_size <= 0) return absl::OkStatus();
+  if (p.batch_size > p.max_batch) {
+    return absl::InvalidArgumentError("DecodeAttention: batch larger than max_batch");
+  }
+  DecodeAttention::Options o;
+  o.geometry.num_kv_heads = p.num_kv_heads;
+  o.geometry.head_dim_k = p.k.head_dim;
+  o.geometry.head_dim_v = p.v.head_dim;
+  o.num_qo_heads = p.num_qo_heads;
+  o.max_q_len = p.max_q_len;
+  const int64_t need = AttentionWorkspaceBytes(o, p.num_sms);
+  if (p.workspace_bytes < need || (need > 0 && p.workspace == nullptr)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("DecodeAttention: workspace of ", p.workspace_bytes, " bytes, needs ", need));
+  }
+  switch (p.v.head_dim) {
+    case 64:
+      return LaunchForDim<64>(p, stream);
+    case 128:
+      return LaunchForDim<128>(p, stream);
+    case 256:
+      return LaunchForDim<256>(p, stream);
+    default:
+      return absl::UnimplementedError(
+          absl::StrCat("DecodeAttention on CUDA: head_dim ", p.v.head_dim, " (64, 128, 256)"));
+  }
 }
 
 }  // namespace internal

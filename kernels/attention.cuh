@@ -1,0 +1,842 @@
+// Internal: decode attention kernels (device code; launched by
+// kernels/attention.cu).
+//
+// Launch: a persistent grid of num_sms * kCtasPerSm CTAs of 4 warps. Every
+// CTA derives the same schedule from seq_lens / q_indptr: request b's
+// attended key range [lo_b, L_b) is cut into splits_b chunks of at most C
+// tokens, C chosen so that all chunks of all requests give about 0.8 work
+// items per warp. A work item is (request, KV head, 16-row query tile,
+// chunk) and runs on one warp; warp w takes items w, w + W, ... A request
+// with one chunk writes its output directly; otherwise each chunk writes an
+// fp32 partial (unnormalized O, running max, sum) and MergeAttentionKernel
+// (same grid, same schedule) combines them. The grid depends only on the
+// options, so one captured graph serves every length.
+//
+// One warp, one item: query rows r = qi * group + gi (padded to 16) in the
+// M dimension of mma.m16n8k16 (f16 in, f32 accumulate). Per 16-token tile,
+// 32 lanes copy the tile's K and V rows (codes and scales) with cp.async
+// into a 3-stage shared-memory ring (lane 2t + h: token t, half h; one
+// page-table lookup per lane and tile). Then
+//   S = Q K^T : B fragments from page_reader's DecodeWordHalf2. The reduction
+//     index is permuted so that lane (g, c) decodes token g's bytes
+//     [c D/8, (c+1) D/8) (contiguous); Q is stored permuted the same way.
+//   online softmax in fp32 on the S fragment (log2 domain);
+//   O += P V   : the S accumulator is the A fragment (f16); V's B fragment
+//     for lane (g, c) is "segment" g (dims [g D/8, (g+1) D/8)) of tokens
+//     2c, 2c+1, 2c+8, 2c+9 (page_reader's DecodeWordPairHalf2), so output
+//     n-tile l holds dims seg * D/8 + l; lane (g, c) owns segments 2c, 2c+1.
+// The dequantized tile is e2m1 * e4m3 * 2^-7, exact in f16; the 2^7, g_k
+// and sm_scale enter the logit scale once, g_v * 2^7 the output once.
+#ifndef FP4KV_KERNELS_ATTENTION_CUH_
+#define FP4KV_KERNELS_ATTENTION_CUH_
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "fp4kv/device/page_reader.cuh"
+#include "src/attention_params.h"
+#include "src/params.h"
+
+namespace fp4kv {
+namespace kernels {
+
+inline constexpr int kAttnWarps = 4;
+inline constexpr int kAttnThreads = 32 * kAttnWarps;
+inline constexpr int kAttnTile = 16;  // tokens per tile; query rows per item
+inline constexpr int kAttnMinChunk = 64;
+
+template <int D>
+struct AttnConfig {
+  static constexpr int kStages = D <= 128 ? 3 : 2;
+  static constexpr int kCtasPerSm = D == 64 ? 4 : (D == 128 ? 3 : 2);
+  static constexpr int kQStride = D + 8;  // halves per Q row in shared memory
+  static constexpr int kRowBytes = D / 2;
+  static constexpr int kScaleBytes = D / 16;
+  static constexpr int kKcOff = 0;
+  static constexpr int kVcOff = kAttnTile * kRowBytes;
+  static constexpr int kKsOff = 2 * kAttnTile * kRowBytes;
+  static constexpr int kVsOff = kKsOff + kAttnTile * kScaleBytes;
+  static constexpr int kMaskOff = kVsOff + kAttnTile * kScaleBytes;
+  static constexpr int kStageBytes = kMaskOff + 16;
+  static constexpr int kQBytes = kAttnTile * kQStride * 2;
+  static constexpr int kWarpBytes = kQBytes + kStages * kStageBytes;
+};
+
+// Query rows kept per partial slot.
+inline int AttnRowsPerSlot(int group, int max_q_len) {
+  const int64_t r = static_cast<int64_t>(group) * max_q_len;
+  return r < kAttnTile ? static_cast<int>(r) : kAttnTile;
+}
+
+inline size_t AttnScheduleBytes(int max_batch) {
+  return (2 * static_cast<size_t>(max_batch) + 2) * sizeof(int);
+}
+
+struct AttnLaunch {
+  internal::AttentionParams p;
+  int num_warps_total = 0;  // W
+  int rows_per_slot = 0;
+  int page_q16 = 0, page_r16 = 0;  // 16 = q16 * page_size + r16
+  float* ws_o = nullptr;   // [2W, rows_per_slot, D] unnormalized partial outputs
+  float* ws_ml = nullptr;  // [2W, rows_per_slot, 2] running max (log2 units), sum
+};
+
+struct AttnRequest {
+  int len;  // L: attended tokens are [lo, len)
+  int lo;
+  int span;  // len - lo, 0 when the request writes nothing
+  int q_len;
+  int64_t q_begin;
+  int mtiles;  // 16-row query tiles
+};
+
+__device__ __forceinline__ AttnRequest GetAttnRequest(const internal::AttentionParams& p, int b) {
+  AttnRequest r;
+  r.len = static_cast<int>(internal::AttentionTokens(p, b));
+  internal::AttentionQueryRows(p, b, &r.q_begin, &r.q_len);
+  r.lo = 0;
+  if (p.window_left >= 0) {
+    const int first = r.len - r.q_len - p.window_left;
+    r.lo = first > 0 ? first : 0;
+  }
+  r.span = (r.len > 0 && r.q_len > 0) ? r.len - r.lo : 0;
+  r.mtiles = (p.group * r.q_len + kAttnTile - 1) / kAttnTile;
+  return r;
+}
+
+// Splits of a span under chunk bound c: balanced chunks, multiples of 16.
+__device__ __forceinline__ void AttnSplit(int span, int c, int* splits, int* chunk) {
+  if (span <= 0) {
+    *splits = 0;
+    *chunk = kAttnTile;
+    return;
+  }
+  const int s0 = (span + c - 1) / c;
+  int ch = (span + s0 - 1) / s0;
+  ch = (ch + kAttnTile - 1) / kAttnTile * kAttnTile;
+  *chunk = ch;
+  *splits = (span + ch - 1) / ch;
+}
+
+// Block-wide exclusive scan of one int per thread (kAttnThreads threads).
+__device__ __forceinline__ int BlockExclusiveScan(int v, int* tmp, int* total) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  int x = v;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int y = __shfl_up_sync(0xffffffffu, x, o);
+    if (lane >= o) x += y;
+  }
+  if (lane == 31) tmp[warp] = x;
+  __syncthreads();
+  int base = 0, all = 0;
+#pragma unroll
+  for (int w = 0; w < kAttnWarps; ++w) {
+    const int t = tmp[w];
+    if (w < warp) base += t;
+    all += t;
+  }
+  __syncthreads();
+  *total = all;
+  return base + x - v;
+}
+
+// Every CTA computes the same schedule: chunk bound c and, per request, the
+// first item and the first partial slot (prefix arrays of B + 1 ints).
+__device__ __forceinline__ int BuildAttnSchedule(const AttnLaunch& a, int* item_prefix,
+                                                 int* slot_prefix) {
+  __shared__ int tmp[kAttnWarps];
+  __shared__ long long wsum[kAttnWarps];
+  const internal::AttentionParams& p = a.p;
+  const int B = p.batch_size;
+  const int per = (B + kAttnThreads - 1) / kAttnThreads;
+  const int b0 = threadIdx.x * per;
+  const int b1 = b0 + per < B ? b0 + per : B;
+  long long work = 0;
+  for (int b = b0; b < b1; ++b) {
+    const AttnRequest r = GetAttnRequest(p, b);
+    work += static_cast<long long>(r.span) * r.mtiles;
+  }
+  work *= p.num_kv_heads;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) work += __shfl_xor_sync(0xffffffffu, work, o);
+  if ((threadIdx.x & 31) == 0) wsum[threadIdx.x >> 5] = work;
+  __syncthreads();
+  long long total = 0;
+#pragma unroll
+  for (int w = 0; w < kAttnWarps; ++w) total += wsum[w];
+  const long long target = (static_cast<long long>(a.num_warps_total) * 4) / 5 + 1;
+  long long c = (total + target - 1) / target;
+  if (c < kAttnMinChunk) c = kAttnMinChunk;
+  if (c > (1 << 30)) c = 1 << 30;
+  const int chunk_bound = static_cast<int>(c);
+  int items = 0, slots = 0;
+  for (int b = b0; b < b1; ++b) {
+    const AttnRequest r = GetAttnRequest(p, b);
+    int splits, chunk;
+    AttnSplit(r.span, chunk_bound, &splits, &chunk);
+    const int n = splits * p.num_kv_heads * r.mtiles;
+    items += n;
+    slots += splits > 1 ? n : 0;
+  }
+  int total_items, total_slots;
+  int ib = BlockExclusiveScan(items, tmp, &total_items);
+  int sb = BlockExclusiveScan(slots, tmp, &total_slots);
+  for (int b = b0; b < b1; ++b) {
+    const AttnRequest r = GetAttnRequest(p, b);
+    int splits, chunk;
+    AttnSplit(r.span, chunk_bound, &splits, &chunk);
+    const int n = splits * p.num_kv_heads * r.mtiles;
+    item_prefix[b] = ib;
+    slot_prefix[b] = sb;
+    ib += n;
+    sb += splits > 1 ? n : 0;
+  }
+  if (threadIdx.x == 0) {
+    item_prefix[B] = total_items;
+    slot_prefix[B] = total_slots;
+  }
+  __syncthreads();
+  return chunk_bound;
+}
+
+// One work item, resolved.
+struct AttnItem {
+  int b, head, mt, t0, t1, splits, chunk_index;
+  int slot;  // first partial slot of this chunk, -1 when unsplit
+  int slot0;  // slot of chunk 0 of the same (b, head, mt)
+  AttnRequest r;
+};
+
+__device__ __forceinline__ AttnItem ResolveAttnItem(const AttnLaunch& a, int item,
+                                                    int chunk_bound, const int* item_prefix,
+                                                    const int* slot_prefix) {
+  const internal::AttentionParams& p = a.p;
+  int lo = 0, hi = p.batch_size;
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) >> 1;
+    if (item_prefix[mid] <= item) {
+      lo = mid;
+    } else {
+      hi = mid;
+    }
+  }
+  AttnItem it;
+  it.b = lo;
+  it.r = GetAttnRequest(p, lo);
+  int chunk;
+  AttnSplit(it.r.span, chunk_bound, &it.splits, &chunk);
+  const int local = item - item_prefix[lo];
+  it.chunk_index = local % it.splits;
+  const int rest = local / it.splits;
+  it.mt = rest % it.r.mtiles;
+  it.head = rest / it.r.mtiles;
+  it.t0 = it.r.lo + it.chunk_index * chunk;
+  it.t1 = it.t0 + chunk < it.r.len ? it.t0 + chunk : it.r.len;
+  it.slot = it.splits > 1 ? slot_prefix[lo] + local : -1;
+  it.slot0 = it.splits > 1 ? slot_prefix[lo] + local - it.chunk_index : -1;
+  return it;
+}
+
+// Query row r (0..15) of an item's tile: which query and head it is, and
+// whether it is written (a query at a negative position is not).
+struct AttnRow {
+  int qi, gi;
+  bool valid;   // a real query row
+  bool stored;  // written (valid and position >= 0)
+  int pos;
+};
+
+__device__ __forceinline__ AttnRow GetAttnRow(const internal::AttentionParams& p,
+                                              const AttnItem& it, int r) {
+  AttnRow row;
+  const int ridx = it.mt * kAttnTile + r;
+  row.qi = ridx / p.group;
+  row.gi = ridx - row.qi * p.group;
+  row.valid = row.qi < it.r.q_len;
+  row.pos = it.r.len - it.r.q_len + row.qi;
+  row.stored = row.valid && row.pos >= 0;
+  return row;
+}
+
+// ---------------------------------------------------------------------------
+// Small PTX wrappers.
+// ---------------------------------------------------------------------------
+__device__ __forceinline__ uint32_t SmemAddr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+template <int kBytes>
+__device__ __forceinline__ void CpAsync(uint32_t dst, const void* src, bool valid) {
+  const int n = valid ? kBytes : 0;
+  if constexpr (kBytes == 16) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n));
+  } else {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(dst), "l"(src),
+                 "n"(kBytes), "r"(n));
+  }
+}
+__device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n"); }
+template <int kPending>
+__device__ __forceinline__ void CpAsyncWait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
+}
+
+__device__ __forceinline__ void LdMatrixX4(uint32_t addr, uint32_t r[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+__device__ __forceinline__ void Mma16816(float d[4], const uint32_t a[4], uint32_t b0,
+                                         uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ float Ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ uint32_t PackHalf2(float lo, float hi) {
+  uint32_t d;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+  return d;
+}
+
+__device__ __forceinline__ void UnpackHalf2(uint32_t h, float* lo, float* hi) {
+  asm("{\n .reg .b16 a, b;\n mov.b32 {a, b}, %2;\n cvt.f32.f16 %0, a;\n cvt.f32.f16 %1, b;\n}"
+      : "=f"(*lo), "=f"(*hi)
+      : "r"(h));
+}
+
+template <bool kBf16>
+__device__ __forceinline__ uint32_t PackOut2(float lo, float hi) {
+  uint32_t d;
+  if constexpr (kBf16) {
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+  } else {
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+  }
+  return d;
+}
+
+template <bool kBf16>
+__device__ __forceinline__ uint16_t PackOut1(float x) {
+  return static_cast<uint16_t>(PackOut2<kBf16>(x, 0.0f) & 0xffffu);
+}
+
+__device__ __forceinline__ int VSlot(int t) { return (t & 1) * 4 + ((t >> 1) & 3) + (t >> 3) * 8; }
+
+// Position of dim d of a Q row in the permuted shared-memory row (k-step s
+// at halves [16 s, 16 s + 16)); see the header comment.
+template <int D>
+__device__ __forceinline__ int QPermutedIndex(int d) {
+  const int c = d / (D / 4);
+  const int rem = d % (D / 4);
+  const int s = 2 * (rem / 8) + (rem % 8) / 4;
+  const int lb = (rem % 4) / 2;
+  const int hi = rem % 2;
+  return s * 16 + hi * 8 + 2 * c + lb;
+}
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+// Final normalization of one row: out scale and lse from (m, l) in log2
+// units and the optional sink logit. Returns false for a row that attended
+// nothing (out 0, lse -inf).
+__device__ __forceinline__ bool FinishRow(float m, float l, const float* sinks, int qo_head,
+                                          float* inv, float* lse) {
+  if (!(l > 0.0f)) {
+    *inv = 0.0f;
+    *lse = -INFINITY;
+    return false;
+  }
+  float big = m, z = l;
+  if (sinks != nullptr) {
+    const float sk = sinks[qo_head] * kLog2e;
+    big = m > sk ? m : sk;
+    const float f = Ex2(m - big);
+    z = l * f + Ex2(sk - big);
+    *inv = f / z;
+  } else {
+    *inv = 1.0f / l;
+  }
+  *lse = (big + __log2f(z)) * kLn2;
+  return true;
+}
+
+// ---------------------------------------------------------------------------
+// The attention kernel.
+// ---------------------------------------------------------------------------
+template <int D, bool kBf16>
+__global__ void __launch_bounds__(kAttnThreads, AttnConfig<D>::kCtasPerSm)
+    DecodeAttentionKernel(const AttnLaunch a) {
+  using Cfg = AttnConfig<D>;
+  constexpr int kStages = Cfg::kStages;
+  constexpr int kNT = D / 8;          // PV n-tiles (dims per lane segment)
+  constexpr int kKWords = D / 32;     // code words per lane and K token
+  constexpr int kVWords = D / 64;     // code words per lane and V token
+  extern __shared__ __align__(16) uint8_t smem[];
+  const internal::AttentionParams& p = a.p;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  int* item_prefix = reinterpret_cast<int*>(smem + kAttnWarps * Cfg::kWarpBytes);
+  int* slot_prefix = item_prefix + p.max_batch + 1;
+  const int chunk_bound = BuildAttnSchedule(a, item_prefix, slot_prefix);
+  const int total_items = item_prefix[p.batch_size];
+
+  uint8_t* wsm = smem + warp * Cfg::kWarpBytes;
+  uint16_t* qs = reinterpret_cast<uint16_t*>(wsm);
+  uint8_t* stages = wsm + Cfg::kQBytes;
+  const int g = lane >> 2, c = lane & 3;
+  const float gk = p.k_scale.Get();
+  const float gv = p.v_scale.Get();
+  const bool soft_cap = p.soft_cap > 0.0f;
+
+  for (int item = blockIdx.x * kAttnWarps + warp; item < total_items;
+       item += a.num_warps_total) {
+    const AttnItem it = ResolveAttnItem(a, item, chunk_bound, item_prefix, slot_prefix);
+
+    // ---- Q tile into shared memory (permuted; bf16 rows scaled by 2^kq).
+    int kq = 0;
+    {
+      const int r = lane >> 1, half = lane & 1;
+      const AttnRow row = GetAttnRow(p, it, r);
+      const uint16_t* src = nullptr;
+      if (row.valid) {
+        src = static_cast<const uint16_t*>(p.q) + (it.r.q_begin + row.qi) * p.q_row_stride +
+              static_cast<int64_t>(it.head * p.group + row.gi) * p.q_head_stride + half * (D / 2);
+      }
+      float mul = 1.0f;
+      if constexpr (kBf16) {
+        uint32_t amax = 0;
+        if (src != nullptr) {
+#pragma unroll 4
+          for (int i = 0; i < D / 16; ++i) {
+            const uint4 v = *reinterpret_cast<const uint4*>(src + 8 * i);
+            const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+              const uint32_t lo = (w[j] << 16) & 0x7fff0000u, hi = w[j] & 0x7fff0000u;
+              amax = max(amax, max(lo, hi));
+            }
+          }
+        }
+        amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+        if (amax != 0 && amax < 0x7f800000u) {
+          const int e = static_cast<int>(amax >> 23) - 127;
+          kq = 14 - e;
+          kq = kq < -126 ? -126 : (kq > 127 ? 127 : kq);
+          mul = __uint_as_float(static_cast<uint32_t>(kq + 127) << 23);
+        }
+      }
+      uint16_t* dst = qs + r * Cfg::kQStride;
+#pragma unroll 2
+      for (int i = 0; i < D / 16; ++i) {
+        uint4 v = make_uint4(0, 0, 0, 0);
+        if (src != nullptr) v = *reinterpret_cast<const uint4*>(src + 8 * i);
+        const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const uint32_t bits = (w[j / 2] >> (16 * (j % 2))) & 0xffffu;
+          uint16_t h;
+          if constexpr (kBf16) {
+            h = static_cast<uint16_t>(PackHalf2(__uint_as_float(bits << 16) * mul, 0.0f) &
+                                      0xffffu);
+          } else {
+            h = static_cast<uint16_t>(bits);
+          }
+          dst[QPermutedIndex<D>(half * (D / 2) + 8 * i + j)] = h;
+        }
+      }
+    }
+
+    // ---- Per-thread rows g and g + 8.
+    float lf[2];  // logit factor (natural units without soft cap: log2 units)
+    int row_lo[2], row_hi[2];
+    bool row_stored[2];
+    int row_q[2], row_head[2];
+    int lo_max = -(1 << 30), hi_min = 1 << 30;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const AttnRow row = GetAttnRow(p, it, g + 8 * i);
+      const int k = __shfl_sync(0xffffffffu, kq, 2 * (g + 8 * i));
+      const float f = p.sm_scale * gk * device::kHalfTileScale *
+                      __uint_as_float(static_cast<uint32_t>(127 - k) << 23);
+      lf[i] = soft_cap ? f : f * kLog2e;
+      row_stored[i] = row.stored;
+      row_q[i] = row.qi;
+      row_head[i] = it.head * p.group + row.gi;
+      row_lo[i] = -(1 << 30);
+      row_hi[i] = 1 << 30;
+      if (row.stored) {
+        row_hi[i] = row.pos;
+        if (p.window_left >= 0) row_lo[i] = row.pos - p.window_left;
+      }
+      lo_max = max(lo_max, row_lo[i]);
+      hi_min = min(hi_min, row_hi[i]);
+    }
+#pragma unroll
+    for (int o = 4; o < 32; o <<= 1) {
+      lo_max = max(lo_max, __shfl_xor_sync(0xffffffffu, lo_max, o));
+      hi_min = min(hi_min, __shfl_xor_sync(0xffffffffu, hi_min, o));
+    }
+    __syncwarp();
+
+    // ---- Copy pipeline state of this lane: token tau of every tile.
+    const int tau = lane >> 1, hf = lane & 1;
+    int pj = (it.t0 + tau) / p.page_size;
+    int pe = (it.t0 + tau) - pj * p.page_size;
+    const int64_t table_row = static_cast<int64_t>(it.b) * p.table_row_stride;
+    const uint8_t* kd = p.k.data + it.head * p.k.data_head + hf * (D / 4);
+    const uint8_t* vd = p.v.data + it.head * p.v.data_head + hf * (D / 4);
+    const uint8_t* sd = (hf == 0 ? p.k.scales : p.v.scales) +
+                        it.head * (hf == 0 ? p.k.scale_head : p.v.scale_head);
+    const int64_t s_page = hf == 0 ? p.k.scale_page : p.v.scale_page;
+    const int64_t s_entry = hf == 0 ? p.k.scale_entry : p.v.scale_entry;
+
+    auto issue = [&](int stage, int tile_start) {
+      uint8_t* st = stages + stage * Cfg::kStageBytes;
+      const int t = tile_start + tau;
+      bool valid = t < it.t1;
+      int64_t page = 0;
+      if (valid) {
+        page = internal::TableEntry(p.block_tables, p.tables_i64, table_row + pj);
+        valid = page >= 0 && page < p.num_pages;
+      }
+      if (!valid) page = 0;
+      const int e = valid ? pe : 0;
+      const uint8_t* ksrc = kd + page * p.k.data_page + e * p.k.data_entry;
+      const uint8_t* vsrc = vd + page * p.v.data_page + e * p.v.data_entry;
+      const uint32_t kdst = SmemAddr(st + Cfg::kKcOff + tau * Cfg::kRowBytes + hf * (D / 4));
+      const uint32_t vdst =
+          SmemAddr(st + Cfg::kVcOff + VSlot(tau) * Cfg::kRowBytes + hf * (D / 4));
+      const bool a16 = ((reinterpret_cast<uintptr_t>(ksrc) | reinterpret_cast<uintptr_t>(vsrc)) &
+                        15u) == 0;
+      if (a16) {
+#pragma unroll
+        for (int i = 0; i < D / 64; ++i) {
+          CpAsync<16>(kdst + 16 * i, ksrc + 16 * i, valid);
+          CpAsync<16>(vdst + 16 * i, vsrc + 16 * i, valid);
+        }
+      } else {
+#pragma unroll
+        for (int i = 0; i < D / 32; ++i) {
+          CpAsync<8>(kdst + 8 * i, ksrc + 8 * i, valid);
+          CpAsync<8>(vdst + 8 * i, vsrc + 8 * i, valid);
+        }
+      }
+      const uint8_t* ssrc = sd + page * s_page + e * s_entry;
+      uint8_t* sdst = st + (hf == 0 ? Cfg::kKsOff + tau * Cfg::kScaleBytes
+                                    : Cfg::kVsOff + VSlot(tau) * Cfg::kScaleBytes);
+      if ((reinterpret_cast<uintptr_t>(ssrc) & (Cfg::kScaleBytes - 1)) == 0) {
+        CpAsync<Cfg::kScaleBytes>(SmemAddr(sdst), ssrc, valid);
+      } else {
+#pragma unroll
+        for (int i = 0; i < Cfg::kScaleBytes; ++i) sdst[i] = valid ? __ldg(ssrc + i) : 0;
+      }
+      const uint32_t ballot = __ballot_sync(0xffffffffu, valid);
+      if (lane == 0) *reinterpret_cast<uint32_t*>(st + Cfg::kMaskOff) = ballot;
+      pe += a.page_r16;
+      pj += a.page_q16;
+      if (pe >= p.page_size) {
+        pe -= p.page_size;
+        ++pj;
+      }
+    };
+
+    float o[kNT][4];
+#pragma unroll
+    for (int n = 0; n < kNT; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+    float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.0f, 0.0f};
+
+    const int n_tiles = (it.t1 - it.t0 + kAttnTile - 1) / kAttnTile;
+#pragma unroll
+    for (int s = 0; s < kStages - 1; ++s) {
+      if (s < n_tiles) issue(s, it.t0 + kAttnTile * s);
+      CpAsyncCommit();
+    }
+    const uint32_t q_base = SmemAddr(qs);
+    const int ld_row = (lane & 7) + ((lane >> 3) & 1) * 8;
+    const int ld_col = (lane >> 4) * 8;
+    const uint32_t q_lane = q_base + (ld_row * Cfg::kQStride + ld_col) * 2;
+
+    for (int i = 0; i < n_tiles; ++i) {
+      CpAsyncWait<kStages - 2>();
+      __syncwarp();
+      {
+        const int nx = i + kStages - 1;
+        if (nx < n_tiles) issue(nx % kStages, it.t0 + kAttnTile * nx);
+        CpAsyncCommit();
+      }
+      const uint8_t* st = stages + (i % kStages) * Cfg::kStageBytes;
+      const int tile_start = it.t0 + kAttnTile * i;
+      const uint32_t ballot = *reinterpret_cast<const uint32_t*>(st + Cfg::kMaskOff);
+
+      // ---- S = Q K^T.
+      float s[2][4];
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+      uint32_t kw[2][kKWords];
+      uint32_t ksb[2];
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        const uint8_t* row = st + Cfg::kKcOff + (g + 8 * nt) * Cfg::kRowBytes + c * (D / 8);
+#pragma unroll
+        for (int w = 0; w < kKWords; w += 2) {
+          const uint2 v = *reinterpret_cast<const uint2*>(row + 4 * w);
+          kw[nt][w] = v.x;
+          kw[nt][w + 1] = v.y;
+        }
+        const uint8_t* srow = st + Cfg::kKsOff + (g + 8 * nt) * Cfg::kScaleBytes + c * (D / 64);
+        if constexpr (D == 64) {
+          ksb[nt] = srow[0];
+        } else if constexpr (D == 128) {
+          ksb[nt] = *reinterpret_cast<const uint16_t*>(srow);
+        } else {
+          ksb[nt] = *reinterpret_cast<const uint32_t*>(srow);
+        }
+      }
+#pragma unroll
+      for (int w = 0; w < kKWords; ++w) {
+        uint32_t qa[2][4];
+        LdMatrixX4(q_lane + (2 * w) * 32, qa[0]);
+        LdMatrixX4(q_lane + (2 * w + 1) * 32, qa[1]);
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+          const uint32_t sbyte = (ksb[nt] >> (8 * (w / 2))) & 0xffu;
+          const uint32_t mul = device::ScalePairMultiplier(sbyte * 0x0101u);
+          uint32_t b[4];
+          device::DecodeWordHalf2(kw[nt][w], mul, b);
+          Mma16816(s[nt], qa[0], b[0], b[2]);
+          Mma16816(s[nt], qa[1], b[1], b[3]);
+        }
+      }
+
+      // ---- Online softmax (log2 units).
+      const bool full = ballot == 0xffffffffu && tile_start >= lo_max &&
+                        tile_start + kAttnTile - 1 <= hi_min;
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float x = s[nt][e] * lf[e >> 1];
+          if (soft_cap) x = p.soft_cap * tanhf(x / p.soft_cap) * kLog2e;
+          if (!full) {
+            const int tt = 8 * nt + 2 * c + (e & 1);
+            const int t = tile_start + tt;
+            const bool ok = ((ballot >> (2 * tt)) & 1u) && t >= row_lo[e >> 1] &&
+                            t <= row_hi[e >> 1];
+            if (!ok) x = -INFINITY;
+          }
+          s[nt][e] = x;
+        }
+      }
+      float alpha[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        float mx = fmaxf(fmaxf(s[0][2 * r], s[0][2 * r + 1]), fmaxf(s[1][2 * r], s[1][2 * r + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float m_new = fmaxf(m_run[r], mx);
+        const float m_use = m_new == -INFINITY ? 0.0f : m_new;
+        alpha[r] = Ex2(m_run[r] - m_use);
+        m_run[r] = m_new;
+        float sum = 0.0f;
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+          s[nt][2 * r] = Ex2(s[nt][2 * r] - m_use);
+          s[nt][2 * r + 1] = Ex2(s[nt][2 * r + 1] - m_use);
+          sum += s[nt][2 * r] + s[nt][2 * r + 1];
+        }
+        l_run[r] = l_run[r] * alpha[r] + sum;
+      }
+      if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
+#pragma unroll
+        for (int n = 0; n < kNT; ++n) {
+          o[n][0] *= alpha[0];
+          o[n][1] *= alpha[0];
+          o[n][2] *= alpha[1];
+          o[n][3] *= alpha[1];
+        }
+      }
+      // P as f16 (and, for bf16 outputs, the f16 remainder p - f16(p) too,
+      // so that P V carries ~22 bits of each weight: bf16 rounding of the
+      // result then agrees with an exact computation almost always).
+      uint32_t pa[4], pl[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const float x0 = s[k >> 1][2 * (k & 1)], x1 = s[k >> 1][2 * (k & 1) + 1];
+        pa[k] = PackHalf2(x0, x1);
+        if constexpr (kBf16) {
+          float h0, h1;
+          UnpackHalf2(pa[k], &h0, &h1);
+          pl[k] = PackHalf2(x0 - h0, x1 - h1);
+        }
+      }
+
+      // ---- O += P V.
+      uint32_t vw[4][kVWords];  // tokens 2c, 2c+1, 2c+8, 2c+9
+      uint32_t vsb[2][kVWords > 1 ? 2 : 1];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const int tt = 2 * c + (k & 1) + 8 * (k >> 1);
+        const uint8_t* row = st + Cfg::kVcOff + VSlot(tt) * Cfg::kRowBytes + g * (D / 16);
+        if constexpr (kVWords == 1) {
+          vw[k][0] = *reinterpret_cast<const uint32_t*>(row);
+        } else {
+#pragma unroll
+          for (int w = 0; w < kVWords; w += 2) {
+            const uint2 v = *reinterpret_cast<const uint2*>(row + 4 * w);
+            vw[k][w] = v.x;
+            vw[k][w + 1] = v.y;
+          }
+        }
+      }
+#pragma unroll
+      for (int pr = 0; pr < 2; ++pr) {
+        const int t0 = 2 * c + 8 * pr;
+        const uint8_t* s0 = st + Cfg::kVsOff + VSlot(t0) * Cfg::kScaleBytes;
+        const uint8_t* s1 = st + Cfg::kVsOff + VSlot(t0 + 1) * Cfg::kScaleBytes;
+        constexpr int kBlocksPerSeg = kVWords > 1 ? kVWords / 2 : 1;
+#pragma unroll
+        for (int q = 0; q < kBlocksPerSeg; ++q) {
+          const int blk = (g * (D / 8)) / 16 + q;
+          vsb[pr][q] = device::ScalePairMultiplier(static_cast<uint32_t>(s0[blk]) |
+                                                   (static_cast<uint32_t>(s1[blk]) << 8));
+        }
+      }
+#pragma unroll
+      for (int w = 0; w < kVWords; ++w) {
+        uint32_t b0[8], b1[8];
+        const int q = kVWords > 1 ? w / 2 : 0;
+        device::DecodeWordPairHalf2(vw[0][w], vw[1][w], vsb[0][q], b0);
+        device::DecodeWordPairHalf2(vw[2][w], vw[3][w], vsb[1][q], b1);
+#pragma unroll
+        for (int d = 0; d < 8; ++d) {
+          Mma16816(o[8 * w + d], pa, b0[d], b1[d]);
+          if constexpr (kBf16) Mma16816(o[8 * w + d], pl, b0[d], b1[d]);
+        }
+      }
+      __syncwarp();
+    }
+    CpAsyncWait<0>();
+    __syncwarp();
+
+    // ---- Row sums across the quad, then output or partial.
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 1);
+      l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 2);
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      if (!row_stored[r]) continue;
+      const int row_in_tile = g + 8 * r;
+      if (it.splits > 1) {
+        float* dst = a.ws_o + (static_cast<int64_t>(it.slot) * a.rows_per_slot + row_in_tile) * D;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          float* seg = dst + (2 * c + half) * kNT;
+#pragma unroll
+          for (int n = 0; n < kNT; n += 4) {
+            *reinterpret_cast<float4*>(seg + n) =
+                make_float4(o[n][2 * r + half], o[n + 1][2 * r + half], o[n + 2][2 * r + half],
+                            o[n + 3][2 * r + half]);
+          }
+        }
+        if (c == 0) {
+          *reinterpret_cast<float2*>(
+              a.ws_ml + (static_cast<int64_t>(it.slot) * a.rows_per_slot + row_in_tile) * 2) =
+              make_float2(m_run[r], l_run[r]);
+        }
+      } else {
+        float inv, lse;
+        FinishRow(m_run[r], l_run[r], p.sinks, row_head[r], &inv, &lse);
+        const float f = inv * gv * device::kHalfTileScale;
+        const int64_t qrow = it.r.q_begin + row_q[r];
+        uint16_t* out = static_cast<uint16_t*>(p.out) + qrow * p.out_row_stride +
+                        static_cast<int64_t>(row_head[r]) * p.out_head_stride;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          uint32_t* seg = reinterpret_cast<uint32_t*>(out + (2 * c + half) * kNT);
+#pragma unroll
+          for (int n = 0; n < kNT; n += 2) {
+            seg[n / 2] = PackOut2<kBf16>(o[n][2 * r + half] * f, o[n + 1][2 * r + half] * f);
+          }
+        }
+        if (c == 0 && p.lse != nullptr) p.lse[qrow * p.lse_row_stride + row_head[r]] = lse;
+      }
+    }
+  }
+}
+
+// Combines the partials of every split (request, head, tile): one warp per
+// (request, head, tile), lanes over splits for (m, l) and over dims for O.
+template <int D, bool kBf16>
+__global__ void __launch_bounds__(kAttnThreads) MergeAttentionKernel(const AttnLaunch a) {
+  extern __shared__ __align__(16) uint8_t smem[];
+  const internal::AttentionParams& p = a.p;
+  int* item_prefix = reinterpret_cast<int*>(smem);
+  int* slot_prefix = item_prefix + p.max_batch + 1;
+  const int chunk_bound = BuildAttnSchedule(a, item_prefix, slot_prefix);
+  const int total_items = item_prefix[p.batch_size];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const float gv = p.v_scale.Get();
+  for (int item = blockIdx.x * kAttnWarps + warp; item < total_items;
+       item += a.num_warps_total) {
+    const AttnItem it = ResolveAttnItem(a, item, chunk_bound, item_prefix, slot_prefix);
+    if (it.splits <= 1 || it.chunk_index != 0) continue;
+    for (int r = 0; r < kAttnTile; ++r) {
+      const AttnRow row = GetAttnRow(p, it, r);
+      if (!row.stored) continue;
+      float m = -INFINITY;
+      for (int k = lane; k < it.splits; k += 32) {
+        m = fmaxf(m, a.ws_ml[(static_cast<int64_t>(it.slot0 + k) * a.rows_per_slot + r) * 2]);
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+      const float m_use = m == -INFINITY ? 0.0f : m;
+      float l = 0.0f;
+      for (int k = lane; k < it.splits; k += 32) {
+        const float2 ml = *reinterpret_cast<const float2*>(
+            a.ws_ml + (static_cast<int64_t>(it.slot0 + k) * a.rows_per_slot + r) * 2);
+        l += ml.y * Ex2(ml.x - m_use);
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) l += __shfl_xor_sync(0xffffffffu, l, o);
+      const int head = it.head * p.group + row.gi;
+      float inv, lse;
+      FinishRow(m_use, l, p.sinks, head, &inv, &lse);
+      const float f = inv * gv * device::kHalfTileScale;
+      float acc[D / 32];
+#pragma unroll
+      for (int j = 0; j < D / 32; ++j) acc[j] = 0.0f;
+      for (int k = 0; k < it.splits; ++k) {
+        const int64_t base = static_cast<int64_t>(it.slot0 + k) * a.rows_per_slot + r;
+        const float w = Ex2(a.ws_ml[base * 2] - m_use) * f;
+        const float* src = a.ws_o + base * D;
+#pragma unroll
+        for (int j = 0; j < D / 32; ++j) acc[j] += w * src[lane + 32 * j];
+      }
+      const int64_t qrow = it.r.q_begin + row.qi;
+      uint16_t* out = static_cast<uint16_t*>(p.out) + qrow * p.out_row_stride +
+                      static_cast<int64_t>(head) * p.out_head_stride;
+#pragma unroll
+      for (int j = 0; j < D / 32; ++j) out[lane + 32 * j] = PackOut1<kBf16>(acc[j]);
+      if (lane == 0 && p.lse != nullptr) p.lse[qrow * p.lse_row_stride + head] = lse;
+    }
+  }
+}
+
+}  // namespace kernels
+}  // namespace fp4kv
+
+#endif  // FP4KV_KERNELS_ATTENTION_CUH_
