@@ -10,6 +10,7 @@
 #include "absl/status/statusor.h"
 #include "fp4kv/format.h"
 #include "fp4kv/ops.h"
+#include "fp4kv/recipe.h"
 #include "fp4kv/tensor.h"
 
 namespace fp4kv {
@@ -160,6 +161,71 @@ struct ReencodeParams {
   Recipe recipe;
 };
 
+// Quantization of an unquantized (f16/bf16) paged cache into a paged NVFP4
+// cache. Row r (a token slot) is entry r % page_size of list position
+// r / page_size: source page src_pages[i] (i itself without lists) goes to
+// cache page dst_pages[i] (i). Rows [0, rows) are processed.
+struct QuantizeCacheParams {
+  const void* k_src = nullptr;  // NHD [P_src, S, H, Dk] / HND [P_src, H, S, Dk]
+  const void* v_src = nullptr;
+  int64_t k_src_page = 0, k_src_entry = 0, k_src_head = 0;  // elements
+  int64_t v_src_page = 0, v_src_entry = 0, v_src_head = 0;
+  DType dtype = DType::kBF16;
+  int64_t src_num_pages = 0;
+  int num_heads = 0;
+  int page_size = 0;
+  int64_t num_pages = 0;  // of the NVFP4 cache
+  PoolPtrs k, v;
+  const int32_t* src_pages = nullptr;  // [num_listed] or null (identity)
+  const int32_t* dst_pages = nullptr;  // [num_listed], given iff src_pages
+  int64_t rows = 0;
+  GlobalScale k_scale, v_scale;  // what the quantize reads
+  Recipe recipe;
+  // Scale computation (compute_scales): amax of each side over the rows that
+  // write, accumulated as fp32 bits with an integer max into amax_bits[kv]
+  // (zeroed first when zero_first), then FinishCacheScales.
+  bool compute_scales = false;
+  bool zero_first = false;
+  uint32_t* amax_bits[2] = {nullptr, nullptr};
+  float* scale_out[2] = {nullptr, nullptr};  // may alias amax_bits
+  float* fp8_out[2] = {nullptr, nullptr};    // MinFp8ScaleFor(g), or null
+  // Conditional mode (a cache's pending layers): a side whose flag is set,
+  // or whose amax is 0, keeps its scales; otherwise its flag (and host flag)
+  // become 1. Null: every side gets the computed scale.
+  int32_t* flags = nullptr;       // [2]
+  int32_t* host_flags = nullptr;  // [2] or null
+  float headroom = 1.0f;
+};
+
+// Resolves row r of a cache quantization: false when it writes nothing (a
+// listed page outside [0, src_num_pages) or [0, num_pages)).
+FP4KV_HD bool ResolveCacheRow(const QuantizeCacheParams& p, int64_t list_index, int64_t* src,
+                              int64_t* dst) {
+  int64_t s = list_index, d = list_index;
+  if (p.src_pages != nullptr) {
+    s = p.src_pages[list_index];
+    d = p.dst_pages[list_index];
+  }
+  if (s < 0 || s >= p.src_num_pages || d < 0 || d >= p.num_pages) return false;
+  *src = s;
+  *dst = d;
+  return true;
+}
+
+// The end of a scale computation, given each side's amax (one thread).
+FP4KV_HD void FinishCacheScales(const QuantizeCacheParams& p, const float (&amax)[2]) {
+  for (int kv = 0; kv < 2; ++kv) {
+    if (p.flags != nullptr && (p.flags[kv] != 0 || !(amax[kv] > 0.0f))) continue;
+    const float g = MakeGlobalScale(MulRn(amax[kv], p.headroom), p.recipe);
+    *p.scale_out[kv] = g;
+    if (p.fp8_out[kv] != nullptr) *p.fp8_out[kv] = MinFp8ScaleFor(g);
+    if (p.flags != nullptr) {
+      p.flags[kv] = 1;
+      if (p.host_flags != nullptr) p.host_flags[kv] = 1;
+    }
+  }
+}
+
 // Where row i of an append goes. Returns false for a row that writes nothing:
 // padding (negative slot), or a batch index, position, kv_indices entry or
 // page outside its range. Shared by the reference and the kernels.
@@ -226,6 +292,9 @@ absl::StatusOr<DequantParams> MakeDequantParams(const Dequantizer::Options& o,
 absl::StatusOr<MaterializeParams> MakeMaterializeParams(const Materializer::Options& o,
                                                         const MaterializeArgs& a,
                                                         const PagedCache& cache);
+absl::StatusOr<QuantizeCacheParams> MakeQuantizeCacheParams(const PagedCacheQuantizer::Options& o,
+                                                            const QuantizeCacheArgs& a,
+                                                            const PagedCache& cache);
 
 // CPU reference (src/reference/). Synchronous, host memory.
 void ReferenceAppend(const AppendParams& p);
@@ -235,6 +304,7 @@ void ReferenceQuantizeLinear(const LinearQuantParams& p);
 void ReferenceDequantizeLinear(const LinearDequantParams& p);
 void ReferenceCalibrateRows(const RowCalibrationParams& p);
 void ReferenceReencode(const ReencodeParams& p);
+void ReferenceQuantizeCache(const QuantizeCacheParams& p);
 
 // CUDA launchers (kernels/). Enqueue on `stream`, allocate nothing, never
 // synchronize; return the launch status (cudaGetLastError) as a Status.
@@ -245,6 +315,8 @@ absl::Status LaunchQuantizeLinear(const LinearQuantParams& p, Stream stream);
 absl::Status LaunchDequantizeLinear(const LinearDequantParams& p, Stream stream);
 absl::Status LaunchCalibrateRows(const RowCalibrationParams& p, Stream stream);
 absl::Status LaunchReencode(const ReencodeParams& p, Stream stream);
+// Scale computation (when p.compute_scales) and quantization, in order.
+absl::Status LaunchQuantizeCache(const QuantizeCacheParams& p, Stream stream);
 
 }  // namespace internal
 }  // namespace fp4kv

@@ -309,6 +309,26 @@ class KVCache {
   // release it only after the kernels of the step that used it are enqueued.
   absl::Status ReleaseSequence(SequenceId seq);
 
+  // A new sequence holding `length` tokens of a cache prefilled elsewhere:
+  // layers[l] is layer l's unquantized paged K/V (f16/bf16, the cache's
+  // heads, head dims and page size; either layout or form, HalfPagedCache),
+  // and the sequence's tokens are in its pages src_pages[0 ..
+  // ceil(length / page_size)) (host ids, entries past `length` in the last
+  // page ignored). Every layer is quantized into newly allocated pages on
+  // `stream` (PagedCacheQuantizer, bytes as if the rows had been appended).
+  // Scales follow the cache's rules: a layer with scales (given at Create,
+  // set or calibrated) uses them; a pending layer's K (V) scale is calibrated
+  // on the device from the imported rows first, exactly like a first append
+  // (calibration_headroom; all-zero rows leave it pending). All or nothing:
+  // every argument is checked (InvalidArgument naming it; ResourceExhausted
+  // when the free pages do not suffice) before anything changes. CUDA: the
+  // host page ids are copied to a stream-ordered temporary, so this is not
+  // for graph capture; the sources must stay valid until the stream gets
+  // there. The current step's buffers are not touched.
+  absl::StatusOr<SequenceId> ImportSequence(absl::Span<const HalfPagedCache> layers,
+                                            absl::Span<const int32_t> src_pages, int64_t length,
+                                            Stream stream = nullptr);
+
   absl::StatusOr<int64_t> SequenceLength(SequenceId seq) const;
   // The sequence's block table (page ids, ceil(length / page_size) of them);
   // valid until the next mutating call.

@@ -207,5 +207,50 @@ void ReferenceReencode(const ReencodeParams& p) {
   }
 }
 
+// Calls f(src_page, entry, dst_page) for every row of a cache quantization
+// that writes.
+template <typename F>
+void ForEachCacheRow(const QuantizeCacheParams& p, F&& f) {
+  for (int64_t r = 0; r < p.rows; ++r) {
+    int64_t src, dst;
+    if (!ResolveCacheRow(p, r / p.page_size, &src, &dst)) continue;
+    f(src, r % p.page_size, dst);
+  }
+}
+
+void ReferenceQuantizeCache(const QuantizeCacheParams& p) {
+  if (p.compute_scales) {
+    float amax[2] = {0.0f, 0.0f};
+    ForEachCacheRow(p, [&](int64_t src, int64_t e, int64_t) {
+      for (int kv = 0; kv < 2; ++kv) {
+        const void* base = kv == 0 ? p.k_src : p.v_src;
+        const int64_t row = kv == 0 ? src * p.k_src_page + e * p.k_src_entry
+                                    : src * p.v_src_page + e * p.v_src_entry;
+        const int64_t hs = kv == 0 ? p.k_src_head : p.v_src_head;
+        const int dim = kv == 0 ? p.k.head_dim : p.v.head_dim;
+        for (int h = 0; h < p.num_heads; ++h) {
+          for (int d = 0; d < dim; ++d) {
+            const float a = AbsF(LoadFloat(base, p.dtype, row + h * hs + d));
+            amax[kv] = a > amax[kv] ? a : amax[kv];  // NaN ignored
+          }
+        }
+      }
+    });
+    FinishCacheScales(p, amax);
+  }
+  const float gk = p.k_scale.Get();
+  const float gv = p.v_scale.Get();
+  ForEachCacheRow(p, [&](int64_t src, int64_t e, int64_t dst) {
+    for (int h = 0; h < p.num_heads; ++h) {
+      QuantizeRow(p.k_src, p.dtype, src * p.k_src_page + e * p.k_src_entry + h * p.k_src_head,
+                  p.k.head_dim, gk, p.recipe, p.k.data + p.k.DataOffset(dst, e, h),
+                  p.k.scales + p.k.ScaleOffset(dst, e, h));
+      QuantizeRow(p.v_src, p.dtype, src * p.v_src_page + e * p.v_src_entry + h * p.v_src_head,
+                  p.v.head_dim, gv, p.recipe, p.v.data + p.v.DataOffset(dst, e, h),
+                  p.v.scales + p.v.ScaleOffset(dst, e, h));
+    }
+  });
+}
+
 }  // namespace internal
 }  // namespace fp4kv
