@@ -1,13 +1,17 @@
-// KVCache::ImportSequence on the CPU: the imported sequence holds exactly the
-// bytes and scales that appending the same rows through a step gives (pending
-// layers calibrate from the imported rows, calibrated ones keep their
-// scales), and a refused import changes nothing.
+// KVCache::ImportSequence: the imported sequence holds exactly the bytes and
+// scales that appending the same rows through a step gives (pending layers
+// calibrate from the imported rows, calibrated ones keep their scales), and a
+// refused import changes nothing. On the CPU; KVCacheImportGpu repeats the
+// equality on a GPU.
+#include <cuda_runtime_api.h>
+
 #include <cstring>
 #include <vector>
 
 #include "absl/strings/match.h"
 #include "fp4kv/kv_cache.h"
 #include "gtest/gtest.h"
+#include "testing/kv_cache_harness.h"
 #include "testing/test_util.h"
 
 namespace fp4kv {
@@ -15,8 +19,9 @@ namespace {
 
 constexpr int kLayers = 2, kHeads = 2, kDim = 64, kPage = 16;
 
-KVCacheOptions Options(bool given_scales) {
+KVCacheOptions Options(bool given_scales, Device device = Device::Cpu()) {
   KVCacheOptions o;
+  o.device = device;
   o.num_layers = kLayers;
   o.geometry = CacheGeometry{kHeads, kDim, kDim, kPage, 32, Layout::kNHD};
   o.max_pages_per_seq = 8;
@@ -168,6 +173,69 @@ TEST(KVCacheImport, RefusedImportChangesNothing) {
   EXPECT_EQ(c->Stats().num_sequences, full.num_sequences);
   EXPECT_EQ(before.pages_free, 32);
   EXPECT_EQ(before.num_sequences, 0);
+}
+
+// The same equality with both caches, the source pages and the rows on a GPU
+// (the device calibration of pending layers included).
+TEST(KVCacheImportGpu, EqualsAppendingTheSameRows) {
+  FP4KV_SKIP_WITHOUT_GPU();
+  const Device dev = Device::Cuda(0);
+  for (bool given : {false, true}) {
+    const Source src(23);
+    std::vector<testing::Buffer> dsrc;
+    std::vector<HalfPagedCache> views;
+    for (int l = 0; l < kLayers; ++l) {
+      dsrc.emplace_back(dev, src.kv[l].size() * 2);
+      ASSERT_TRUE(dsrc.back().Upload(src.kv[l].data(), src.kv[l].size() * 2));
+    }
+    for (int l = 0; l < kLayers; ++l) {
+      views.push_back(HalfPagedCache::FromStacked(
+                          dsrc[l].View(DType::kBF16, {6, 2, kHeads, kPage, kDim}), Layout::kHND)
+                          .value());
+    }
+    const std::vector<int32_t> pages = {2, 5, 0};
+    const int64_t length = 2 * kPage + 9;
+    auto imported = KVCache::Create(Options(given, dev));
+    auto appended = KVCache::Create(Options(given, dev));
+    ASSERT_TRUE(imported.ok() && appended.ok());
+    (void)imported->CreateSequence();
+    auto id = imported->ImportSequence(views, pages, length);
+    ASSERT_TRUE(id.ok()) << id.status();
+    const SequenceId seq = appended->CreateSequence();
+    ASSERT_TRUE(appended->PrepareStep({{seq, static_cast<int32_t>(length)}}).ok());
+    auto app = appended->appender(DType::kBF16);
+    ASSERT_TRUE(app.ok());
+    for (int l = 0; l < kLayers; ++l) {
+      const std::vector<uint16_t> k = src.Rows(l, 0, pages, length), v = src.Rows(l, 1, pages, length);
+      testing::Buffer kb(dev, k.size() * 2), vb(dev, v.size() * 2);
+      ASSERT_TRUE(kb.Upload(k.data(), k.size() * 2) && vb.Upload(v.data(), v.size() * 2));
+      ASSERT_TRUE(app->Run(l, kb.View(DType::kBF16, {length, kHeads, kDim}),
+                           vb.View(DType::kBF16, {length, kHeads, kDim}))
+                      .ok());
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    }
+    const testing::PoolCopy a = testing::DownloadPools(*imported), b = testing::DownloadPools(*appended);
+    const CacheGeometry& g = imported->geometry();
+    for (int l = 0; l < kLayers; ++l) {
+      const LayerScales sa = *imported->ReadScales(l), sb = *appended->ReadScales(l);
+      EXPECT_EQ(FloatBits(sa.k), FloatBits(sb.k)) << "layer " << l << " given " << given;
+      EXPECT_EQ(FloatBits(sa.v), FloatBits(sb.v)) << "layer " << l << " given " << given;
+      EXPECT_TRUE(sa.k_calibrated && sa.v_calibrated);
+      for (int64_t t = 0; t < length; ++t) {
+        const int32_t pa = (*imported->SequencePages(*id))[t / kPage];
+        const int32_t pb = (*appended->SequencePages(seq))[t / kPage];
+        for (int kind = 0; kind < 4; ++kind) {
+          const int64_t n = (kind % 2 == 0 ? kDim / 2 : kDim / kBlockSize);
+          for (int h = 0; h < kHeads; ++h) {
+            const uint8_t* ra = testing::PoolRow(a, g, l, kind, pa, t % kPage, h);
+            const uint8_t* rb = testing::PoolRow(b, g, l, kind, pb, t % kPage, h);
+            ASSERT_EQ(std::memcmp(ra, rb, n), 0)
+                << "layer " << l << " token " << t << " kind " << kind << " given " << given;
+          }
+        }
+      }
+    }
+  }
 }
 
 }  // namespace
