@@ -562,6 +562,82 @@ BENCHMARK(BM_Linear)
     ->Iterations(1)
     ->Unit(benchmark::kMicrosecond);
 
+// ------------------------------------------------------- quantize cache
+// A bf16 paged cache of 2 GiB (32768 pages of 16 tokens, 8 heads, d128, K and
+// V) into NVFP4 pages of the same layout. args: layout (0 NHD, 1 HND),
+// compute (1: global scales computed from the data first, which reads the
+// input twice; bytes still count it once), lists (1: src/dst page lists, the
+// destination a random permutation).
+void BM_QuantizePagedCache(benchmark::State& state) {
+  if (!HaveGpu(state)) return;
+  const Layout layout = state.range(0) ? Layout::kHND : Layout::kNHD;
+  const bool compute = state.range(1) == 1;
+  const bool lists = state.range(2) == 1;
+  constexpr int H = 8, D = 128, S = 16;
+  constexpr int64_t kPages = 32768;
+  DeviceCache cache;
+  BENCH_CHECK(state, cache.Init(CacheGeometry{H, D, D, S, kPages, layout}, 1), "cache");
+  DeviceMem k, v, src, dst, scales;
+  const size_t half_bytes = static_cast<size_t>(kPages) * S * H * D * 2;
+  BENCH_CHECK(state, k.Alloc(half_bytes) && v.Alloc(half_bytes) && scales.Alloc(8), "alloc");
+  BENCH_CHECK(state, FillHalves(k, 5, true) && FillHalves(v, 6, true), "fill");
+  std::vector<int32_t> src_pages(kPages), dst_pages(kPages);
+  const std::vector<int64_t> perm = Permutation(kPages, 7);
+  for (int64_t i = 0; i < kPages; ++i) {
+    src_pages[i] = static_cast<int32_t>(i);
+    dst_pages[i] = static_cast<int32_t>(perm[i]);
+  }
+  BENCH_CHECK(state,
+              src.Alloc(kPages * 4) && src.Upload(src_pages) && dst.Alloc(kPages * 4) &&
+                  dst.Upload(dst_pages),
+              "upload");
+  const Device d = Device::Cuda(0);
+  PagedCacheQuantizer::Options o;
+  o.geometry = cache.g;
+  o.source_layout = layout;
+  o.input_dtype = DType::kBF16;
+  o.device = d;
+  o.compute_scales = compute;
+  auto op = PagedCacheQuantizer::Create(o);
+  BENCH_CHECK(state, op.ok(), "PagedCacheQuantizer::Create");
+  const int64_t a = layout == Layout::kNHD ? S : H, b = layout == Layout::kNHD ? H : S;
+  QuantizeCacheArgs args;
+  args.source = HalfPagedCache::FromTuple(
+      TensorView::Contiguous(k.get(), DType::kBF16, {kPages, a, b, D}, d),
+      TensorView::Contiguous(v.get(), DType::kBF16, {kPages, a, b, D}, d), layout);
+  if (lists) {
+    args.src_pages = TensorView::Contiguous(src.get(), DType::kI32, {kPages}, d);
+    args.dst_pages = TensorView::Contiguous(dst.get(), DType::kI32, {kPages}, d);
+  }
+  if (compute) {
+    args.k_scale_out = scales.get<float>();
+    args.v_scale_out = scales.get<float>() + 1;
+  } else {
+    args.k_scale = GlobalScale::Value(0.005f);
+    args.v_scale = GlobalScale::Value(0.003f);
+  }
+  const PagedCache view = cache.View();
+  cudaStream_t s;
+  BENCH_CUDA(state, cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  BENCH_CHECK(state, op->Run(args, view, s).ok(), "PagedCacheQuantizer::Run");
+  const double bytes =
+      2.0 * half_bytes + cache.Bytes(kPages * S) + (lists ? kPages * 8.0 : 0.0);
+  for (auto _ : state) Report(state, MedianMs(s, [&] { (void)op->Run(args, view, s); }), bytes);
+  BENCH_CUDA(state, cudaStreamSynchronize(s));
+  BENCH_CUDA(state, cudaGetLastError());
+  (void)cudaStreamDestroy(s);
+}
+BENCHMARK(BM_QuantizePagedCache)
+    ->ArgNames({"hnd", "compute", "lists"})
+    ->Args({0, 0, 0})
+    ->Args({1, 0, 0})
+    ->Args({0, 0, 1})
+    ->Args({0, 1, 0})
+    ->Args({1, 1, 1})
+    ->UseManualTime()
+    ->Iterations(1)
+    ->Unit(benchmark::kMicrosecond);
+
 }  // namespace
 }  // namespace fp4kv
 

@@ -8,11 +8,14 @@
 //   BM_PageAllocator/<n>: allocate n pages then free them; pages/s.
 //   BM_CacheAllocateRelease/<n>: the same through the cache: a sequence, a
 //     step reserving n pages, ReleaseSequence; pages/s.
-//   BM_DecodeStepGraph/<seqs>: CUDA only. A model-shaped cache (32 layers,
-//     8 KV heads, head_dim 128, page 16); the decode step of every layer
-//     (append + materialize) captured once as a CUDA graph. Reports the
-//     replay's device time (median of CUDA events) next to the sum of the
-//     same kernels' times measured one by one, and the PrepareStep host time.
+//   BM_DecodeStepGraph/<seqs>/<attention>: CUDA only. A model-shaped cache
+//     (32 layers, 8 KV heads, head_dim 128, page 16); the decode step of
+//     every layer captured once as a CUDA graph: append + materialize
+//     (attention 0: what an FP8 attention kernel would then read) or append +
+//     decode attention straight from the NVFP4 pages (attention 1; 32 query
+//     heads, bf16). Reports the replay's device time (median of CUDA events)
+//     next to the sum of the same kernels' times measured one by one, and the
+//     PrepareStep host time.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -216,7 +219,8 @@ void BM_DecodeStepGraph(benchmark::State& state) {
     return;
   }
   const int seqs = static_cast<int>(state.range(0));
-  constexpr int kLayers = 32, kHeads = 8, kDim = 128;
+  const bool attend = state.range(1) != 0;
+  constexpr int kLayers = 32, kHeads = 8, kDim = 128, kQoHeads = 32;
   cudaStream_t cs;
   if (cudaStreamCreateWithFlags(&cs, cudaStreamNonBlocking) != cudaSuccess) {
     state.SkipWithError("cudaStreamCreate failed");
@@ -235,17 +239,26 @@ void BM_DecodeStepGraph(benchmark::State& state) {
   KVCache& c = *s.cache;
   absl::StatusOr<CacheAppender> app = c.appender(DType::kBF16);
   absl::StatusOr<CacheMaterializer> mat = c.materializer();
-  if (!app.ok() || !mat.ok()) {
+  CacheAttentionOptions ao;
+  ao.num_qo_heads = kQoHeads;
+  absl::StatusOr<CacheAttention> att = c.attention(ao);
+  if (!app.ok() || !mat.ok() || !att.ok()) {
     state.SkipWithError("op objects");
     return;
   }
   const int64_t T = c.options().max_tokens_per_step;
   const int64_t W = c.Fp8WorkspacePagesAtCapacity();
   const int64_t ws_page = 2LL * kHeads * kPageSize * kDim;
-  void *d_k = nullptr, *d_v = nullptr, *d_ws = nullptr;
+  void *d_k = nullptr, *d_v = nullptr, *d_ws = nullptr, *d_q = nullptr, *d_out = nullptr;
+  const int64_t q_bytes = int64_t{seqs} * kQoHeads * kDim * 2;
+  const int64_t attn_ws_bytes = att->WorkspaceBytes();
   bool ok = cudaMalloc(&d_k, T * kHeads * kDim * 2) == cudaSuccess &&
             cudaMalloc(&d_v, T * kHeads * kDim * 2) == cudaSuccess &&
-            cudaMalloc(&d_ws, W * ws_page) == cudaSuccess &&
+            cudaMalloc(&d_ws, attend ? std::max<int64_t>(256, attn_ws_bytes) : W * ws_page) ==
+                cudaSuccess &&
+            cudaMalloc(&d_q, q_bytes) == cudaSuccess &&
+            cudaMalloc(&d_out, q_bytes) == cudaSuccess &&
+            cudaMemset(d_q, 0x3c, q_bytes) == cudaSuccess &&
             cudaMemset(d_k, 0x3c, T * kHeads * kDim * 2) == cudaSuccess &&
             cudaMemset(d_v, 0xbc, T * kHeads * kDim * 2) == cudaSuccess &&
             cudaDeviceSynchronize() == cudaSuccess;  // legacy-stream memsets before `cs` work
@@ -254,12 +267,16 @@ void BM_DecodeStepGraph(benchmark::State& state) {
   const TensorView v = TensorView::Contiguous(d_v, DType::kBF16, {T, kHeads, kDim}, dev);
   const TensorView ws =
       TensorView::Contiguous(d_ws, DType::kE4M3, {W, 2, kHeads, kPageSize, kDim}, dev);
+  const TensorView q = TensorView::Contiguous(d_q, DType::kBF16, {seqs, kQoHeads, kDim}, dev);
+  const TensorView out = TensorView::Contiguous(d_out, DType::kBF16, {seqs, kQoHeads, kDim}, dev);
   auto layers = [&](cudaEvent_t* marks) -> absl::Status {
     for (int l = 0; l < kLayers; ++l) {
       if (marks) (void)cudaEventRecord(marks[2 * l], cs);
       absl::Status st = app->Run(l, k, v, stream);
       if (marks) (void)cudaEventRecord(marks[2 * l + 1], cs);
-      if (st.ok()) st = mat->Run(l, ws, stream);
+      if (st.ok()) {
+        st = attend ? att->Run(l, q, out, d_ws, attn_ws_bytes, stream) : mat->Run(l, ws, stream);
+      }
       if (!st.ok()) return st;
     }
     if (marks) (void)cudaEventRecord(marks[2 * kLayers], cs);
@@ -331,12 +348,16 @@ void BM_DecodeStepGraph(benchmark::State& state) {
   (void)cudaFree(d_k);
   (void)cudaFree(d_v);
   (void)cudaFree(d_ws);
+  (void)cudaFree(d_q);
+  (void)cudaFree(d_out);
   (void)cudaStreamDestroy(cs);
 }
 BENCHMARK(BM_DecodeStepGraph)
-    ->ArgName("seqs")
-    ->Arg(64)
-    ->Arg(256)
+    ->ArgNames({"seqs", "attention"})
+    ->Args({64, 0})
+    ->Args({64, 1})
+    ->Args({256, 0})
+    ->Args({256, 1})
     ->Iterations(200)
     ->UseManualTime()
     ->Unit(benchmark::kMicrosecond);

@@ -4,18 +4,25 @@
 // decode while others finish and new ones join; one request is forked for
 // parallel sampling (its children share the prompt's pages and copy a shared
 // partial page on their first write). Every step, every layer appends its new
-// K/V rows and materializes the step's sequences as FP8 pages (what an FP8
-// attention kernel would read next). On a GPU, the decode step (all layers)
-// is captured once as a CUDA graph and replayed; prefill steps run eagerly.
-// Without a GPU the same loop runs on the CPU device (the CPU reference), with
-// smaller defaults. At the end it prints tokens/s, pages in use and the error
-// of dequantized K/V against the original rows.
+// K/V rows and then reads the step's sequences: by default with decode
+// attention straight from the NVFP4 pages (one query row per sequence; for a
+// prefill chunk that is its last token — a server runs its own prefill
+// kernel over the chunk), or with --read=materialize as FP8 pages (what an
+// FP8 attention kernel would read next). No global scales are given: every
+// layer calibrates from its first rows. On a GPU, the decode step (all
+// layers) is captured once as two CUDA graphs (appends, reads) and replayed,
+// with events between them for the per-step time split; prefill steps run
+// eagerly. Without a GPU the same loop runs on the CPU device (the CPU
+// reference), with smaller defaults. At the end it prints tokens/s, the
+// decode step's append / read time, pages in use, the scale-event counters
+// and the error of dequantized K/V against the original rows.
 //
-// Flags (--name=value): device (auto|cpu|cuda), layers, kv_heads, head_dim,
-// page_size, requests, max_batch, prompt_min, prompt_max, decode_min,
-// decode_max, chunk (max tokens per step), samples (forked children),
-// pool_pages (0: enough for max_batch + samples full-length sequences),
-// error_seqs (finished sequences whose error is measured), seed.
+// Flags (--name=value): device (auto|cpu|cuda), read (attention|materialize),
+// layers, kv_heads, qo_heads (0: 4 * kv_heads), head_dim, page_size,
+// requests, max_batch, prompt_min, prompt_max, decode_min, decode_max, chunk
+// (max tokens per step), samples (forked children), pool_pages (0: enough for
+// max_batch + samples full-length sequences), error_seqs (finished sequences
+// whose error is measured), seed.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -62,7 +69,8 @@ using fp4kv::TensorView;
 
 struct Flags {
   std::string device = "auto";
-  int layers = -1, kv_heads = 8, head_dim = 128, page_size = 16;
+  std::string read = "attention";
+  int layers = -1, kv_heads = 8, qo_heads = 0, head_dim = 128, page_size = 16;
   int requests = -1, max_batch = -1, prompt_min = -1, prompt_max = -1;
   int decode_min = -1, decode_max = -1, chunk = -1, samples = 4;
   int64_t pool_pages = 0;
@@ -78,15 +86,16 @@ struct Flags {
         return false;
       }
       const std::string k = a.substr(2, eq - 2), v = a.substr(eq + 1);
-      if (k == "device") {
-        device = v;
+      if (k == "device" || k == "read") {
+        (k == "device" ? device : read) = v;
         continue;
       }
       const struct {
         const char* name;
         int* value;
       } ints[] = {
-          {"layers", &layers},         {"kv_heads", &kv_heads},     {"head_dim", &head_dim},
+          {"layers", &layers},         {"kv_heads", &kv_heads},     {"qo_heads", &qo_heads},
+          {"head_dim", &head_dim},
           {"page_size", &page_size},   {"requests", &requests},     {"max_batch", &max_batch},
           {"prompt_min", &prompt_min}, {"prompt_max", &prompt_max}, {"decode_min", &decode_min},
           {"decode_max", &decode_max}, {"chunk", &chunk},           {"samples", &samples},
@@ -213,10 +222,11 @@ int main(int argc, char** argv) {
   f.FillDefaults(gpu);
   if (f.layers < 1 || f.requests < 1 || f.max_batch < 1 || f.prompt_min < 1 ||
       f.prompt_max < f.prompt_min || f.decode_min < 1 || f.decode_max < f.decode_min ||
-      f.samples < 0 || f.error_seqs < 0) {
+      f.samples < 0 || f.error_seqs < 0 || (f.read != "attention" && f.read != "materialize")) {
     std::fprintf(stderr,
                  "bad flags: need layers, requests, max_batch, prompt_min, decode_min >= 1, "
-                 "prompt_max >= prompt_min, decode_max >= decode_min, samples >= 0\n");
+                 "prompt_max >= prompt_min, decode_max >= decode_min, samples >= 0, "
+                 "read=attention|materialize\n");
     return 2;
   }
   if (gpu) {
@@ -249,9 +259,9 @@ int main(int argc, char** argv) {
   o.geometry.page_size = PS;
   o.geometry.num_pages = f.pool_pages > 0 ? f.pool_pages : static_cast<int64_t>(S) * M;
   o.device = device;
-  // Global decode scales from the calibration amax: amax / (6 * 448).
-  o.k_global_scales.assign(L, bank.amax(0) / (6.0f * 448.0f));
-  o.v_global_scales.assign(L, bank.amax(1) / (6.0f * 448.0f));
+  // No global scales: each layer calibrates from its first rows (with
+  // headroom); the counters show whether later rows outgrew it.
+  o.count_scale_events = true;
   o.max_seqs_per_step = S;
   o.max_tokens_per_step = T;
   o.max_pages_per_seq = M;
@@ -268,13 +278,28 @@ int main(int argc, char** argv) {
 
   absl::StatusOr<fp4kv::CacheAppender> appender = cache.appender(DType::kBF16);
   CHECK_OK(appender.status());
-  absl::StatusOr<fp4kv::CacheMaterializer> materializer = cache.materializer();
-  if (!materializer.ok()) {
-    std::printf("no FP8 materialization: %s\n", materializer.status().ToString().c_str());
+  const bool attend = f.read == "attention";
+  const int HQ = f.qo_heads > 0 ? f.qo_heads : 4 * H;
+  absl::StatusOr<fp4kv::CacheMaterializer> materializer =
+      absl::FailedPreconditionError("not used (--read=attention)");
+  absl::StatusOr<fp4kv::CacheAttention> attention =
+      absl::FailedPreconditionError("not used (--read=materialize)");
+  if (attend) {
+    fp4kv::CacheAttentionOptions ao;
+    ao.num_qo_heads = HQ;
+    attention = cache.attention(ao);
+    CHECK_OK(attention.status());
+    std::printf("reads: decode attention from the NVFP4 pages, %d query heads (group %d)\n", HQ,
+                HQ / H);
+  } else {
+    materializer = cache.materializer();
+    CHECK_OK(materializer.status());
+    std::printf("reads: FP8 materialization of every active page\n");
   }
 
-  // Fixed buffers: per-layer K/V inputs [T, H, D] and the FP8 workspace at
-  // capacity (a captured graph bakes these addresses in).
+  // Fixed buffers: per-layer K/V inputs [T, H, D], queries and outputs
+  // [S, HQ, D], the attention workspace, the FP8 workspace at capacity (a
+  // captured graph bakes these addresses in).
   cudaStream_t cs = nullptr;
   if (gpu) CHECK_CUDA(cudaStreamCreateWithFlags(&cs, cudaStreamNonBlocking));
   const fp4kv::Stream stream = reinterpret_cast<fp4kv::Stream>(cs);
@@ -288,29 +313,69 @@ int main(int argc, char** argv) {
       in_ptr[i] = host_in[i].data();
     }
   }
-  const int64_t W = cache.Fp8WorkspacePagesAtCapacity();
-  const size_t ws_bytes = static_cast<size_t>(W) * 2 * H * PS * D;
-  void* ws = nullptr;
-  std::vector<uint8_t> host_ws;
-  if (materializer.ok()) {
-    if (gpu) {
-      CHECK_CUDA(cudaMalloc(&ws, ws_bytes));
-    } else {
-      host_ws.resize(ws_bytes);
-      ws = host_ws.data();
+  // Bytes on the cache's device (host memory for the CPU); freed at exit.
+  std::vector<std::vector<uint8_t>> host_buffers;
+  std::vector<void*> device_buffers;
+  auto alloc = [&](size_t bytes) -> void* {
+    if (bytes == 0) bytes = 256;
+    if (!gpu) {
+      host_buffers.emplace_back(bytes);
+      return host_buffers.back().data();
     }
+    void* p = nullptr;
+    CHECK_CUDA(cudaMalloc(&p, bytes));
+    device_buffers.push_back(p);
+    return p;
+  };
+  const int64_t W = cache.Fp8WorkspacePagesAtCapacity();
+  void* ws = materializer.ok() ? alloc(static_cast<size_t>(W) * 2 * H * PS * D) : nullptr;
+  const size_t q_elems = static_cast<size_t>(S) * HQ * D;
+  std::vector<void*> q_ptr(attend ? L : 0), o_ptr(attend ? L : 0);
+  void* attn_ws = nullptr;
+  int64_t attn_ws_bytes = 0;
+  if (attend) {
+    std::vector<uint16_t> q(q_elems);
+    std::normal_distribution<float> normal;
+    std::mt19937_64 qrng(f.seed + 17);
+    for (int l = 0; l < L; ++l) {
+      for (uint16_t& x : q) x = fp4kv::FloatToBf16Bits(normal(qrng));
+      q_ptr[l] = alloc(q_elems * 2);
+      o_ptr[l] = alloc(q_elems * 2);
+      if (gpu) {
+        CHECK_CUDA(cudaMemcpy(q_ptr[l], q.data(), q_elems * 2, cudaMemcpyHostToDevice));
+      } else {
+        std::memcpy(q_ptr[l], q.data(), q_elems * 2);
+      }
+    }
+    attn_ws_bytes = attention->WorkspaceBytes();
+    attn_ws = alloc(static_cast<size_t>(attn_ws_bytes));
   }
   auto view = [&](void* p) { return TensorView::Contiguous(p, DType::kBF16, {T, H, D}, device); };
-  auto run_layers = [&]() {
+  auto qview = [&](void* p) { return TensorView::Contiguous(p, DType::kBF16, {S, HQ, D}, device); };
+  auto append_layers = [&]() {
     for (int l = 0; l < L; ++l) {
       CHECK_OK(appender->Run(l, view(in_ptr[2 * l]), view(in_ptr[2 * l + 1]), stream));
-      if (materializer.ok()) {
+    }
+  };
+  auto read_layers = [&]() {
+    for (int l = 0; l < L; ++l) {
+      if (attend) {
+        CHECK_OK(attention->Run(l, qview(q_ptr[l]), qview(o_ptr[l]), attn_ws, attn_ws_bytes,
+                                stream));
+      } else {
         const std::vector<int64_t> s = cache.Fp8WorkspaceShape(W);
         CHECK_OK(materializer->Run(
             l, TensorView::Contiguous(ws, DType::kE4M3, {s[0], s[1], s[2], s[3], s[4]}, device),
             stream));
       }
     }
+  };
+  // One step's layers: in a real model layer l's reads come before layer
+  // l+1's appends; here each phase runs over all layers so that a captured
+  // decode step can be timed per phase.
+  auto run_layers = [&]() {
+    append_layers();
+    read_layers();
   };
 
   // Requests: f.requests arrive over time; request 0 is forked into
@@ -334,7 +399,12 @@ int main(int argc, char** argv) {
   int64_t peak_pages = 0, copies = 0;
   double prepare_s = 0, layers_s = 0;  // host time in PrepareStep; the layers' ops (synchronized)
   int done = 0;
-  cudaGraphExec_t graph = nullptr;
+  cudaGraphExec_t graph_append = nullptr, graph_read = nullptr;
+  cudaEvent_t ev[3] = {nullptr, nullptr, nullptr};
+  if (gpu) {
+    for (cudaEvent_t& e : ev) CHECK_CUDA(cudaEventCreate(&e));
+  }
+  double decode_append_ms = 0, decode_read_ms = 0;  // summed over replayed steps
 
   // Error of a finished request's dequantized K/V (layers 0 and L-1).
   auto measure = [&](const Request& r) {
@@ -482,15 +552,31 @@ int main(int argc, char** argv) {
     }
     const auto t1 = std::chrono::steady_clock::now();
     if (gpu && decode_only) {
-      if (graph == nullptr) {
-        cudaGraph_t g;
-        CHECK_CUDA(cudaStreamBeginCapture(cs, cudaStreamCaptureModeThreadLocal));
-        run_layers();
-        CHECK_CUDA(cudaStreamEndCapture(cs, &g));
-        CHECK_CUDA(cudaGraphInstantiate(&graph, g, 0));
-        CHECK_CUDA(cudaGraphDestroy(g));
+      if (graph_append == nullptr) {
+        for (int part = 0; part < 2; ++part) {
+          cudaGraph_t g;
+          CHECK_CUDA(cudaStreamBeginCapture(cs, cudaStreamCaptureModeThreadLocal));
+          if (part == 0) {
+            append_layers();
+          } else {
+            read_layers();
+          }
+          CHECK_CUDA(cudaStreamEndCapture(cs, &g));
+          CHECK_CUDA(cudaGraphInstantiate(part == 0 ? &graph_append : &graph_read, g, 0));
+          CHECK_CUDA(cudaGraphDestroy(g));
+        }
       }
-      CHECK_CUDA(cudaGraphLaunch(graph, cs));
+      CHECK_CUDA(cudaEventRecord(ev[0], cs));
+      CHECK_CUDA(cudaGraphLaunch(graph_append, cs));
+      CHECK_CUDA(cudaEventRecord(ev[1], cs));
+      CHECK_CUDA(cudaGraphLaunch(graph_read, cs));
+      CHECK_CUDA(cudaEventRecord(ev[2], cs));
+      CHECK_CUDA(cudaEventSynchronize(ev[2]));
+      float a_ms = 0, r_ms = 0;
+      CHECK_CUDA(cudaEventElapsedTime(&a_ms, ev[0], ev[1]));
+      CHECK_CUDA(cudaEventElapsedTime(&r_ms, ev[1], ev[2]));
+      decode_append_ms += a_ms;
+      decode_read_ms += r_ms;
       ++replays;
     } else {
       run_layers();
@@ -571,10 +657,33 @@ int main(int argc, char** argv) {
       static_cast<long long>(decode_tokens), decode_tokens / secs,
       gpu ? "" : " [CPU reference speed]");
   std::printf(
-      "time: %.3f s in PrepareStep (%.1f us/step), %.3f s in the layers' append + "
-      "materialize (%.0f tokens/s); the rest is making the synthetic K/V rows\n",
+      "time: %.3f s in PrepareStep (%.1f us/step), %.3f s in the layers' append + reads "
+      "(%.0f tokens/s); the rest is making the synthetic K/V rows\n",
       prepare_s, 1e6 * prepare_s / std::max<int64_t>(1, steps), layers_s,
       (prefill_tokens + decode_tokens) / std::max(1e-9, layers_s));
+  if (replays > 0) {
+    std::printf(
+        "decode step (%d layers, graph replay, mean of %lld steps): append %.1f us, %s %.1f us\n",
+        L, static_cast<long long>(replays), 1000.0 * decode_append_ms / replays,
+        attend ? "attention" : "materialize", 1000.0 * decode_read_ms / replays);
+  }
+  uint64_t events[4] = {0, 0, 0, 0};
+  for (int l = 0; l < L; ++l) {
+    absl::StatusOr<fp4kv::ScaleEventCounts> c = cache.ReadScaleEvents(l, stream);
+    CHECK_OK(c.status());
+    events[0] += c->k_saturated;
+    events[1] += c->k_underflow;
+    events[2] += c->v_saturated;
+    events[3] += c->v_underflow;
+  }
+  absl::StatusOr<fp4kv::LayerScales> sc0 = cache.ReadScales(0, stream);
+  CHECK_OK(sc0.status());
+  std::printf(
+      "scales: calibrated from each layer's first rows (layer 0: K %.3g, V %.3g); blocks "
+      "saturated K %llu / V %llu, underflowed K %llu / V %llu (all layers)\n",
+      sc0->k, sc0->v, static_cast<unsigned long long>(events[0]),
+      static_cast<unsigned long long>(events[2]), static_cast<unsigned long long>(events[1]),
+      static_cast<unsigned long long>(events[3]));
   std::printf("pages: peak %lld of %lld in use, %lld copied on write; now %lld in use\n",
               static_cast<long long>(peak_pages), static_cast<long long>(st.pages_total),
               static_cast<long long>(copies), static_cast<long long>(st.pages_used));
@@ -586,10 +695,12 @@ int main(int argc, char** argv) {
         100 * std::sqrt(err.err2[0] / err.sig2[0]), 100 * std::sqrt(err.err2[1] / err.sig2[1]),
         err.max_rel[0], err.max_rel[1]);
   }
-  if (graph) CHECK_CUDA(cudaGraphExecDestroy(graph));
+  if (graph_append) CHECK_CUDA(cudaGraphExecDestroy(graph_append));
+  if (graph_read) CHECK_CUDA(cudaGraphExecDestroy(graph_read));
   if (gpu) {
     for (void* p : in_ptr) CHECK_CUDA(cudaFree(p));
-    if (ws) CHECK_CUDA(cudaFree(ws));
+    for (void* p : device_buffers) CHECK_CUDA(cudaFree(p));
+    for (cudaEvent_t e : ev) CHECK_CUDA(cudaEventDestroy(e));
     CHECK_CUDA(cudaStreamDestroy(cs));
   }
   return 0;

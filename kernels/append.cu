@@ -11,27 +11,27 @@ namespace {
 using kernels::AppendLaunch;
 using kernels::RecipeVariant;
 
-template <bool kBf16, RecipeVariant kVariant>
+template <bool kBf16, RecipeVariant kVariant, bool kCount>
 __global__ void __launch_bounds__(kernels::kMaxTileThreads)
     QuantizeAppendKernel(const AppendLaunch a) {
-  kernels::AppendThread<kBf16, kVariant>(a, blockIdx.x, blockIdx.y, threadIdx.x);
+  kernels::AppendThread<kBf16, kVariant, kCount>(a, blockIdx.x, blockIdx.y, threadIdx.x);
 }
 
 using AppendKernelFn = void (*)(AppendLaunch);
 
-template <bool kBf16>
+template <bool kBf16, bool kCount>
 AppendKernelFn PickAppendKernel(RecipeVariant v) {
   switch (v) {
     case RecipeVariant::kStandard:
-      return QuantizeAppendKernel<kBf16, RecipeVariant::kStandard>;
+      return QuantizeAppendKernel<kBf16, RecipeVariant::kStandard, kCount>;
     case RecipeVariant::kMae:
-      return QuantizeAppendKernel<kBf16, RecipeVariant::kMae>;
+      return QuantizeAppendKernel<kBf16, RecipeVariant::kMae, kCount>;
     case RecipeVariant::kMse:
-      return QuantizeAppendKernel<kBf16, RecipeVariant::kMse>;
+      return QuantizeAppendKernel<kBf16, RecipeVariant::kMse, kCount>;
     case RecipeVariant::kMaeHalf:
-      return QuantizeAppendKernel<kBf16, RecipeVariant::kMaeHalf>;
+      return QuantizeAppendKernel<kBf16, RecipeVariant::kMaeHalf, kCount>;
     case RecipeVariant::kMseHalf:
-      return QuantizeAppendKernel<kBf16, RecipeVariant::kMseHalf>;
+      return QuantizeAppendKernel<kBf16, RecipeVariant::kMseHalf, kCount>;
   }
   return nullptr;
 }
@@ -40,8 +40,12 @@ AppendKernelFn PickAppendKernel(RecipeVariant v) {
 
 absl::Status LaunchAppend(const AppendParams& p, Stream stream) {
   const RecipeVariant v = kernels::VariantOf(p.recipe);
-  const AppendKernelFn fn =
-      p.input_dtype == DType::kBF16 ? PickAppendKernel<true>(v) : PickAppendKernel<false>(v);
+  const bool bf16 = p.input_dtype == DType::kBF16;
+  const bool count = p.scale_events != nullptr;
+  const AppendKernelFn fn = bf16 ? (count ? PickAppendKernel<true, true>(v)
+                                          : PickAppendKernel<true, false>(v))
+                                 : (count ? PickAppendKernel<false, true>(v)
+                                          : PickAppendKernel<false, false>(v));
   const bool ok = kernels::ForEachAppendLaunch(p, [&](const AppendLaunch& a) {
     fn<<<dim3(a.shape.grid_x, a.shape.grid_y), a.shape.threads, 0, stream>>>(a);
   });

@@ -87,7 +87,34 @@ FP4KV_HD bool ResolveRow(const internal::AppendParams& p, const FastDivmod& page
   return true;
 }
 
-template <bool kBf16, RecipeVariant kVariant>
+// Adds n to a 64-bit scale-event counter (atomically on the device).
+FP4KV_HD void AddScaleEvents(uint64_t* counter, uint32_t n) {
+#if defined(__CUDA_ARCH__)
+  atomicAdd(reinterpret_cast<unsigned long long*>(counter), static_cast<unsigned long long>(n));
+#else
+  *counter += n;
+#endif
+}
+
+// BlockAmax of the 16 f16/bf16 values in w (NaN ignored), as fp32.
+template <bool kBf16>
+FP4KV_HD float BlockAmaxOfWords(const uint32_t (&w)[8]) {
+  float amax = 0.0f;
+  FP4KV_UNROLL
+  for (int j = 0; j < 8; ++j) {
+    float lo, hi;
+    Unpack2<kBf16>(w[j], &lo, &hi);
+    lo = Abs(lo);
+    hi = Abs(hi);
+    amax = lo > amax ? lo : amax;
+    amax = hi > amax ? hi : amax;
+  }
+  return amax;
+}
+
+// kCount: the thread adds its saturated / underflowed blocks to
+// p.scale_events once, at its end (format.h ClassifyBlockScale).
+template <bool kBf16, RecipeVariant kVariant, bool kCount = false>
 FP4KV_HD void AppendThread(const AppendLaunch& a, uint32_t cta_x, uint32_t cta_y, uint32_t tid) {
   const internal::AppendParams& p = a.p;
   const uint32_t item = cta_y * a.shape.threads + tid;
@@ -113,6 +140,7 @@ FP4KV_HD void AppendThread(const AppendLaunch& a, uint32_t cta_x, uint32_t cta_y
   const uint32_t n = left < a.shape.rows_per_cta ? left : a.shape.rows_per_cta;
   const int64_t row0 = a.row_begin + first;
   const uint16_t* src = in + row0 * in_row;
+  uint32_t saturated = 0, underflow = 0;
   for (uint32_t r0 = 0; r0 < n; r0 += kAppendUnroll) {
     uint32_t w[kAppendUnroll][8];
     // Input loads first: they do not depend on the rows' index chains.
@@ -141,7 +169,17 @@ FP4KV_HD void AppendThread(const AppendLaunch& a, uint32_t cta_x, uint32_t cta_y
       const uint8_t sb = QuantizeBlockFast<kBf16, kVariant>(w[u], qs, p.recipe, packed);
       Store8(data + page * pool.data_page + entry * pool.data_entry, U32x2{packed[0], packed[1]});
       scales[page * pool.scale_page + entry * pool.scale_entry] = sb;
+      if constexpr (kCount) {
+        const ScaleEvent e = ClassifyBlockScale(BlockAmaxOfWords<kBf16>(w[u]), qs.g, sb);
+        saturated += e == ScaleEvent::kSaturated ? 1u : 0u;
+        underflow += e == ScaleEvent::kUnderflow ? 1u : 0u;
+      }
     }
+  }
+  if constexpr (kCount) {
+    uint64_t* counters = p.scale_events + (is_v ? 2 : 0);
+    if (saturated != 0) AddScaleEvents(counters, saturated);
+    if (underflow != 0) AddScaleEvents(counters + 1, underflow);
   }
 }
 

@@ -25,6 +25,10 @@ OUT_DIR=$(cd "$OUT_DIR" && pwd)
 if [ -d ./.carry/lib ]; then
   export LD_LIBRARY_PATH="$(cd ./.carry/lib && pwd)${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 fi
+# The real-model K/V/Q the attention tests read (packed by package_for_gpu.sh).
+if [ -z "${FP4KV_REALKV_DIR:-}" ] && [ -d ./.carry/data/realkv ]; then
+  export FP4KV_REALKV_DIR="$(cd ./.carry/data/realkv && pwd)"
+fi
 if [ ! -d "$BUILD_DIR" ]; then
   echo "gpu_check: no build folder $BUILD_DIR" >&2
   exit 2

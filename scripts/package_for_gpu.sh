@@ -4,10 +4,14 @@
 # git): .carry/bin holds the stripped executables that use a GPU (gpu_*_test,
 # the KV cache tests, the benchmarks, the serving loop; the CPU-only tests run
 # in CI and would push the folder past what a device call carries),
-# .carry/lib every shared library they load from the system's
-# x86_64-linux-gnu folder except the C library itself (libc, libm,
-# libpthread, libdl, librt, ld-linux): Abseil, Google Benchmark, libstdc++,
-# libgcc_s. scripts/gpu_check.sh puts .carry/lib on LD_LIBRARY_PATH.
+# .carry/lib every shared library they load from the build folder (fp4kv is
+# built shared here, so its kernels are carried once), the CUDA toolkit
+# (the shared CUDA runtime) or the system's x86_64-linux-gnu folder, except
+# the C library itself (libc, libm, libpthread, libdl, librt, ld-linux):
+# libfp4kv, libcudart, Abseil, Google Benchmark, libstdc++, libgcc_s.
+# .carry/data holds a copy of ../shared/data/realkv when it exists (tests
+# that use it look there too). scripts/gpu_check.sh puts .carry/lib on
+# LD_LIBRARY_PATH.
 #
 # Usage: scripts/package_for_gpu.sh        (JOBS=n to change -j, default 2)
 # Then on the GPU machine: scripts/gpu_check.sh .carry/bin
@@ -16,7 +20,7 @@ cd "$(dirname "$0")/.."
 
 BUILD=build-gpu
 cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 \
-  -DFP4KV_BUILD_TESTS=ON -DFP4KV_BUILD_BENCHMARKS=ON -DFP4KV_BUILD_EXAMPLES=ON -DBUILD_SHARED_LIBS=OFF
+  -DFP4KV_BUILD_TESTS=ON -DFP4KV_BUILD_BENCHMARKS=ON -DFP4KV_BUILD_EXAMPLES=ON -DBUILD_SHARED_LIBS=ON
 cmake --build "$BUILD" -j"${JOBS:-2}"
 
 rm -rf .carry
@@ -38,8 +42,14 @@ for exe in "${exes[@]}"; do
     cp -L "$path" ".carry/lib/$lib"
     chmod u+w ".carry/lib/$lib"
     strip --strip-unneeded ".carry/lib/$lib" || true
-  done < <(ldd "$exe" | awk '$2 == "=>" && $3 ~ /^(\/usr)?\/lib\/x86_64-linux-gnu\// {print $1, $3}')
+  done < <(ldd "$exe" | awk -v build="$(cd "$BUILD" && pwd)/" '$2 == "=>" &&
+      ($3 ~ /^(\/usr)?\/lib\/x86_64-linux-gnu\// || $3 ~ /^\/usr\/local\/cuda/ ||
+       index($3, build) == 1) {print $1, $3}')
 done
+if [ -d ../shared/data/realkv ]; then
+  mkdir -p .carry/data
+  cp -r ../shared/data/realkv .carry/data/
+fi
 
 du -sh .carry .carry/bin .carry/lib
 size_kb=$(du -sk .carry | cut -f1)

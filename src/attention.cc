@@ -106,6 +106,12 @@ absl::StatusOr<DecodeAttention> DecodeAttention::Create(const Options& o) {
   FP4KV_RETURN_IF_ERROR(internal::CheckDeviceAvailable(o.device));
   int num_sms = 0;
   int64_t workspace_bytes = 0;
+  if (o.device.is_cuda() && g.head_dim_k != g.head_dim_v) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "geometry.head_dim_v: expected head_dim_k (", g.head_dim_k,
+        ") for decode attention on a CUDA device (the CPU reference takes any pair), got ",
+        g.head_dim_v));
+  }
   if (o.device.is_cuda()) {
     // Queried for the given ordinal; the calling thread's current device is
     // left as it is.

@@ -16,6 +16,7 @@
 #include "fp4kv/recipe.h"
 #include "src/cuda_util.h"
 #include "src/page_allocator.h"
+#include "src/params.h"
 
 namespace fp4kv {
 namespace internal {
@@ -71,6 +72,9 @@ struct StepLayout {
   int64_t seq_lens = 0, kv_indptr = 0, token_indptr = 0, slots = 0, tables = 0;
   int64_t staging_bytes = 0;
   int64_t fp8_tables = 0, scales = 0;
+  // Scale state: calibrated flags [L, 2] i32, calibration scratch [L, 4] u32,
+  // scale-event counters [L, 4] u64, old scales of a re-encode [L, 2] f32.
+  int64_t flags = 0, calib = 0, events = 0, old_scales = 0;
   int64_t device_bytes = 0;
 };
 
@@ -84,14 +88,19 @@ StepLayout ComputeStepLayout(int64_t seqs, int64_t tokens, int64_t pages_per_seq
   s.staging_bytes = s.tables + 4 * seqs * pages_per_seq;
   s.fp8_tables = RoundUp(s.staging_bytes, kRegionAlign);
   s.scales = RoundUp(s.fp8_tables + 4 * seqs * pages_per_seq, kRegionAlign);
-  s.device_bytes = s.scales + 4 * 4 * static_cast<int64_t>(layers);
+  const int64_t L = layers;
+  s.flags = RoundUp(s.scales + 4 * 4 * L, 16);
+  s.calib = RoundUp(s.flags + 4 * 2 * L, 16);
+  s.events = RoundUp(s.calib + 4 * 4 * L, 16);
+  s.old_scales = RoundUp(s.events + 8 * 4 * L, 16);
+  s.device_bytes = s.old_scales + 4 * 2 * L;
   return s;
 }
 
 // One owned allocation: host (256-byte aligned), pinned host, or device.
 class Memory {
  public:
-  enum class Kind { kNone, kHost, kPinned, kDevice };
+  enum class Kind { kNone, kHost, kPinned, kPinnedMapped, kDevice };
 
   Memory() = default;
   ~Memory() { Reset(); }
@@ -125,7 +134,9 @@ class Memory {
         if (p != nullptr) std::memset(p, 0, n);
         break;
       case Kind::kPinned:
-        err = cudaHostAlloc(&p, n, cudaHostAllocDefault);
+      case Kind::kPinnedMapped:
+        err = cudaHostAlloc(&p, n,
+                            kind == Kind::kPinned ? cudaHostAllocDefault : cudaHostAllocMapped);
         if (err == cudaSuccess) std::memset(p, 0, n);
         break;
       case Kind::kDevice:
@@ -162,6 +173,7 @@ class Memory {
         std::free(ptr_);
         break;
       case Kind::kPinned:
+      case Kind::kPinnedMapped:
         (void)cudaFreeHost(ptr_);
         break;
       case Kind::kDevice:
@@ -310,6 +322,102 @@ class KVCacheState {
     return absl::OkStatus();
   }
 
+  // Token slots holding data (shared pages counted once); see Stats().
+  int64_t TokensResident() const {
+    const int ps = geometry.page_size;
+    struct Partial {
+      int32_t owners = 0;
+      int64_t fill = 0;
+    };
+    std::unordered_map<int32_t, Partial> partial;
+    for (const Sequence& q : seqs) {
+      if (!q.live || q.length % ps == 0) continue;
+      Partial& p = partial[q.pages.back()];
+      ++p.owners;
+      p.fill = std::max<int64_t>(p.fill, q.length % ps);
+    }
+    int64_t n = (allocator.used_count() - static_cast<int64_t>(partial.size())) * ps;
+    for (const auto& [page, p] : partial) n += p.owners < allocator.RefCount(page) ? ps : p.fill;
+    return n;
+  }
+
+  // Tokens whose bytes in `layer` were written (or enqueued) under its
+  // current scales: the resident ones, less the current step's new tokens
+  // while this layer's appender has not run for the step (and never ran in
+  // a capture, whose replays the host cannot see).
+  int64_t TokensHeld(int layer) const {
+    int64_t n = TokensResident();
+    if (layer_append_serial[layer] != step_serial && !layer_captured[layer]) n -= step.num_tokens;
+    return n < 0 ? 0 : n;
+  }
+
+  // True while the host has not seen both of the layer's scales calibrated.
+  bool LayerPending(int layer) const {
+    const volatile int32_t* f = h_flags + 2 * layer;
+    return f[0] == 0 || f[1] == 0;
+  }
+
+  absl::Status CheckScaleChange(int layer, StoredTokens stored, bool* reencode) const {
+    const int64_t held = TokensHeld(layer);
+    *reencode = held > 0;
+    if (held > 0 && stored != StoredTokens::kReencode) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "layer ", layer, ": holds ", held,
+          " tokens quantized under its current global scales; changing the scales would "
+          "silently re-scale them (pass StoredTokens::kReencode to requantize the stored pages, "
+          "or change scales before storing tokens); nothing changed"));
+    }
+    return absl::OkStatus();
+  }
+
+  // Enqueues a copy of the layer's current K and V global scales into
+  // d_old_scales (the source of a re-encode).
+  absl::Status SaveOldScales(int layer, Stream stream) {
+    if (!cuda) {
+      std::memcpy(d_old_scales + 2 * layer, d_scales + 4 * layer, 2 * sizeof(float));
+      return absl::OkStatus();
+    }
+    return CudaStatus(cudaMemcpyAsync(d_old_scales + 2 * layer, d_scales + 4 * layer,
+                                      2 * sizeof(float), cudaMemcpyDeviceToDevice,
+                                      reinterpret_cast<cudaStream_t>(stream)),
+                      "cudaMemcpyAsync(old scales)");
+  }
+
+  // Requantizes every block of the layer's K and V pools from d_old_scales
+  // to d_scales.
+  absl::Status Reencode(int layer, Stream stream) const {
+    uint8_t* base = pools.get() + layer * pool.layer_bytes;
+    for (int kv = 0; kv < 2; ++kv) {
+      ReencodeParams p;
+      p.data = base + pool.regions[kv].offset;
+      p.scales = base + pool.regions[2 + kv].offset;
+      p.blocks = pool.regions[2 + kv].page_bytes * geometry.num_pages;  // one scale byte a block
+      p.old_scale = d_old_scales + 2 * layer + kv;
+      p.new_scale = d_scales + 4 * layer + kv;
+      p.recipe = options.recipe;
+      if (!cuda) {
+        ReferenceReencode(p);
+      } else {
+        FP4KV_KV_RETURN_IF_ERROR(LaunchReencode(p, stream));
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  // Marks layers [first, first + count) calibrated on the device (enqueued
+  // on `stream`) and in the host mirror.
+  absl::Status MarkCalibrated(int first, int count, Stream stream) {
+    std::vector<int32_t> ones(2 * static_cast<size_t>(count), 1);
+    if (cuda) {
+      FP4KV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(d_flags + 2 * first, ones.data(),
+                                                 ones.size() * sizeof(int32_t),
+                                                 cudaMemcpyHostToDevice,
+                                                 reinterpret_cast<cudaStream_t>(stream)));
+    }
+    for (size_t i = 0; i < ones.size(); ++i) h_flags[2 * first + i] = 1;
+    return absl::OkStatus();
+  }
+
   KVCacheOptions options;
   CacheGeometry geometry;
   PoolLayout pool;
@@ -330,7 +438,19 @@ class KVCacheState {
   // Device pointers.
   uint8_t* d_step = nullptr;
   float* d_scales = nullptr;       // [L, 4]: K global, V global, K fp8, V fp8
-  std::vector<float> host_scales;  // mirror of d_scales
+  int32_t* d_flags = nullptr;      // [L, 2]: K, V calibrated
+  uint32_t* d_calib = nullptr;     // [L, 4]: calibration scratch (zero between launches)
+  uint64_t* d_events = nullptr;    // [L, 4]: scale-event counters
+  float* d_old_scales = nullptr;   // [L, 2]: scales before a re-encode
+  Memory mapped_flags;             // CUDA: [L, 2] host-visible mirror of d_flags
+  int32_t* h_flags = nullptr;      // the mirror (CPU: d_flags itself)
+  int32_t* h_flags_dev = nullptr;  // its device address (CUDA), for the kernel
+
+  // Scale-change bookkeeping (see KVCache::LayerTokens). Mutable: the bound
+  // appender records its launches.
+  uint64_t step_serial = 0;                             // committed PrepareSteps
+  mutable std::vector<uint64_t> layer_append_serial;    // [L] step of the last append
+  mutable std::vector<uint8_t> layer_captured;          // [L] an append was captured
 
   StepViews views;
   StepInfo step;
@@ -435,6 +555,10 @@ absl::StatusOr<KVCache> KVCache::Create(const KVCacheOptions& o) {
         "max_seqs_per_step, max_pages_per_seq: expected a product below ", INT32_MAX,
         " (i32 kv_page_indptr), got ", o.max_seqs_per_step, " * ", o.max_pages_per_seq));
   }
+  if (!(o.calibration_headroom >= 1.0f) || !std::isfinite(o.calibration_headroom)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "calibration_headroom: expected a finite value >= 1, got ", o.calibration_headroom));
+  }
   FP4KV_KV_RETURN_IF_ERROR(internal::CheckDeviceAvailable(o.device));
 
   auto s = std::make_unique<KVCacheState>(static_cast<int32_t>(g.num_pages));
@@ -466,6 +590,10 @@ absl::StatusOr<KVCache> KVCache::Create(const KVCacheOptions& o) {
   }
   s->d_step = s->device_step.get();
   s->d_scales = reinterpret_cast<float*>(s->d_step + sl.scales);
+  s->d_flags = reinterpret_cast<int32_t*>(s->d_step + sl.flags);
+  s->d_calib = reinterpret_cast<uint32_t*>(s->d_step + sl.calib);
+  s->d_events = reinterpret_cast<uint64_t*>(s->d_step + sl.events);
+  s->d_old_scales = reinterpret_cast<float*>(s->d_step + sl.old_scales);
   s->h_seq_lens = reinterpret_cast<int32_t*>(host + sl.seq_lens);
   s->h_kv_indptr = reinterpret_cast<int32_t*>(host + sl.kv_indptr);
   s->h_token_indptr = reinterpret_cast<int32_t*>(host + sl.token_indptr);
@@ -474,28 +602,46 @@ absl::StatusOr<KVCache> KVCache::Create(const KVCacheOptions& o) {
   // Zeroed memory is already a valid empty step but for the padding slots.
   std::fill(s->h_slots, s->h_slots + T, int64_t{-1});
 
-  s->host_scales.assign(4 * static_cast<size_t>(o.num_layers), 1.0f);
-  for (int l = 0; l < o.num_layers; ++l) {
+  // Scales: explicit ones are calibrated; a missing side starts pending with
+  // a placeholder (1.0) that only all-zero rows are ever stored under.
+  const int L = o.num_layers;
+  std::vector<float> scales(4 * static_cast<size_t>(L));
+  std::vector<int32_t> flags(2 * static_cast<size_t>(L));
+  for (int l = 0; l < L; ++l) {
     const float k = o.k_global_scales.empty() ? 1.0f : o.k_global_scales[l];
     const float v = o.v_global_scales.empty() ? 1.0f : o.v_global_scales[l];
     absl::StatusOr<float> kf = MinFp8Scale(k);
     absl::StatusOr<float> vf = MinFp8Scale(v);
     if (!kf.ok()) return kf.status();
     if (!vf.ok()) return vf.status();
-    s->host_scales[4 * l + 0] = k;
-    s->host_scales[4 * l + 1] = v;
-    s->host_scales[4 * l + 2] = *kf;
-    s->host_scales[4 * l + 3] = *vf;
+    scales[4 * l + 0] = k;
+    scales[4 * l + 1] = v;
+    scales[4 * l + 2] = *kf;
+    scales[4 * l + 3] = *vf;
+    flags[2 * l + 0] = o.k_global_scales.empty() ? 0 : 1;
+    flags[2 * l + 1] = o.v_global_scales.empty() ? 0 : 1;
   }
   if (s->cuda) {
+    FP4KV_KV_RETURN_IF_ERROR(s->mapped_flags.Allocate(Kind::kPinnedMapped, 4 * 2 * L,
+                                                      "the mapped calibration flags"));
+    s->h_flags = reinterpret_cast<int32_t*>(s->mapped_flags.get());
+    void* dev_ptr = nullptr;
+    FP4KV_CUDA_RETURN_IF_ERROR(cudaHostGetDevicePointer(&dev_ptr, s->h_flags, 0));
+    s->h_flags_dev = static_cast<int32_t*>(dev_ptr);
+    std::memcpy(s->h_flags, flags.data(), flags.size() * sizeof(int32_t));
     FP4KV_CUDA_RETURN_IF_ERROR(
         cudaMemcpy(s->d_step, host, sl.staging_bytes, cudaMemcpyHostToDevice));
-    FP4KV_CUDA_RETURN_IF_ERROR(cudaMemcpy(s->d_scales, s->host_scales.data(),
-                                          s->host_scales.size() * sizeof(float),
-                                          cudaMemcpyHostToDevice));
+    FP4KV_CUDA_RETURN_IF_ERROR(cudaMemcpy(s->d_scales, scales.data(),
+                                          scales.size() * sizeof(float), cudaMemcpyHostToDevice));
+    FP4KV_CUDA_RETURN_IF_ERROR(cudaMemcpy(s->d_flags, flags.data(),
+                                          flags.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
   } else {
-    std::memcpy(s->d_scales, s->host_scales.data(), s->host_scales.size() * sizeof(float));
+    std::memcpy(s->d_scales, scales.data(), scales.size() * sizeof(float));
+    std::memcpy(s->d_flags, flags.data(), flags.size() * sizeof(int32_t));
+    s->h_flags = s->d_flags;
   }
+  s->layer_append_serial.assign(L, 0);
+  s->layer_captured.assign(L, 0);
 
   const Device dev = o.device;
   uint8_t* d = s->d_step;
@@ -584,6 +730,138 @@ absl::Status KVCache::ReleaseSequence(SequenceId seq) {
   s.free_slots.push_back(static_cast<uint32_t>(seq & 0xffffffffu));
   --s.live_sequences;
   return absl::OkStatus();
+}
+
+absl::StatusOr<SequenceId> KVCache::ImportSequence(absl::Span<const HalfPagedCache> layers,
+                                                   absl::Span<const int32_t> src_pages,
+                                                   int64_t length, Stream stream) {
+  KVCacheState& s = *state_;
+  const int L = s.options.num_layers;
+  const int64_t ps = s.geometry.page_size;
+  if (static_cast<int64_t>(layers.size()) != L) {
+    return absl::InvalidArgumentError(absl::StrCat("layers: expected ", L,
+                                                   " (one per layer), got ", layers.size()));
+  }
+  if (length < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("length: expected >= 0, got ", length));
+  }
+  const int64_t n = CeilDiv(length, ps);
+  if (n > static_cast<int64_t>(src_pages.size())) {
+    return absl::InvalidArgumentError(absl::StrCat("src_pages: expected at least ", n,
+                                                   " pages for ", length, " tokens, got ",
+                                                   src_pages.size()));
+  }
+  if (n > s.options.max_pages_per_seq) {
+    return absl::InvalidArgumentError(absl::StrCat("length: expected at most max_pages_per_seq * "
+                                                   "page_size = ",
+                                                   s.options.max_pages_per_seq * ps, ", got ",
+                                                   length));
+  }
+  // Validate every layer's quantization before anything changes; the lists'
+  // device memory does not exist yet, so a stand-in address is checked (the
+  // checks never read through it).
+  PagedCacheQuantizer::Options o;
+  o.geometry = s.geometry;
+  o.input_dtype = L > 0 ? layers[0].k.dtype : DType::kBF16;
+  o.recipe = s.options.recipe;
+  o.device = s.options.device;
+  std::vector<internal::QuantizeCacheParams> params(L);
+  std::vector<int32_t> lists(2 * static_cast<size_t>(n));
+  int32_t* const stand_in = reinterpret_cast<int32_t*>(s.pools.get());
+  for (int l = 0; l < L; ++l) {
+    o.source_layout = layers[l].layout;
+    o.compute_scales = s.LayerPending(l);
+    o.headroom = s.options.calibration_headroom;
+    absl::StatusOr<PagedCacheQuantizer> op = PagedCacheQuantizer::Create(o);
+    if (!op.ok()) return op.status();
+    QuantizeCacheArgs a;
+    a.source = layers[l];
+    a.src_pages = TensorView::Contiguous(stand_in, DType::kI32, {n}, s.options.device);
+    a.dst_pages = TensorView::Contiguous(stand_in + n, DType::kI32, {n}, s.options.device);
+    a.num_tokens = length;
+    float* scales = s.d_scales + 4 * l;
+    if (o.compute_scales) {
+      a.k_scale_out = scales + 0;
+      a.v_scale_out = scales + 1;
+    } else {
+      a.k_scale = GlobalScale::Pointer(scales + 0);
+      a.v_scale = GlobalScale::Pointer(scales + 1);
+    }
+    absl::StatusOr<internal::QuantizeCacheParams> p =
+        internal::MakeQuantizeCacheParams(o, a, s.LayerCache(l));
+    if (!p.ok()) {
+      return absl::Status(p.status().code(),
+                          absl::StrCat("layers[", l, "].", p.status().message()));
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      if (src_pages[i] < 0 || src_pages[i] >= p->src_num_pages) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "src_pages: expected ids in [0, ", p->src_num_pages, ") (pages of layers[", l,
+            "]), got ", src_pages[i], " at ", i));
+      }
+    }
+    if (o.compute_scales) {  // a pending layer: calibrate like a first append
+      p->zero_first = false;
+      p->amax_bits[0] = s.d_calib + 4 * l + 0;
+      p->amax_bits[1] = s.d_calib + 4 * l + 1;
+      p->fp8_out[0] = scales + 2;
+      p->fp8_out[1] = scales + 3;
+      p->flags = s.d_flags + 2 * l;
+      p->host_flags = s.cuda ? s.h_flags_dev + 2 * l : nullptr;
+    }
+    params[l] = *p;
+  }
+  if (n > s.allocator.free_count()) {
+    return absl::ResourceExhaustedError(absl::StrCat("ImportSequence: needs ", n,
+                                                     " free pages, the pool has ",
+                                                     s.allocator.free_count()));
+  }
+  internal::ScopedDevice scoped;
+  int32_t* d_lists = lists.data();
+  if (s.cuda) {
+    FP4KV_KV_RETURN_IF_ERROR(scoped.Set(s.options.device));
+    if (n > 0) {
+      void* mem = nullptr;
+      FP4KV_CUDA_RETURN_IF_ERROR(
+          cudaMallocAsync(&mem, lists.size() * sizeof(int32_t), reinterpret_cast<cudaStream_t>(stream)));
+      d_lists = static_cast<int32_t*>(mem);
+    }
+  }
+  // Commit: the sequence and its pages.
+  const SequenceId id = CreateSequence();
+  KVCacheState::Sequence& q = *s.Find(id);
+  for (int64_t i = 0; i < n; ++i) {
+    q.pages.push_back(s.allocator.Allocate());
+    lists[i] = src_pages[i];
+    lists[n + i] = q.pages.back();
+  }
+  q.length = length;
+  if (n == 0) return id;
+  absl::Status status = absl::OkStatus();
+  const cudaStream_t cs = reinterpret_cast<cudaStream_t>(stream);
+  if (s.cuda) {
+    status = internal::CudaStatus(cudaMemcpyAsync(d_lists, lists.data(), lists.size() * sizeof(int32_t),
+                                        cudaMemcpyHostToDevice, cs),
+                        "cudaMemcpyAsync(import page lists)");
+  }
+  for (int l = 0; l < L && status.ok(); ++l) {
+    params[l].src_pages = d_lists;
+    params[l].dst_pages = d_lists + n;
+    if (!s.cuda) {
+      internal::ReferenceQuantizeCache(params[l]);
+    } else {
+      status = internal::LaunchQuantizeCache(params[l], stream);
+    }
+  }
+  if (s.cuda) {
+    const absl::Status freed = internal::CudaStatus(cudaFreeAsync(d_lists, cs), "cudaFreeAsync");
+    if (status.ok()) status = freed;
+  }
+  if (!status.ok()) {
+    (void)ReleaseSequence(id);
+    return absl::InternalError(absl::StrCat("ImportSequence: ", status.message()));
+  }
+  return id;
 }
 
 absl::StatusOr<int64_t> KVCache::SequenceLength(SequenceId seq) const {
@@ -761,6 +1039,7 @@ absl::StatusOr<StepInfo> KVCache::PrepareStep(absl::Span<const StepEntry> entrie
   info.fp8_workspace_pages = 1 + info.num_pages;
   info.pages_allocated = free_before - s.allocator.free_count();
   s.step = info;
+  ++s.step_serial;
 
   if (s.cuda) {
     const cudaStream_t cs = reinterpret_cast<cudaStream_t>(stream);
@@ -804,8 +1083,9 @@ absl::Span<const int32_t> KVCache::host_block_table(int row) const {
 // --------------------------------------------------------------------- ops
 absl::StatusOr<CacheAppender> KVCache::appender(DType input_dtype) const {
   const KVCacheState& s = *state_;
-  absl::StatusOr<Appender> op = Appender::Create(
-      {s.geometry, input_dtype, AppendIndexing::kSlot, s.options.recipe, s.options.device});
+  absl::StatusOr<Appender> op =
+      Appender::Create({s.geometry, input_dtype, AppendIndexing::kSlot, s.options.recipe,
+                        s.options.device, s.options.count_scale_events});
   if (!op.ok()) return op.status();
   return CacheAppender(&s, *std::move(op));
 }
@@ -830,6 +1110,27 @@ absl::StatusOr<CacheDequantizer> KVCache::dequantizer(DType output_dtype) const 
       Dequantizer::Create({s.geometry, output_dtype, DType::kI32, s.options.device});
   if (!op.ok()) return op.status();
   return CacheDequantizer(&s, *std::move(op));
+}
+
+absl::StatusOr<CacheAttention> KVCache::attention(const CacheAttentionOptions& co) const {
+  const KVCacheState& s = *state_;
+  DecodeAttention::Options o;
+  o.geometry = s.geometry;
+  o.num_qo_heads = co.num_qo_heads;
+  o.dtype = co.dtype;
+  o.table_dtype = DType::kI32;
+  o.max_batch = s.options.max_seqs_per_step;
+  o.max_pages_per_seq = s.options.max_pages_per_seq;
+  o.max_q_len = co.max_q_len;
+  o.sm_scale = co.sm_scale;
+  o.logits_soft_cap = co.logits_soft_cap;
+  o.window_left = co.window_left;
+  o.has_sinks = co.has_sinks;
+  o.write_lse = co.write_lse;
+  o.device = s.options.device;
+  absl::StatusOr<DecodeAttention> op = DecodeAttention::Create(o);
+  if (!op.ok()) return op.status();
+  return CacheAttention(&s, *std::move(op));
 }
 
 int64_t KVCache::Fp8WorkspacePagesAtCapacity() const {
@@ -862,7 +1163,51 @@ absl::Status CacheAppender::Run(int layer, const TensorView& key, const TensorVi
   a.slot_mapping.shape[0] = rows;
   a.k_scale = GlobalScale::Pointer(s.d_scales + 4 * layer + 0);
   a.v_scale = GlobalScale::Pointer(s.d_scales + 4 * layer + 1);
-  return op_.Run(a, s.LayerCache(layer), stream);
+  if (s.options.count_scale_events) a.scale_events = s.d_events + 4 * layer;
+  absl::StatusOr<internal::AppendParams> p =
+      internal::MakeAppendParams(op_.options(), a, s.LayerCache(layer));
+  if (!p.ok()) return p.status();
+  internal::ScopedDevice scoped;
+  if (s.cuda) {
+    FP4KV_KV_RETURN_IF_ERROR(scoped.Set(s.options.device));
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    FP4KV_CUDA_RETURN_IF_ERROR(
+        cudaStreamIsCapturing(reinterpret_cast<cudaStream_t>(stream), &capture));
+    if (capture != cudaStreamCaptureStatusNone) s.layer_captured[layer] = 1;
+  }
+  if (s.step.num_tokens > 0) s.layer_append_serial[layer] = s.step_serial;
+  if (p->nnz == 0) return absl::OkStatus();
+  if (s.LayerPending(layer)) {
+    internal::RowCalibrationParams c;
+    c.key = p->key;
+    c.value = p->value;
+    c.key_row_stride = p->key_row_stride;
+    c.key_head_stride = p->key_head_stride;
+    c.value_row_stride = p->value_row_stride;
+    c.value_head_stride = p->value_head_stride;
+    c.dtype = p->input_dtype;
+    c.rows = p->nnz;
+    c.num_heads = p->num_heads;
+    c.head_dim_k = p->k.head_dim;
+    c.head_dim_v = p->v.head_dim;
+    c.slot_mapping = p->slot_mapping;
+    c.scales = s.d_scales + 4 * layer;
+    c.flags = s.d_flags + 2 * layer;
+    c.host_flags = s.cuda ? s.h_flags_dev + 2 * layer : nullptr;
+    c.scratch = s.d_calib + 4 * layer;
+    c.headroom = s.options.calibration_headroom;
+    c.recipe = s.options.recipe;
+    if (!s.cuda) {
+      internal::ReferenceCalibrateRows(c);  // h_flags is d_flags here
+    } else {
+      FP4KV_KV_RETURN_IF_ERROR(internal::LaunchCalibrateRows(c, stream));
+    }
+  }
+  if (!s.cuda) {
+    internal::ReferenceAppend(*p);
+    return absl::OkStatus();
+  }
+  return internal::LaunchAppend(*p, stream);
 }
 
 absl::Status CacheMaterializer::Run(int layer, const TensorView& out, Stream stream) const {
@@ -917,35 +1262,64 @@ absl::Status CacheDequantizer::Run(int layer, const TensorView& k_out, const Ten
   return op_.Run(a, s.LayerCache(layer), stream);
 }
 
-// ------------------------------------------------------- scales and views
-absl::Status KVCache::UpdateGlobalScales(int layer, float k_scale, float v_scale, Stream stream) {
-  KVCacheState& s = *state_;
+absl::Status CacheAttention::Run(int layer, const TensorView& q, const TensorView& out,
+                                 void* workspace, int64_t workspace_bytes, Stream stream,
+                                 const TensorView& lse, const TensorView& sinks) const {
+  const KVCacheState& s = *state_;
   FP4KV_KV_RETURN_IF_ERROR(s.CheckLayer(layer));
-  FP4KV_KV_RETURN_IF_ERROR(internal::CheckScale(k_scale, "k_scale", layer));
-  FP4KV_KV_RETURN_IF_ERROR(internal::CheckScale(v_scale, "v_scale", layer));
-  absl::StatusOr<float> kf = MinFp8Scale(k_scale);
-  if (!kf.ok()) return kf.status();
-  absl::StatusOr<float> vf = MinFp8Scale(v_scale);
-  if (!vf.ok()) return vf.status();
-  const float vals[4] = {k_scale, v_scale, *kf, *vf};
-  if (s.cuda) {
-    internal::ScopedDevice scoped;
-    FP4KV_KV_RETURN_IF_ERROR(scoped.Set(s.options.device));
-    // From pageable memory: staged before the call returns.
-    FP4KV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(s.d_scales + 4 * layer, vals, sizeof(vals),
-                                               cudaMemcpyHostToDevice,
-                                               reinterpret_cast<cudaStream_t>(stream)));
+  const int S = s.options.max_seqs_per_step;
+  const int max_q_len = op_.options().max_q_len;
+  int64_t batch = S;
+  DecodeAttentionArgs a;
+  a.q = q;
+  a.out = out;
+  a.lse = lse;
+  a.sinks = sinks;
+  if (max_q_len == 1) {
+    if (q.ndim >= 1) {
+      batch = q.shape[0];
+      if (batch < s.step.num_seqs || batch > S) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "q: expected dimension 0 in [", s.step.num_seqs, ", ", S,
+            "] (one row per step entry, up to max_seqs_per_step), got shape ", q.ShapeString()));
+      }
+    }
   } else {
-    std::memcpy(s.d_scales + 4 * layer, vals, sizeof(vals));
+    if (q.ndim >= 1 && q.shape[0] < s.step.num_tokens) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("q: expected at least ", s.step.num_tokens,
+                       " rows (the step's new tokens), got shape ", q.ShapeString()));
+    }
+    for (int i = 0; i < s.step.num_seqs; ++i) {
+      const int32_t n = s.h_token_indptr[i + 1] - s.h_token_indptr[i];
+      if (n > max_q_len) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "step: expected at most max_q_len = ", max_q_len, " new tokens per entry, got ", n,
+            " for entry ", i, " (prefill chunks need a prefill attention)"));
+      }
+    }
+    a.q_indptr = s.views.token_indptr;
   }
-  std::memcpy(s.host_scales.data() + 4 * layer, vals, sizeof(vals));
-  return absl::OkStatus();
+  a.block_tables = s.views.block_tables;
+  a.block_tables.shape[0] = batch;
+  a.seq_lens = s.views.seq_lens;
+  a.seq_lens.shape[0] = batch;
+  if (max_q_len > 1) a.q_indptr.shape[0] = batch + 1;
+  a.k_scale = GlobalScale::Pointer(s.d_scales + 4 * layer + 0);
+  a.v_scale = GlobalScale::Pointer(s.d_scales + 4 * layer + 1);
+  return op_.Run(a, s.LayerCache(layer), workspace, workspace_bytes, stream);
+}
+
+// ------------------------------------------------------- scales and views
+absl::Status KVCache::UpdateGlobalScales(int layer, float k_scale, float v_scale, Stream stream,
+                                         StoredTokens stored) {
+  return UpdateGlobalScalesRange(layer, 1, &k_scale, &v_scale, stream, stored);
 }
 
 absl::Status KVCache::UpdateGlobalScales(absl::Span<const float> k_scales,
-                                         absl::Span<const float> v_scales, Stream stream) {
-  KVCacheState& s = *state_;
-  const int L = s.options.num_layers;
+                                         absl::Span<const float> v_scales, Stream stream,
+                                         StoredTokens stored) {
+  const int L = state_->options.num_layers;
   for (const auto& [v, name] :
        {std::pair<absl::Span<const float>, const char*>{k_scales, "k_scales"},
         std::pair<absl::Span<const float>, const char*>{v_scales, "v_scales"}}) {
@@ -953,34 +1327,58 @@ absl::Status KVCache::UpdateGlobalScales(absl::Span<const float> k_scales,
       return absl::InvalidArgumentError(
           absl::StrCat(name, ": expected ", L, " values (one per layer), got ", v.size()));
     }
-    for (int l = 0; l < L; ++l) FP4KV_KV_RETURN_IF_ERROR(internal::CheckScale(v[l], name, l));
   }
-  std::vector<float> vals(4 * static_cast<size_t>(L));
-  for (int l = 0; l < L; ++l) {
-    absl::StatusOr<float> kf = MinFp8Scale(k_scales[l]);
+  return UpdateGlobalScalesRange(0, L, k_scales.data(), v_scales.data(), stream, stored);
+}
+
+absl::Status KVCache::UpdateGlobalScalesRange(int first, int count, const float* k_scales,
+                                              const float* v_scales, Stream stream,
+                                              StoredTokens stored) {
+  KVCacheState& s = *state_;
+  const bool one = count == 1;
+  if (one) FP4KV_KV_RETURN_IF_ERROR(s.CheckLayer(first));
+  std::vector<float> vals(4 * static_cast<size_t>(count));
+  for (int i = 0; i < count; ++i) {
+    const int l = first + i;
+    FP4KV_KV_RETURN_IF_ERROR(internal::CheckScale(k_scales[i], one ? "k_scale" : "k_scales", l));
+    FP4KV_KV_RETURN_IF_ERROR(internal::CheckScale(v_scales[i], one ? "v_scale" : "v_scales", l));
+    absl::StatusOr<float> kf = MinFp8Scale(k_scales[i]);
     if (!kf.ok()) return kf.status();
-    absl::StatusOr<float> vf = MinFp8Scale(v_scales[l]);
+    absl::StatusOr<float> vf = MinFp8Scale(v_scales[i]);
     if (!vf.ok()) return vf.status();
-    vals[4 * l + 0] = k_scales[l];
-    vals[4 * l + 1] = v_scales[l];
-    vals[4 * l + 2] = *kf;
-    vals[4 * l + 3] = *vf;
+    vals[4 * i + 0] = k_scales[i];
+    vals[4 * i + 1] = v_scales[i];
+    vals[4 * i + 2] = *kf;
+    vals[4 * i + 3] = *vf;
+  }
+  std::vector<uint8_t> reencode(count, 0);
+  for (int i = 0; i < count; ++i) {
+    bool r = false;
+    FP4KV_KV_RETURN_IF_ERROR(s.CheckScaleChange(first + i, stored, &r));
+    reencode[i] = r;
+  }
+  internal::ScopedDevice scoped;
+  if (s.cuda) FP4KV_KV_RETURN_IF_ERROR(scoped.Set(s.options.device));
+  for (int i = 0; i < count; ++i) {
+    if (reencode[i]) FP4KV_KV_RETURN_IF_ERROR(s.SaveOldScales(first + i, stream));
   }
   if (s.cuda) {
-    internal::ScopedDevice scoped;
-    FP4KV_KV_RETURN_IF_ERROR(scoped.Set(s.options.device));
-    FP4KV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(s.d_scales, vals.data(), vals.size() * sizeof(float),
-                                               cudaMemcpyHostToDevice,
+    // From pageable memory: staged before the call returns.
+    FP4KV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(s.d_scales + 4 * first, vals.data(),
+                                               vals.size() * sizeof(float), cudaMemcpyHostToDevice,
                                                reinterpret_cast<cudaStream_t>(stream)));
   } else {
-    std::memcpy(s.d_scales, vals.data(), vals.size() * sizeof(float));
+    std::memcpy(s.d_scales + 4 * first, vals.data(), vals.size() * sizeof(float));
   }
-  s.host_scales = std::move(vals);
-  return absl::OkStatus();
+  for (int i = 0; i < count; ++i) {
+    if (reencode[i]) FP4KV_KV_RETURN_IF_ERROR(s.Reencode(first + i, stream));
+  }
+  return s.MarkCalibrated(first, count, stream);
 }
 
 absl::Status KVCache::CalibrateGlobalScales(int layer, const TensorView& k, const TensorView& v,
-                                            Calibrator& calibrator, Stream stream) {
+                                            Calibrator& calibrator, Stream stream,
+                                            StoredTokens stored) {
   KVCacheState& s = *state_;
   FP4KV_KV_RETURN_IF_ERROR(s.CheckLayer(layer));
   const Calibrator::Options& co = calibrator.options();
@@ -1019,17 +1417,89 @@ absl::Status KVCache::CalibrateGlobalScales(int layer, const TensorView& k, cons
                                                      "-byte aligned pointer"));
     }
   }
+  bool reencode = false;
+  FP4KV_KV_RETURN_IF_ERROR(s.CheckScaleChange(layer, stored, &reencode));
   internal::ScopedDevice scoped;
   if (s.cuda) FP4KV_KV_RETURN_IF_ERROR(scoped.Set(s.options.device));
+  if (reencode) FP4KV_KV_RETURN_IF_ERROR(s.SaveOldScales(layer, stream));
   float* scales = s.d_scales + 4 * layer;
   FP4KV_KV_RETURN_IF_ERROR(calibrator.Run(k, nullptr, scales + 0, stream, scales + 2));
-  return calibrator.Run(v, nullptr, scales + 1, stream, scales + 3);
+  FP4KV_KV_RETURN_IF_ERROR(calibrator.Run(v, nullptr, scales + 1, stream, scales + 3));
+  if (reencode) FP4KV_KV_RETURN_IF_ERROR(s.Reencode(layer, stream));
+  return s.MarkCalibrated(layer, 1, stream);
 }
 
-float KVCache::k_global_scale(int layer) const { return state_->host_scales[4 * layer + 0]; }
-float KVCache::v_global_scale(int layer) const { return state_->host_scales[4 * layer + 1]; }
-float KVCache::k_fp8_scale(int layer) const { return state_->host_scales[4 * layer + 2]; }
-float KVCache::v_fp8_scale(int layer) const { return state_->host_scales[4 * layer + 3]; }
+absl::StatusOr<LayerScales> KVCache::ReadScales(int layer, Stream stream) const {
+  const KVCacheState& s = *state_;
+  FP4KV_KV_RETURN_IF_ERROR(s.CheckLayer(layer));
+  float vals[4];
+  int32_t flags[2];
+  if (s.cuda) {
+    internal::ScopedDevice scoped;
+    FP4KV_KV_RETURN_IF_ERROR(scoped.Set(s.options.device));
+    const cudaStream_t cs = reinterpret_cast<cudaStream_t>(stream);
+    FP4KV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(vals, s.d_scales + 4 * layer, sizeof(vals),
+                                               cudaMemcpyDeviceToHost, cs));
+    FP4KV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(flags, s.d_flags + 2 * layer, sizeof(flags),
+                                               cudaMemcpyDeviceToHost, cs));
+    FP4KV_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(cs));
+  } else {
+    std::memcpy(vals, s.d_scales + 4 * layer, sizeof(vals));
+    std::memcpy(flags, s.d_flags + 2 * layer, sizeof(flags));
+  }
+  LayerScales r;
+  r.k = vals[0];
+  r.v = vals[1];
+  r.k_fp8 = vals[2];
+  r.v_fp8 = vals[3];
+  r.k_calibrated = flags[0] != 0;
+  r.v_calibrated = flags[1] != 0;
+  return r;
+}
+
+absl::StatusOr<int64_t> KVCache::LayerTokens(int layer) const {
+  FP4KV_KV_RETURN_IF_ERROR(state_->CheckLayer(layer));
+  return state_->TokensHeld(layer);
+}
+
+absl::StatusOr<ScaleEventCounts> KVCache::ReadScaleEvents(int layer, Stream stream) const {
+  const KVCacheState& s = *state_;
+  FP4KV_KV_RETURN_IF_ERROR(s.CheckLayer(layer));
+  if (!s.options.count_scale_events) {
+    return absl::FailedPreconditionError(
+        "ReadScaleEvents: expected a cache created with count_scale_events, got one without");
+  }
+  uint64_t c[4];
+  if (s.cuda) {
+    internal::ScopedDevice scoped;
+    FP4KV_KV_RETURN_IF_ERROR(scoped.Set(s.options.device));
+    const cudaStream_t cs = reinterpret_cast<cudaStream_t>(stream);
+    FP4KV_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(c, s.d_events + 4 * layer, sizeof(c), cudaMemcpyDeviceToHost, cs));
+    FP4KV_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(cs));
+  } else {
+    std::memcpy(c, s.d_events + 4 * layer, sizeof(c));
+  }
+  return ScaleEventCounts{c[0], c[1], c[2], c[3]};
+}
+
+absl::Status KVCache::ResetScaleEvents(Stream stream) {
+  KVCacheState& s = *state_;
+  if (!s.options.count_scale_events) {
+    return absl::FailedPreconditionError(
+        "ResetScaleEvents: expected a cache created with count_scale_events, got one without");
+  }
+  const size_t bytes = 4 * sizeof(uint64_t) * static_cast<size_t>(s.options.num_layers);
+  if (!s.cuda) {
+    std::memset(s.d_events, 0, bytes);
+    return absl::OkStatus();
+  }
+  internal::ScopedDevice scoped;
+  FP4KV_KV_RETURN_IF_ERROR(scoped.Set(s.options.device));
+  return internal::CudaStatus(cudaMemsetAsync(s.d_events, 0, bytes, reinterpret_cast<cudaStream_t>(stream)),
+                    "cudaMemsetAsync(scale events)");
+}
+
 const float* KVCache::global_scale_ptr(int layer, int kv) const {
   return state_->d_scales + 4 * layer + (kv != 0 ? 1 : 0);
 }
@@ -1053,33 +1523,20 @@ KVCacheStats KVCache::Stats() const {
   st.num_sequences = s.live_sequences;
   st.pool_bytes = s.pool.total_bytes;
   st.bytes_per_token = s.geometry.BytesPerToken() * s.options.num_layers;
-  // Partially filled last pages: fill level and how many sequences have the
-  // page as such; a page some other holder has full counts as full.
-  struct Partial {
-    int32_t owners = 0;
-    int64_t fill = 0;
-  };
-  std::unordered_map<int32_t, Partial> partial;
   for (size_t slot = 0; slot < s.seqs.size(); ++slot) {
     const KVCacheState::Sequence& q = s.seqs[slot];
     if (!q.live) continue;
     st.tokens_stored += q.length;
     st.sequence_lengths.emplace_back(
         KVCacheState::MakeId(static_cast<uint32_t>(slot), q.generation), q.length);
-    if (q.length % ps != 0) {
-      Partial& p = partial[q.pages.back()];
-      ++p.owners;
-      p.fill = std::max<int64_t>(p.fill, q.length % ps);
-    }
   }
   std::sort(st.sequence_lengths.begin(), st.sequence_lengths.end());
   for (int32_t p = 0; p < s.allocator.num_pages(); ++p) {
     if (s.allocator.RefCount(p) > 1) ++st.pages_shared;
   }
-  st.tokens_resident = (st.pages_used - static_cast<int64_t>(partial.size())) * ps;
-  for (const auto& [page, p] : partial) {
-    st.tokens_resident += p.owners < s.allocator.RefCount(page) ? ps : p.fill;
-  }
+  // Partially filled last pages count their fill level, unless another
+  // holder has the page full.
+  st.tokens_resident = s.TokensResident();
   st.wasted_slots = st.pages_used * ps - st.tokens_resident;
   return st;
 }

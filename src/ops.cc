@@ -4,6 +4,7 @@
 #include "fp4kv/ops.h"
 
 #include <cmath>
+#include <tuple>
 
 #include "absl/strings/str_cat.h"
 #include "fp4kv/recipe.h"
@@ -95,6 +96,22 @@ absl::StatusOr<AppendParams> MakeAppendParams(const Appender::Options& o, const 
       CheckRows(a.value, "append_value", o.input_dtype, rows, g.num_kv_heads, g.head_dim_v, dev));
   FP4KV_RETURN_IF_ERROR(CheckGlobalScale(a.k_scale, "k_scale"));
   FP4KV_RETURN_IF_ERROR(CheckGlobalScale(a.v_scale, "v_scale"));
+  if (o.count_scale_events) {
+    if (a.scale_events == nullptr) {
+      return absl::InvalidArgumentError(
+          "scale_events: expected 4 uint64 counters (options.count_scale_events is on), got a "
+          "null pointer");
+    }
+    if (reinterpret_cast<uintptr_t>(a.scale_events) % 8 != 0) {
+      return absl::InvalidArgumentError(
+          "scale_events: expected an 8-byte aligned pointer, got a misaligned one");
+    }
+    p.scale_events = a.scale_events;
+  } else if (a.scale_events != nullptr) {
+    return absl::InvalidArgumentError(
+        "scale_events: expected a null pointer (options.count_scale_events is off), got a "
+        "pointer");
+  }
   p.indexing = o.indexing;
   if (o.indexing == AppendIndexing::kPaged) {
     FP4KV_RETURN_IF_ERROR(
@@ -435,6 +452,146 @@ absl::Status LinearQuantizer::Dequantize(const TensorView& packed, const TensorV
   return internal::LaunchDequantizeLinear(p, stream);
 }
 
+// ------------------------------------------------------ PagedCacheQuantizer
+absl::StatusOr<HalfPagedCache> HalfPagedCache::FromStacked(const TensorView& kv, Layout layout) {
+  FP4KV_RETURN_IF_ERROR(internal::CheckRank(kv, "source", 5));
+  if (kv.shape[1] != 2) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "source: expected 2 (K and V) on dimension 1 of the stacked form, got shape ",
+        kv.ShapeString()));
+  }
+  return HalfPagedCache{kv.Select(1, 0), kv.Select(1, 1), layout};
+}
+
+absl::StatusOr<PagedCacheQuantizer> PagedCacheQuantizer::Create(const Options& o) {
+  FP4KV_RETURN_IF_ERROR(internal::CheckFloatDType(o.input_dtype, "options.input_dtype"));
+  if (o.source_layout != Layout::kNHD && o.source_layout != Layout::kHND) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "options.source_layout: expected kNHD or kHND, got ", static_cast<int>(o.source_layout)));
+  }
+  if (o.compute_scales && !(o.headroom >= 1.0f && std::isfinite(o.headroom))) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("options.headroom: expected finite and >= 1, got ", o.headroom));
+  }
+  FP4KV_RETURN_IF_ERROR(ValidateRecipe(o.recipe));
+  FP4KV_RETURN_IF_ERROR(CheckCommonOptions(o.geometry, o.device));
+  return PagedCacheQuantizer(o);
+}
+
+namespace internal {
+absl::StatusOr<QuantizeCacheParams> MakeQuantizeCacheParams(const PagedCacheQuantizer::Options& o,
+                                                            const QuantizeCacheArgs& a,
+                                                            const PagedCache& cache) {
+  const CacheGeometry& g = o.geometry;
+  const Device& dev = o.device;
+  QuantizeCacheParams p;
+  FP4KV_RETURN_IF_ERROR(CheckCache(cache, g, dev, &p.k, &p.v));
+  if (a.source.layout != o.source_layout) {
+    return absl::InvalidArgumentError(absl::StrCat("source.layout: expected ",
+                                                   LayoutName(o.source_layout), ", got ",
+                                                   LayoutName(a.source.layout)));
+  }
+  const bool nhd = o.source_layout == Layout::kNHD;
+  FP4KV_RETURN_IF_ERROR(CheckGiven(a.source.k, "source.k"));
+  FP4KV_RETURN_IF_ERROR(internal::CheckRank(a.source.k, "source.k", 4));
+  const int64_t src_pages = a.source.k.shape[0];
+  const int64_t S = g.page_size, H = g.num_kv_heads;
+  for (const auto& [t, name, dim] :
+       {std::tuple<const TensorView&, const char*, int>{a.source.k, "source.k", g.head_dim_k},
+        std::tuple<const TensorView&, const char*, int>{a.source.v, "source.v", g.head_dim_v}}) {
+    FP4KV_RETURN_IF_ERROR(CheckGiven(t, name));
+    FP4KV_RETURN_IF_ERROR(CheckDType(t, name, {o.input_dtype}));
+    FP4KV_RETURN_IF_ERROR(CheckShape(t, name, {src_pages, nhd ? S : H, nhd ? H : S, dim}));
+    FP4KV_RETURN_IF_ERROR(CheckInnerContiguous(t, name));
+    FP4KV_RETURN_IF_ERROR(CheckAligned(t, name, 16));
+    FP4KV_RETURN_IF_ERROR(CheckDevice(t, name, dev));
+  }
+  const bool lists = !a.src_pages.empty() || !a.dst_pages.empty();
+  int64_t pages = src_pages;
+  if (lists) {
+    FP4KV_RETURN_IF_ERROR(CheckIndexVector(a.src_pages, "src_pages", DType::kI32, kAny, dev));
+    pages = a.src_pages.shape[0];
+    FP4KV_RETURN_IF_ERROR(CheckIndexVector(a.dst_pages, "dst_pages", DType::kI32, pages, dev));
+    p.src_pages = a.src_pages.ptr<const int32_t>();
+    p.dst_pages = a.dst_pages.ptr<const int32_t>();
+  } else if (src_pages > g.num_pages) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "source.k: expected at most the cache's ", g.num_pages,
+        " pages (without src_pages / dst_pages page p goes to cache page p), got shape ",
+        a.source.k.ShapeString()));
+  }
+  const int64_t slots = pages * S;
+  if (a.num_tokens < -1 || a.num_tokens > slots) {
+    return absl::InvalidArgumentError(absl::StrCat("num_tokens: expected -1 or in [0, ", slots,
+                                                   "] (pages * page_size), got ", a.num_tokens));
+  }
+  p.rows = a.num_tokens < 0 ? slots : a.num_tokens;
+  if (o.compute_scales) {
+    for (const auto& [ptr, name] : {std::pair<float*, const char*>{a.k_scale_out, "k_scale_out"},
+                                    std::pair<float*, const char*>{a.v_scale_out, "v_scale_out"}}) {
+      if (ptr == nullptr) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            name, ": expected a pointer to one float (options.compute_scales is on), got null"));
+      }
+      if (reinterpret_cast<uintptr_t>(ptr) % 4 != 0) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(name, ": expected a 4-byte aligned pointer, got a misaligned one"));
+      }
+    }
+    if (a.k_scale_out == a.v_scale_out) {
+      return absl::InvalidArgumentError(
+          "v_scale_out: expected a pointer distinct from k_scale_out, got the same address");
+    }
+    p.compute_scales = true;
+    p.zero_first = true;
+    p.amax_bits[0] = reinterpret_cast<uint32_t*>(a.k_scale_out);
+    p.amax_bits[1] = reinterpret_cast<uint32_t*>(a.v_scale_out);
+    p.scale_out[0] = a.k_scale_out;
+    p.scale_out[1] = a.v_scale_out;
+    p.headroom = o.headroom;
+    p.k_scale = GlobalScale::Pointer(a.k_scale_out);
+    p.v_scale = GlobalScale::Pointer(a.v_scale_out);
+  } else {
+    if (a.k_scale_out != nullptr || a.v_scale_out != nullptr) {
+      return absl::InvalidArgumentError(
+          "k_scale_out: expected null pointers (options.compute_scales is off), got a pointer");
+    }
+    FP4KV_RETURN_IF_ERROR(CheckGlobalScale(a.k_scale, "k_scale"));
+    FP4KV_RETURN_IF_ERROR(CheckGlobalScale(a.v_scale, "v_scale"));
+    p.k_scale = a.k_scale;
+    p.v_scale = a.v_scale;
+  }
+  const int ei = nhd ? 1 : 2, hi = nhd ? 2 : 1;
+  p.k_src = a.source.k.data;
+  p.v_src = a.source.v.data;
+  p.k_src_page = a.source.k.strides[0];
+  p.k_src_entry = a.source.k.strides[ei];
+  p.k_src_head = a.source.k.strides[hi];
+  p.v_src_page = a.source.v.strides[0];
+  p.v_src_entry = a.source.v.strides[ei];
+  p.v_src_head = a.source.v.strides[hi];
+  p.dtype = o.input_dtype;
+  p.src_num_pages = src_pages;
+  p.num_heads = g.num_kv_heads;
+  p.page_size = g.page_size;
+  p.num_pages = g.num_pages;
+  p.recipe = o.recipe;
+  return p;
+}
+}  // namespace internal
+
+absl::Status PagedCacheQuantizer::Run(const QuantizeCacheArgs& a, const PagedCache& cache,
+                                      Stream stream) const {
+  absl::StatusOr<internal::QuantizeCacheParams> p =
+      internal::MakeQuantizeCacheParams(options_, a, cache);
+  if (!p.ok()) return p.status();
+  if (!options_.device.is_cuda()) {
+    internal::ReferenceQuantizeCache(*p);
+    return absl::OkStatus();
+  }
+  return internal::LaunchQuantizeCache(*p, stream);
+}
+
 // ------------------------------------------------------------ functional API
 namespace {
 
@@ -517,6 +674,30 @@ absl::Status MaterializeFp8(const PagedCache& cache, const TensorView& block_tab
   return op->Run({block_tables, seq_lens, kv_page_indptr, out, fp8_block_tables, k_scale, v_scale,
                   k_fp8_scale, v_fp8_scale},
                  cache, stream);
+}
+
+absl::Status QuantizePagedCache(const HalfPagedCache& source, const PagedCache& cache,
+                                GlobalScale k_scale, GlobalScale v_scale, float* k_scale_out,
+                                float* v_scale_out, const Recipe& recipe, Stream stream) {
+  absl::StatusOr<CacheGeometry> g = cache.Geometry();
+  if (!g.ok()) return g.status();
+  FP4KV_RETURN_IF_ERROR(internal::CheckFloatDType(source.k.dtype, "source.k"));
+  PagedCacheQuantizer::Options o;
+  o.geometry = *g;
+  o.source_layout = source.layout;
+  o.input_dtype = source.k.dtype;
+  o.recipe = recipe;
+  o.device = cache.k_data.device;
+  o.compute_scales = k_scale_out != nullptr || v_scale_out != nullptr;
+  absl::StatusOr<PagedCacheQuantizer> op = PagedCacheQuantizer::Create(o);
+  if (!op.ok()) return op.status();
+  QuantizeCacheArgs a;
+  a.source = source;
+  a.k_scale = k_scale;
+  a.v_scale = v_scale;
+  a.k_scale_out = k_scale_out;
+  a.v_scale_out = v_scale_out;
+  return op->Run(a, cache, stream);
 }
 
 absl::Status QuantizeLinear(const TensorView& input, const TensorView& packed,

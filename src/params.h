@@ -10,6 +10,7 @@
 #include "absl/status/statusor.h"
 #include "fp4kv/format.h"
 #include "fp4kv/ops.h"
+#include "fp4kv/recipe.h"
 #include "fp4kv/tensor.h"
 
 namespace fp4kv {
@@ -54,6 +55,8 @@ struct AppendParams {
   const int64_t* slot_mapping = nullptr;  // [nnz]
   GlobalScale k_scale, v_scale;
   Recipe recipe;
+  // [4] K saturated, K underflow, V saturated, V underflow; null: not counted.
+  uint64_t* scale_events = nullptr;
 };
 
 struct DequantParams {
@@ -123,6 +126,106 @@ struct LinearDequantParams {
   GlobalScale scale;
 };
 
+// Calibration of a cache layer from the rows of its first append: amax over
+// the rows whose slot is >= 0, per K and V, NaN ignored; a side whose flag is
+// 0 and whose amax is > 0 gets g = MakeGlobalScale(amax * headroom, recipe)
+// and FP8 scale MinFp8ScaleFor(g), and its flag set to 1. A side with flag 1,
+// or with amax 0 (nothing but zeros so far), is left as it is.
+struct RowCalibrationParams {
+  const void* key = nullptr;    // [rows, H, Dk] f16/bf16
+  const void* value = nullptr;  // [rows, H, Dv]
+  int64_t key_row_stride = 0, key_head_stride = 0;  // elements
+  int64_t value_row_stride = 0, value_head_stride = 0;
+  DType dtype = DType::kBF16;
+  int64_t rows = 0;
+  int num_heads = 0;
+  int head_dim_k = 0, head_dim_v = 0;
+  const int64_t* slot_mapping = nullptr;  // [rows]; negative: padding, not read
+  float* scales = nullptr;      // [4] of the layer: K, V, K fp8, V fp8
+  int32_t* flags = nullptr;     // [2] K, V calibrated
+  int32_t* host_flags = nullptr;  // [2] host-visible mirror (mapped pinned), or null
+  uint32_t* scratch = nullptr;  // [3] amax K bits, amax V bits, CTA ticket; 0 between launches
+  float headroom = 1.0f;
+  Recipe recipe;
+};
+
+// Requantizes NVFP4 blocks in place from one global scale to another:
+// x = DequantizeBlock(old), then QuantizeBlock(x, new, recipe). The blocks are
+// dense: block i has bytes data[8i, 8i+8) and scale byte scales[i].
+struct ReencodeParams {
+  uint8_t* data = nullptr;
+  uint8_t* scales = nullptr;
+  int64_t blocks = 0;
+  const float* old_scale = nullptr;  // read when the op runs
+  const float* new_scale = nullptr;
+  Recipe recipe;
+};
+
+// Quantization of an unquantized (f16/bf16) paged cache into a paged NVFP4
+// cache. Row r (a token slot) is entry r % page_size of list position
+// r / page_size: source page src_pages[i] (i itself without lists) goes to
+// cache page dst_pages[i] (i). Rows [0, rows) are processed.
+struct QuantizeCacheParams {
+  const void* k_src = nullptr;  // NHD [P_src, S, H, Dk] / HND [P_src, H, S, Dk]
+  const void* v_src = nullptr;
+  int64_t k_src_page = 0, k_src_entry = 0, k_src_head = 0;  // elements
+  int64_t v_src_page = 0, v_src_entry = 0, v_src_head = 0;
+  DType dtype = DType::kBF16;
+  int64_t src_num_pages = 0;
+  int num_heads = 0;
+  int page_size = 0;
+  int64_t num_pages = 0;  // of the NVFP4 cache
+  PoolPtrs k, v;
+  const int32_t* src_pages = nullptr;  // [num_listed] or null (identity)
+  const int32_t* dst_pages = nullptr;  // [num_listed], given iff src_pages
+  int64_t rows = 0;
+  GlobalScale k_scale, v_scale;  // what the quantize reads
+  Recipe recipe;
+  // Scale computation (compute_scales): amax of each side over the rows that
+  // write, accumulated as fp32 bits with an integer max into amax_bits[kv]
+  // (zeroed first when zero_first), then FinishCacheScales.
+  bool compute_scales = false;
+  bool zero_first = false;
+  uint32_t* amax_bits[2] = {nullptr, nullptr};
+  float* scale_out[2] = {nullptr, nullptr};  // may alias amax_bits
+  float* fp8_out[2] = {nullptr, nullptr};    // MinFp8ScaleFor(g), or null
+  // Conditional mode (a cache's pending layers): a side whose flag is set,
+  // or whose amax is 0, keeps its scales; otherwise its flag (and host flag)
+  // become 1. Null: every side gets the computed scale.
+  int32_t* flags = nullptr;       // [2]
+  int32_t* host_flags = nullptr;  // [2] or null
+  float headroom = 1.0f;
+};
+
+// Resolves row r of a cache quantization: false when it writes nothing (a
+// listed page outside [0, src_num_pages) or [0, num_pages)).
+FP4KV_HD bool ResolveCacheRow(const QuantizeCacheParams& p, int64_t list_index, int64_t* src,
+                              int64_t* dst) {
+  int64_t s = list_index, d = list_index;
+  if (p.src_pages != nullptr) {
+    s = p.src_pages[list_index];
+    d = p.dst_pages[list_index];
+  }
+  if (s < 0 || s >= p.src_num_pages || d < 0 || d >= p.num_pages) return false;
+  *src = s;
+  *dst = d;
+  return true;
+}
+
+// The end of a scale computation, given each side's amax (one thread).
+FP4KV_HD void FinishCacheScales(const QuantizeCacheParams& p, const float (&amax)[2]) {
+  for (int kv = 0; kv < 2; ++kv) {
+    if (p.flags != nullptr && (p.flags[kv] != 0 || !(amax[kv] > 0.0f))) continue;
+    const float g = MakeGlobalScale(MulRn(amax[kv], p.headroom), p.recipe);
+    *p.scale_out[kv] = g;
+    if (p.fp8_out[kv] != nullptr) *p.fp8_out[kv] = MinFp8ScaleFor(g);
+    if (p.flags != nullptr) {
+      p.flags[kv] = 1;
+      if (p.host_flags != nullptr) p.host_flags[kv] = 1;
+    }
+  }
+}
+
 // Where row i of an append goes. Returns false for a row that writes nothing:
 // padding (negative slot), or a batch index, position, kv_indices entry or
 // page outside its range. Shared by the reference and the kernels.
@@ -189,6 +292,9 @@ absl::StatusOr<DequantParams> MakeDequantParams(const Dequantizer::Options& o,
 absl::StatusOr<MaterializeParams> MakeMaterializeParams(const Materializer::Options& o,
                                                         const MaterializeArgs& a,
                                                         const PagedCache& cache);
+absl::StatusOr<QuantizeCacheParams> MakeQuantizeCacheParams(const PagedCacheQuantizer::Options& o,
+                                                            const QuantizeCacheArgs& a,
+                                                            const PagedCache& cache);
 
 // CPU reference (src/reference/). Synchronous, host memory.
 void ReferenceAppend(const AppendParams& p);
@@ -196,6 +302,9 @@ void ReferenceDequantize(const DequantParams& p);
 void ReferenceMaterialize(const MaterializeParams& p);
 void ReferenceQuantizeLinear(const LinearQuantParams& p);
 void ReferenceDequantizeLinear(const LinearDequantParams& p);
+void ReferenceCalibrateRows(const RowCalibrationParams& p);
+void ReferenceReencode(const ReencodeParams& p);
+void ReferenceQuantizeCache(const QuantizeCacheParams& p);
 
 // CUDA launchers (kernels/). Enqueue on `stream`, allocate nothing, never
 // synchronize; return the launch status (cudaGetLastError) as a Status.
@@ -204,6 +313,10 @@ absl::Status LaunchDequantize(const DequantParams& p, Stream stream);
 absl::Status LaunchMaterialize(const MaterializeParams& p, Stream stream);
 absl::Status LaunchQuantizeLinear(const LinearQuantParams& p, Stream stream);
 absl::Status LaunchDequantizeLinear(const LinearDequantParams& p, Stream stream);
+absl::Status LaunchCalibrateRows(const RowCalibrationParams& p, Stream stream);
+absl::Status LaunchReencode(const ReencodeParams& p, Stream stream);
+// Scale computation (when p.compute_scales) and quantization, in order.
+absl::Status LaunchQuantizeCache(const QuantizeCacheParams& p, Stream stream);
 
 }  // namespace internal
 }  // namespace fp4kv

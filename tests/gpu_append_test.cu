@@ -22,7 +22,7 @@ TEST_P(GpuAppendTest, MatchesCpuEagerAndInGraphs) {
       c,
       [&](uint8_t* in, uint8_t* out, Device d, Stream s) {
         const Appender& op = d.is_cuda() ? *gpu_op : *cpu_op;
-        return op.Run(c.Args(in, d), c.Cache(out, d), s);
+        return op.Run(c.Args(in, d, out), c.Cache(out, d), s);
       },
       GetParam().Name());
 }

@@ -4,6 +4,7 @@
 // poisoned, so anything written outside the contract shows; the emulated
 // loads and stores go through memcpy on exactly-sized host blobs, so an
 // out-of-bounds access shows under the sanitizer build.
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -12,6 +13,7 @@
 #include "kernels/dequantize.cuh"
 #include "kernels/linear.cuh"
 #include "kernels/materialize.cuh"
+#include "kernels/quantize_cache.cuh"
 #include "src/params.h"
 #include "src/validate.h"
 #include "testing/kernel_cases.h"
@@ -43,7 +45,11 @@ void EmulateAppend(const internal::AppendParams& p, uint32_t rows_per_cta) {
       p,
       [&](const kernels::AppendLaunch& a) {
         ForEachThread(a.shape, [&](uint32_t x, uint32_t y, uint32_t t) {
-          kernels::AppendThread<kBf16, kV>(a, x, y, t);
+          if (p.scale_events != nullptr) {
+            kernels::AppendThread<kBf16, kV, true>(a, x, y, t);
+          } else {
+            kernels::AppendThread<kBf16, kV, false>(a, x, y, t);
+          }
         });
       },
       rows_per_cta));
@@ -68,7 +74,7 @@ void EmulateAppendAny(const internal::AppendParams& p, uint32_t r) {
 // The same views -> params step as Appender::Run (src/ops.cc).
 internal::AppendParams AppendParamsFor(const testing::AppendCase& c, uint8_t* in, uint8_t* out) {
   absl::StatusOr<internal::AppendParams> p = internal::MakeAppendParams(
-      c.Options(Device::Cpu()), c.Args(in, Device::Cpu()), c.Cache(out, Device::Cpu()));
+      c.Options(Device::Cpu()), c.Args(in, Device::Cpu(), out), c.Cache(out, Device::Cpu()));
   EXPECT_TRUE(p.ok()) << p.status();
   return p.ok() ? *p : internal::AppendParams();
 }
@@ -84,7 +90,8 @@ TEST_P(AppendHostTest, GridMatchesReference) {
     auto op = Appender::Create(c.Options(Device::Cpu()));
     ASSERT_TRUE(op.ok()) << op.status();
     ASSERT_TRUE(
-        op->Run(c.Args(in.data(), Device::Cpu()), c.Cache(want.data(), Device::Cpu())).ok());
+        op->Run(c.Args(in.data(), Device::Cpu(), want.data()), c.Cache(want.data(), Device::Cpu()))
+            .ok());
     ASSERT_NE(want, c.out) << "the case wrote nothing";
     for (uint32_t rows_per_cta : kRowsPerCta) {
       std::vector<uint8_t> got = c.out;
@@ -294,6 +301,87 @@ TEST_P(LinearHostTest, GridMatchesReference) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Sweep, LinearHostTest, ::testing::ValuesIn(testing::LinearSweep()),
+                         [](const auto& info) { return info.param.Name(); });
+
+// ---------------------------------------------------------- quantize cache
+template <bool kBf16, RecipeVariant kV>
+void EmulateQuantizeCache(const internal::QuantizeCacheParams& p, uint32_t rows_per_cta) {
+  if (p.compute_scales) {
+    // The amax pass: the kernel's warp and integer maxima are exact and
+    // order-free, so a plain max over every thread's result is the same.
+    if (p.zero_first) *p.amax_bits[0] = *p.amax_bits[1] = 0;
+    ASSERT_TRUE(kernels::ForEachQuantizeCacheLaunch(
+        p,
+        [&](const kernels::QuantizeCacheLaunch& a) {
+          ForEachThread(a.shape, [&](uint32_t x, uint32_t y, uint32_t t) {
+            float k, v;
+            kernels::CacheAmaxThread<kBf16>(a, x, y, t, &k, &v);
+            *p.amax_bits[0] = std::max(*p.amax_bits[0], FloatBits(k));
+            *p.amax_bits[1] = std::max(*p.amax_bits[1], FloatBits(v));
+          });
+        },
+        rows_per_cta));
+    kernels::FinishCacheScalesFromBits(p);
+  }
+  ASSERT_TRUE(kernels::ForEachQuantizeCacheLaunch(
+      p,
+      [&](const kernels::QuantizeCacheLaunch& a) {
+        ForEachThread(a.shape, [&](uint32_t x, uint32_t y, uint32_t t) {
+          kernels::QuantizeCacheThread<kBf16, kV>(a, x, y, t);
+        });
+      },
+      rows_per_cta));
+}
+
+template <bool kBf16>
+void EmulateQuantizeCacheAny(const internal::QuantizeCacheParams& p, uint32_t r) {
+  switch (kernels::VariantOf(p.recipe)) {
+    case RecipeVariant::kStandard:
+      return EmulateQuantizeCache<kBf16, RecipeVariant::kStandard>(p, r);
+    case RecipeVariant::kMae:
+      return EmulateQuantizeCache<kBf16, RecipeVariant::kMae>(p, r);
+    case RecipeVariant::kMse:
+      return EmulateQuantizeCache<kBf16, RecipeVariant::kMse>(p, r);
+    case RecipeVariant::kMaeHalf:
+      return EmulateQuantizeCache<kBf16, RecipeVariant::kMaeHalf>(p, r);
+    case RecipeVariant::kMseHalf:
+      return EmulateQuantizeCache<kBf16, RecipeVariant::kMseHalf>(p, r);
+  }
+}
+
+class QuantizeCacheHostTest : public ::testing::TestWithParam<testing::QuantizeCacheSpec> {};
+
+TEST_P(QuantizeCacheHostTest, GridMatchesReference) {
+  testing::QuantizeCacheCase c = testing::MakeQuantizeCacheCase(GetParam(), 4321);
+  for (int round = 0; round < 2; ++round) {
+    if (round == 1) c.Rewrite(17);
+    std::vector<uint8_t> in = c.in;
+    std::vector<uint8_t> want = c.out;
+    auto op = PagedCacheQuantizer::Create(c.Options(Device::Cpu()));
+    ASSERT_TRUE(op.ok()) << op.status();
+    ASSERT_TRUE(op->Run(c.Args(in.data(), want.data(), Device::Cpu()),
+                        c.Cache(want.data(), Device::Cpu()))
+                    .ok());
+    ASSERT_NE(want, c.out) << "the case wrote nothing";
+    for (uint32_t rows_per_cta : kRowsPerCta) {
+      std::vector<uint8_t> got = c.out;
+      absl::StatusOr<internal::QuantizeCacheParams> p = internal::MakeQuantizeCacheParams(
+          c.Options(Device::Cpu()), c.Args(in.data(), got.data(), Device::Cpu()),
+          c.Cache(got.data(), Device::Cpu()));
+      ASSERT_TRUE(p.ok()) << p.status();
+      if (c.spec.dtype == DType::kBF16) {
+        EmulateQuantizeCacheAny<true>(*p, rows_per_cta);
+      } else {
+        EmulateQuantizeCacheAny<false>(*p, rows_per_cta);
+      }
+      ASSERT_EQ(FirstDifference(want, got), "")
+          << c.spec.Name() << " round " << round << " rows_per_cta " << rows_per_cta;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Sweep, QuantizeCacheHostTest,
+                         ::testing::ValuesIn(testing::QuantizeCacheSweep()),
                          [](const auto& info) { return info.param.Name(); });
 
 }  // namespace

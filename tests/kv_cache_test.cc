@@ -263,8 +263,10 @@ TEST(KVCacheCreate, LayerViewsDescribeDisjointAlignedPools) {
         const uintptr_t b = reinterpret_cast<uintptr_t>(t->data);
         ranges.emplace_back(b, b + t->numel() * DTypeSize(t->dtype));
       }
-      EXPECT_EQ(c.k_global_scale(l), 1.0f);  // defaults
-      EXPECT_EQ(c.k_fp8_scale(l), *MinFp8Scale(1.0f));
+      absl::StatusOr<LayerScales> sc = c.ReadScales(l);  // no scales given: pending
+      ASSERT_TRUE(sc.ok()) << sc.status();
+      EXPECT_FALSE(sc->k_calibrated);
+      EXPECT_FALSE(sc->v_calibrated);
     }
     std::sort(ranges.begin(), ranges.end());
     for (size_t i = 1; i < ranges.size(); ++i) EXPECT_LE(ranges[i - 1].second, ranges[i].first);
@@ -717,25 +719,29 @@ TEST(KVCacheErrors, EveryErrorPathLeavesTheStateUnchanged) {
 }
 
 // ----------------------------------------------------------------- scales
-TEST(KVCacheScales, UpdatesAreSeenByLaterRunsThroughTheDeviceArray) {
+TEST(KVCacheScales, UpdatesBeforeStoringAreSeenByLaterRunsThroughTheDeviceArray) {
   KVCache c = MustCreate(SmallOptions());
-  Driver d(&c);
-  const SequenceId s = d.Create();
-  ASSERT_TRUE(d.Step({{s, 3}}).ok());  // quantized with the Create scales
-  ASSERT_TRUE(c.UpdateGlobalScales(1, 9.0f, 0.5f).ok());
-  EXPECT_EQ(c.k_global_scale(1), 9.0f);
-  EXPECT_EQ(c.v_global_scale(1), 0.5f);
-  EXPECT_EQ(c.k_fp8_scale(1), *MinFp8Scale(9.0f));
-  EXPECT_EQ(c.v_fp8_scale(1), *MinFp8Scale(0.5f));
+  ASSERT_TRUE(c.UpdateGlobalScales(1, 9.0f, 0.5f).ok());  // nothing stored yet
+  absl::StatusOr<LayerScales> sc = c.ReadScales(1);
+  ASSERT_TRUE(sc.ok()) << sc.status();
+  EXPECT_EQ(sc->k, 9.0f);
+  EXPECT_EQ(sc->v, 0.5f);
+  EXPECT_EQ(sc->k_fp8, *MinFp8Scale(9.0f));
+  EXPECT_EQ(sc->v_fp8, *MinFp8Scale(0.5f));
+  EXPECT_TRUE(sc->k_calibrated && sc->v_calibrated);
   EXPECT_EQ(*c.global_scale_ptr(1, 0), 9.0f);  // CPU: host memory
   EXPECT_EQ(*c.fp8_scale_ptr(1, 1), *MinFp8Scale(0.5f));
-  // The driver's next tokens are made with the new scales; the old ones
-  // keep their bytes.
+  // The driver's tokens are made with the new scales.
+  Driver d(&c);
+  const SequenceId s = d.Create();
+  ASSERT_TRUE(d.Step({{s, 3}}).ok());
   ASSERT_TRUE(d.Step({{s, 2}}).ok());
   EXPECT_EQ(d.CheckAll(), "");
-  ASSERT_TRUE(c.UpdateGlobalScales({2.0f, 3.0f}, {4.0f, 5.0f}).ok());
-  EXPECT_EQ(c.v_global_scale(1), 5.0f);
-  EXPECT_EQ(*c.global_scale_ptr(0, 1), 4.0f);
+  // Stored tokens: a plain change is refused (kv_cache_scales_test.cc covers
+  // the rule and re-encoding).
+  EXPECT_EQ(c.UpdateGlobalScales({2.0f, 3.0f}, {4.0f, 5.0f}).code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(*c.global_scale_ptr(0, 1), 3.0f);
 }
 
 // Calibration writes the layer's global and FP8 scales into the device
@@ -886,8 +892,10 @@ TEST(KVCacheOps, BoundOpsMatchTheFunctionalApiOnExplicitMetadata) {
   const TensorView iv = TensorView::Contiguous(indptr.data(), DType::kI32, {3});
   for (int layer = 0; layer < 2; ++layer) {
     const PagedCache pc = c.LayerCache(layer);
-    const GlobalScale gk = GlobalScale::Value(c.k_global_scale(layer));
-    const GlobalScale gv = GlobalScale::Value(c.v_global_scale(layer));
+    absl::StatusOr<LayerScales> sc = c.ReadScales(layer);
+    ASSERT_TRUE(sc.ok()) << sc.status();
+    const GlobalScale gk = GlobalScale::Value(sc->k);
+    const GlobalScale gv = GlobalScale::Value(sc->v);
     // Materialize.
     const int64_t w = c.step().fp8_workspace_pages;
     std::vector<uint8_t> want(w * 2 * 2 * 4 * 64, 0xA5), got(want.size(), 0xA5);
@@ -895,8 +903,7 @@ TEST(KVCacheOps, BoundOpsMatchTheFunctionalApiOnExplicitMetadata) {
     ASSERT_TRUE(MaterializeFp8(pc, tv, lv, iv,
                                TensorView::Contiguous(want.data(), DType::kE4M3, {w, 2, 2, 4, 64}),
                                TensorView::Contiguous(want_t.data(), DType::kI32, {2, 8}), gk, gv,
-                               GlobalScale::Value(c.k_fp8_scale(layer)),
-                               GlobalScale::Value(c.v_fp8_scale(layer)))
+                               GlobalScale::Value(sc->k_fp8), GlobalScale::Value(sc->v_fp8))
                     .ok());
     absl::StatusOr<CacheMaterializer> m = c.materializer();
     ASSERT_TRUE(m.ok());

@@ -287,6 +287,59 @@ TEST(Validation, StackedFormRules) {
   EXPECT_NE(r2.status().message().find("rank 5"), std::string::npos) << r2.status();
 }
 
+// scale_events must be given exactly when counting is on, 8-byte aligned;
+// a rejected append writes neither the pool nor the counters.
+TEST(Validation, ScaleEventCounters) {
+  Fixture f;
+  Appender::Options o{f.g, DType::kBF16, AppendIndexing::kSlot, Recipe(), Device::Cpu(), true};
+  absl::StatusOr<Appender> counting = Appender::Create(o);
+  ASSERT_TRUE(counting.ok()) << counting.status();
+  o.count_scale_events = false;
+  absl::StatusOr<Appender> plain = Appender::Create(o);
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  AppendArgs a;
+  a.key = f.key;
+  a.value = f.value;
+  a.slot_mapping = f.slot_mapping;
+  a.k_scale = f.k_scale;
+  a.v_scale = f.v_scale;
+  alignas(8) uint64_t counters[5] = {7, 7, 7, 7, 7};
+  const std::vector<uint8_t> before = f.hc.Snapshot();
+  absl::Status s = counting->Run(a, f.cache);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("scale_events: expected"), std::string::npos) << s;
+  a.scale_events = reinterpret_cast<uint64_t*>(reinterpret_cast<uint8_t*>(counters) + 4);
+  s = counting->Run(a, f.cache);
+  EXPECT_NE(s.message().find("scale_events: expected an 8-byte aligned"), std::string::npos) << s;
+  a.scale_events = counters;
+  s = plain->Run(a, f.cache);
+  EXPECT_NE(s.message().find("scale_events: expected a null pointer"), std::string::npos) << s;
+  EXPECT_EQ(f.hc.Snapshot(), before);
+  for (uint64_t c : counters) EXPECT_EQ(c, 7u);
+  // Accepted: the events of the two rows with a slot are added.
+  uint64_t want[4] = {7, 7, 7, 7};
+  for (int row = 0; row < 2; ++row) {
+    for (int kv = 0; kv < 2; ++kv) {
+      const std::vector<uint16_t>& src = kv ? f.v : f.k;
+      const float g = kv ? f.v_scale.value : f.k_scale.value;
+      for (int blk = 0; blk < 2 * 64 / kBlockSize; ++blk) {
+        float x[kBlockSize];
+        for (int i = 0; i < kBlockSize; ++i) {
+          x[i] = Bf16BitsToFloat(src[row * 128 + blk * kBlockSize + i]);
+        }
+        uint32_t packed[2];
+        const ScaleEvent e = ClassifyBlockScale(BlockAmax(x), g, QuantizeBlock(x, g, Recipe(), packed));
+        want[2 * kv] += e == ScaleEvent::kSaturated;
+        want[2 * kv + 1] += e == ScaleEvent::kUnderflow;
+      }
+    }
+  }
+  ASSERT_TRUE(counting->Run(a, f.cache).ok());
+  EXPECT_NE(f.hc.Snapshot(), before);
+  for (int i = 0; i < 4; ++i) EXPECT_EQ(counters[i], want[i]) << i;
+  EXPECT_EQ(counters[4], 7u);
+}
+
 TEST(Validation, OpObjectOptions) {
   Appender::Options o;
   o.geometry = Geo();

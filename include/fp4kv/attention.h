@@ -65,7 +65,7 @@ struct DecodeAttentionArgs {
 class DecodeAttention {
  public:
   struct Options {
-    CacheGeometry geometry;  // head_dim_k and head_dim_v in {64, 128, 256}
+    CacheGeometry geometry;  // head_dim_k and head_dim_v in {64, 128, 256}; equal on CUDA
     int num_qo_heads = 0;    // a positive multiple of geometry.num_kv_heads
     DType dtype = DType::kBF16;        // of q and out: f16 or bf16
     DType table_dtype = DType::kI32;   // of block_tables

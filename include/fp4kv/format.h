@@ -346,6 +346,33 @@ FP4KV_UNROLL
   return b6;
 }
 
+// Largest |x_i| of a block, NaN ignored (0 for a block of zeros and NaNs).
+FP4KV_HD float BlockAmax(const float (&x)[kBlockSize]) {
+  float amax = 0.0f;
+FP4KV_UNROLL
+  for (int i = 0; i < kBlockSize; ++i) {
+    const float a = AbsF(x[i]);
+    amax = a > amax ? a : amax;  // false for NaN
+  }
+  return amax;
+}
+
+// What a block's stored scale says about the global scale g it was
+// quantized under (the appender's optional scale-event counters):
+//   kSaturated: amax / (6 g) > 448, so the block scale is clamped at the E4M3
+//               maximum and the block's largest values were clipped;
+//   kUnderflow: the block is nonzero but its scale byte decodes to 0, so it
+//               is stored as all zeros.
+// amax is BlockAmax of the input; scale_byte the byte stored.
+enum class ScaleEvent : uint8_t { kNone = 0, kSaturated = 1, kUnderflow = 2 };
+
+FP4KV_HD ScaleEvent ClassifyBlockScale(float amax, float g, uint8_t scale_byte) {
+  if (!(amax > 0.0f)) return ScaleEvent::kNone;
+  if (DivRn(amax, MulRn(6.0f, g)) > kE4m3Max) return ScaleEvent::kSaturated;
+  if ((scale_byte & 0x7fu) == 0) return ScaleEvent::kUnderflow;
+  return ScaleEvent::kNone;
+}
+
 // Dequantizes one block to fp32: out_i = (e2m1(code_i) * s) * g.
 FP4KV_HD void DequantizeBlock(const uint32_t (&packed)[2], uint8_t scale_byte, float g,
                               float (&out)[kBlockSize]) {

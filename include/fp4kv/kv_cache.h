@@ -48,6 +48,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "fp4kv/attention.h"
 #include "fp4kv/format.h"
 #include "fp4kv/geometry.h"
 #include "fp4kv/ops.h"
@@ -114,10 +115,21 @@ struct KVCacheOptions {
   int64_t memory_budget_bytes = 0;  // bytes for all pools of all layers
   Device device = Device::Cpu();
   Recipe recipe;  // fixed for the life of the cache
-  // Global decode scales per layer ([num_layers] each, positive, finite);
-  // empty means 1.0 for every layer. See UpdateGlobalScales.
+  // Global decode scales per layer ([num_layers] each, positive, finite),
+  // e.g. from a calibrated checkpoint (docs/recipes.md, "Choosing global
+  // scales"); they take precedence. Empty (the default): every layer's K (or
+  // V) scale is calibrated on the device from the first nonzero rows the
+  // cache's appender stores in that layer, before they are quantized:
+  //   g = MakeGlobalScale(calibration_headroom * amax, recipe)
+  // so tokens up to calibration_headroom times larger than the first ones
+  // still fit without saturating. Until then (no rows, or only zeros) the
+  // layer is "pending" (LayerScales::k_calibrated false).
   std::vector<float> k_global_scales;
   std::vector<float> v_global_scales;
+  float calibration_headroom = 4.0f;  // finite, >= 1
+  // The appender counts, per layer, blocks stored with a saturated or an
+  // underflowed block scale (ReadScaleEvents). Off costs nothing.
+  bool count_scale_events = false;
   // Step capacities: they fix the shapes of the step buffers.
   int max_seqs_per_step = 256;
   int max_tokens_per_step = 8192;
@@ -136,7 +148,12 @@ class CacheAppender {
   // 0 .. num_tokens-1 of the current step in the order of its entries; R >=
   // the step's num_tokens and rows past it are ignored (R = max_tokens_per_step
   // for a buffer that serves every step, as graph capture needs). Quantizes
-  // with the layer's global scales from device memory. Graph-safe.
+  // with the layer's global scales from device memory. While a layer's K or
+  // V scale is pending (KVCacheOptions::k_global_scales), a small kernel
+  // first calibrates it from these rows on the device; the host stops
+  // enqueuing it once it sees the calibration done (a mapped flag, no sync),
+  // and a graph captured while pending carries it as a no-op after the first
+  // nonzero rows. Graph-safe.
   absl::Status Run(int layer, const TensorView& key, const TensorView& value,
                    Stream stream = nullptr) const;
   const Appender& op() const { return op_; }
@@ -188,6 +205,71 @@ class CacheDequantizer {
   Dequantizer op_;
 };
 
+// A layer's scales as the device holds them (KVCache::ReadScales).
+struct LayerScales {
+  float k = 0, v = 0;          // global decode scales
+  float k_fp8 = 0, v_fp8 = 0;  // FP8 decode scales of materialized pages
+  bool k_calibrated = false;   // false: waiting for the first nonzero K rows
+  bool v_calibrated = false;
+};
+
+// Blocks the appender stored in one layer with a block scale that saturated
+// at the E4M3 maximum (values clipped: the global scale is too small) or
+// that underflowed to zero although the block was nonzero (stored as zeros:
+// the global scale is too large). See format.h ClassifyBlockScale.
+struct ScaleEventCounts {
+  uint64_t k_saturated = 0, k_underflow = 0;
+  uint64_t v_saturated = 0, v_underflow = 0;
+};
+
+// What a scale change does to tokens a layer already holds.
+enum class StoredTokens : uint8_t {
+  kRefuse = 0,    // FailedPrecondition while the layer holds tokens
+  kReencode = 1,  // requantize the layer's pages to the new scales (extra error: docs/recipes.md)
+};
+
+// Options of a cache's decode attention (KVCache::attention); the geometry,
+// capacities and table dtype come from the cache.
+struct CacheAttentionOptions {
+  int num_qo_heads = 0;            // a positive multiple of the cache's num_kv_heads
+  DType dtype = DType::kBF16;      // of q and out
+  int max_q_len = 1;               // > 1: q rows follow the step's token_indptr
+  float sm_scale = 0.0f;           // 0: 1 / sqrt(head_dim_k)
+  float logits_soft_cap = 0.0f;    // 0: off
+  int window_left = -1;            // -1: off
+  bool has_sinks = false;
+  bool write_lse = false;
+};
+
+// DecodeAttention over the current step's sequences, reading the layer's
+// NVFP4 pages directly (attention.h has the math and the defined behaviour).
+class CacheAttention {
+ public:
+  // q: [R, Hq, Dk], out: [R, Hq, Dv] (dtype of the options). max_q_len == 1:
+  // row b is the step's entry b, num_seqs <= R <= max_seqs_per_step (R =
+  // max_seqs_per_step serves every step; rows past num_seqs have seq_len 0
+  // and are not written). max_q_len > 1: the rows are the step's new tokens
+  // in order (query rows of entry b = token_indptr[b] .. [b+1], the same
+  // rows the appender read), R >= num_tokens; every entry may add at most
+  // max_q_len tokens (checked here; a replayed graph clamps instead, see
+  // attention.h). lse [R, Hq] f32 iff write_lse; sinks [Hq] f32 iff
+  // has_sinks. workspace: WorkspaceBytes() bytes on the cache's device.
+  // Run after the step's append of this layer, on the same stream.
+  // Graph-safe.
+  absl::Status Run(int layer, const TensorView& q, const TensorView& out, void* workspace,
+                   int64_t workspace_bytes, Stream stream = nullptr,
+                   const TensorView& lse = TensorView(), const TensorView& sinks = TensorView()) const;
+  int64_t WorkspaceBytes() const { return op_.WorkspaceBytes(); }
+  const DecodeAttention& op() const { return op_; }
+
+ private:
+  friend class KVCache;
+  CacheAttention(const internal::KVCacheState* state, DecodeAttention op)
+      : state_(state), op_(std::move(op)) {}
+  const internal::KVCacheState* state_;
+  DecodeAttention op_;
+};
+
 // Invariants: every page is free (reference count 0) or referenced by the
 // sequences that hold it in their block tables, and by no other; a sequence of
 // length n holds exactly ceil(n / page_size) pages; pages are written only
@@ -226,6 +308,26 @@ class KVCache {
   // already released id. The current step's buffers still name its pages:
   // release it only after the kernels of the step that used it are enqueued.
   absl::Status ReleaseSequence(SequenceId seq);
+
+  // A new sequence holding `length` tokens of a cache prefilled elsewhere:
+  // layers[l] is layer l's unquantized paged K/V (f16/bf16, the cache's
+  // heads, head dims and page size; either layout or form, HalfPagedCache),
+  // and the sequence's tokens are in its pages src_pages[0 ..
+  // ceil(length / page_size)) (host ids, entries past `length` in the last
+  // page ignored). Every layer is quantized into newly allocated pages on
+  // `stream` (PagedCacheQuantizer, bytes as if the rows had been appended).
+  // Scales follow the cache's rules: a layer with scales (given at Create,
+  // set or calibrated) uses them; a pending layer's K (V) scale is calibrated
+  // on the device from the imported rows first, exactly like a first append
+  // (calibration_headroom; all-zero rows leave it pending). All or nothing:
+  // every argument is checked (InvalidArgument naming it; ResourceExhausted
+  // when the free pages do not suffice) before anything changes. CUDA: the
+  // host page ids are copied to a stream-ordered temporary, so this is not
+  // for graph capture; the sources must stay valid until the stream gets
+  // there. The current step's buffers are not touched.
+  absl::StatusOr<SequenceId> ImportSequence(absl::Span<const HalfPagedCache> layers,
+                                            absl::Span<const int32_t> src_pages, int64_t length,
+                                            Stream stream = nullptr);
 
   absl::StatusOr<int64_t> SequenceLength(SequenceId seq) const;
   // The sequence's block table (page ids, ceil(length / page_size) of them);
@@ -268,6 +370,9 @@ class KVCache {
   absl::StatusOr<CacheAppender> appender(DType input_dtype = DType::kBF16) const;
   absl::StatusOr<CacheMaterializer> materializer() const;
   absl::StatusOr<CacheDequantizer> dequantizer(DType output_dtype = DType::kBF16) const;
+  // Errors: DecodeAttention::Create's (head dims 64/128/256, num_qo_heads,
+  // max_q_len ...), naming the option.
+  absl::StatusOr<CacheAttention> attention(const CacheAttentionOptions& options) const;
 
   // FP8 workspace for the materializer: out pages any step can need
   // (1 + max_seqs_per_step * max_pages_per_seq), and the shape of the
@@ -276,31 +381,52 @@ class KVCache {
   std::vector<int64_t> Fp8WorkspaceShape(int64_t pages) const;
 
   // ------------------------------------------------------ scales and views
+  // A stored byte means something only under the scale it was written with,
+  // so a scale change of a layer that holds tokens (tokens of live sequences
+  // whose append on this layer was issued; the current step's new tokens
+  // count once this layer's appender ran for the step, or once it was
+  // captured in a graph) is refused with FailedPrecondition naming the layer
+  // and its token count, and changes nothing; with StoredTokens::kReencode
+  // the layer's pages (all of them, K and V) are requantized on the device
+  // from the old scales to the new ones in the same call, on `stream`.
+  //
   // Sets layer `layer`'s global decode scales (positive, finite) and the FP8
-  // decode scales derived from them (MinFp8Scale). CUDA: an async copy on
-  // `stream` from host memory that may be reused on return; ordered with the
-  // kernels on that stream. Existing tokens dequantize with the new scales,
-  // so change them only before storing tokens (or knowingly).
-  absl::Status UpdateGlobalScales(int layer, float k_scale, float v_scale, Stream stream = nullptr);
-  // All layers at once ([num_layers] each).
+  // decode scales derived from them (MinFp8Scale); the layer counts as
+  // calibrated from then on. CUDA: async copies on `stream` from host memory
+  // that may be reused on return, ordered with the kernels on that stream.
+  absl::Status UpdateGlobalScales(int layer, float k_scale, float v_scale, Stream stream = nullptr,
+                                  StoredTokens stored = StoredTokens::kRefuse);
+  // All layers at once ([num_layers] each); refused as a whole when any
+  // layer holds tokens (the first is named) unless kReencode.
   absl::Status UpdateGlobalScales(absl::Span<const float> k_scales,
-                                  absl::Span<const float> v_scales, Stream stream = nullptr);
+                                  absl::Span<const float> v_scales, Stream stream = nullptr,
+                                  StoredTokens stored = StoredTokens::kRefuse);
   // Calibrates layer `layer`'s K and V global decode scales from tensors
   // (e.g. the layer's prefill rows) where they live, with no host sync:
-  // each scale becomes MakeGlobalScale(amax, recipe) and its FP8 decode scale
+  // each scale becomes MakeGlobalScale(amax, recipe) (no headroom: the data
+  // given is taken as representative) and its FP8 decode scale
   // MinFp8ScaleFor(scale), written into the cache's device scale array by
   // work enqueued on `stream` (graph-capturable on CUDA; synchronous on the
   // CPU). `calibrator` must have the cache's device and recipe, and k and v
   // its dtype and at most its max_elements. Both tensors are checked before
-  // anything is enqueued. The host values below keep what was last set from
-  // the host; the device pointers hold the calibrated scales.
+  // anything is enqueued. Refused like UpdateGlobalScales while the layer
+  // holds tokens, unless kReencode.
   absl::Status CalibrateGlobalScales(int layer, const TensorView& k, const TensorView& v,
-                                     Calibrator& calibrator, Stream stream = nullptr);
-  // Host values of the scales (what was last set from the host).
-  float k_global_scale(int layer) const;
-  float v_global_scale(int layer) const;
-  float k_fp8_scale(int layer) const;
-  float v_fp8_scale(int layer) const;
+                                     Calibrator& calibrator, Stream stream = nullptr,
+                                     StoredTokens stored = StoredTokens::kRefuse);
+  // The scales layer `layer` uses, read back from the device after all work
+  // enqueued on `stream` so far (the first append's calibration included):
+  // synchronizes `stream` on CUDA, so not for a hot path or a capture.
+  // InvalidArgument for a bad layer.
+  absl::StatusOr<LayerScales> ReadScales(int layer, Stream stream = nullptr) const;
+  // Tokens layer `layer` holds in the sense of the scale-change rule above.
+  absl::StatusOr<int64_t> LayerTokens(int layer) const;
+  // The layer's scale-event counters (options.count_scale_events), read back
+  // after the work on `stream` (synchronizes it on CUDA). FailedPrecondition
+  // when counting is off.
+  absl::StatusOr<ScaleEventCounts> ReadScaleEvents(int layer, Stream stream = nullptr) const;
+  // Zeroes every layer's counters (on `stream`). FailedPrecondition when off.
+  absl::Status ResetScaleEvents(Stream stream = nullptr);
   // Device pointers (fixed addresses): the global decode scale of layer's K
   // (kv = 0) or V (kv = 1), and the FP8 decode scale of the materialized
   // pages, for an attention kernel.
@@ -320,6 +446,8 @@ class KVCache {
 
  private:
   explicit KVCache(std::unique_ptr<internal::KVCacheState> state);
+  absl::Status UpdateGlobalScalesRange(int first, int count, const float* k_scales,
+                                       const float* v_scales, Stream stream, StoredTokens stored);
   std::unique_ptr<internal::KVCacheState> state_;
 };
 

@@ -65,6 +65,12 @@ struct AppendArgs {
   TensorView slot_mapping;  // [n] i64; only the first n rows of key/value are read
   GlobalScale k_scale;
   GlobalScale v_scale;
+  // Scale-event counters, required iff Options::count_scale_events (null
+  // otherwise): 4 uint64 on the op's device, 8-byte aligned, to which the
+  // append adds the blocks it stored with a saturated / underflowed scale
+  // (format.h ClassifyBlockScale): [K saturated, K underflow, V saturated,
+  // V underflow]. Rows that write nothing count nothing.
+  uint64_t* scale_events = nullptr;
 };
 
 class Appender {
@@ -75,6 +81,9 @@ class Appender {
     AppendIndexing indexing = AppendIndexing::kPaged;
     Recipe recipe;
     Device device;
+    // Count saturated and underflowed block scales into args.scale_events.
+    // Off, the kernels carry no counting code at all.
+    bool count_scale_events = false;
   };
 
   // Validates the options once.
@@ -178,6 +187,92 @@ class Materializer {
 absl::StatusOr<float> MinFp8Scale(float global_scale);
 
 // ---------------------------------------------------------------------------
+// PagedCacheQuantizer: quantize a whole f16/bf16 paged cache (or listed
+// pages of one) into a paged NVFP4 cache, optionally choosing the global
+// scales from the data on the device.
+//
+// Row (page p, entry e, head h) of the source becomes row (p', e, h) of the
+// cache with exactly the bytes QuantizeAppendBySlot writes for that row at
+// slot p' * page_size + e under the same global scales and recipe. Source
+// and cache layouts may differ; page_size, heads and head dims must match.
+// ---------------------------------------------------------------------------
+
+// An unquantized paged cache: the input of PagedCacheQuantizer.
+//   NHD: k [P, S, H, Dk], v [P, S, H, Dv]    HND: k [P, H, S, Dk], v [P, H, S, Dv]
+// f16 or bf16, last dimension contiguous, 16-byte aligned pointers and strides.
+struct HalfPagedCache {
+  TensorView k;
+  TensorView v;
+  Layout layout = Layout::kNHD;
+
+  static HalfPagedCache FromTuple(const TensorView& k, const TensorView& v, Layout layout) {
+    return HalfPagedCache{k, v, layout};
+  }
+  // Stacked 5-D form: [P, 2, S, H, D] (NHD) or [P, 2, H, S, D] (HND); index 0
+  // on dimension 1 is K, 1 is V.
+  static absl::StatusOr<HalfPagedCache> FromStacked(const TensorView& kv, Layout layout);
+};
+
+struct QuantizeCacheArgs {
+  HalfPagedCache source;
+  // Page lists, both or neither: [N] i32 on the op's device. Given, list
+  // position i quantizes source page src_pages[i] into cache page
+  // dst_pages[i]; a position whose source page is outside [0, P_src) or whose
+  // cache page is outside [0, num_pages) writes nothing (checked on the
+  // device). Not given, source page p goes to cache page p (P_src <=
+  // num_pages; cache pages past P_src are not written).
+  TensorView src_pages;
+  TensorView dst_pages;
+  // Token slots to quantize: entry e of list position i (or page i) is
+  // quantized iff i * page_size + e < num_tokens. -1: all of them (N or
+  // P_src pages). Otherwise in [0, pages * page_size]; e.g. a sequence of
+  // length n stored in N = ceil(n / page_size) listed pages.
+  int64_t num_tokens = -1;
+  // Global decode scales the quantization uses, when !options.compute_scales.
+  GlobalScale k_scale;
+  GlobalScale v_scale;
+  // options.compute_scales: required, distinct, 4-byte aligned fp32 on the
+  // op's device; each gets MakeGlobalScale(headroom * amax, recipe) of the
+  // quantized rows of its side (NaN ignored), which the quantization then
+  // reads (GlobalScale::Pointer of them is what a reader passes). Must be
+  // null otherwise.
+  float* k_scale_out = nullptr;
+  float* v_scale_out = nullptr;
+};
+
+class PagedCacheQuantizer {
+ public:
+  struct Options {
+    CacheGeometry geometry;  // of the NVFP4 cache (num_pages: its pages)
+    Layout source_layout = Layout::kNHD;
+    DType input_dtype = DType::kBF16;  // kF16 or kBF16
+    Recipe recipe;
+    Device device;
+    // Choose the global scales from the data (two more kernels before the
+    // quantization: an amax pass over the rows and a one-thread conversion).
+    bool compute_scales = false;
+    float headroom = 1.0f;  // compute_scales: finite, >= 1
+  };
+
+  // Validates the options once.
+  static absl::StatusOr<PagedCacheQuantizer> Create(const Options& options);
+
+  // Quantizes on `stream` (CUDA) or synchronously (CPU). Checks the views
+  // against the options (cheap, no device access); allocates nothing, never
+  // synchronizes; graph-capturable (a replay re-reads the lists, the data and,
+  // with compute_scales, recomputes the scales). On InvalidArgument nothing
+  // is enqueued or written.
+  absl::Status Run(const QuantizeCacheArgs& args, const PagedCache& cache,
+                   Stream stream = nullptr) const;
+
+  const Options& options() const { return options_; }
+
+ private:
+  explicit PagedCacheQuantizer(const Options& o) : options_(o) {}
+  Options options_;
+};
+
+// ---------------------------------------------------------------------------
 // Linear (non-paged) tensors: [M, K] f16/bf16 <-> packed [M, K/2] u8 +
 // scales [M, K/16] e4m3.
 // ---------------------------------------------------------------------------
@@ -225,6 +320,15 @@ absl::Status MaterializeFp8(const PagedCache& cache, const TensorView& block_tab
                             const TensorView& out, const TensorView& fp8_block_tables,
                             GlobalScale k_scale, GlobalScale v_scale, GlobalScale k_fp8_scale,
                             GlobalScale v_fp8_scale, Stream stream = nullptr);
+
+// Quantizes every page of `source` into the same pages of `cache`.
+// k_scale_out / v_scale_out null: with the given scales. Both non-null: the
+// scales are computed from the data (no headroom) into those device floats
+// first, and k_scale / v_scale are ignored.
+absl::Status QuantizePagedCache(const HalfPagedCache& source, const PagedCache& cache,
+                                GlobalScale k_scale, GlobalScale v_scale,
+                                float* k_scale_out = nullptr, float* v_scale_out = nullptr,
+                                const Recipe& recipe = Recipe(), Stream stream = nullptr);
 
 absl::Status QuantizeLinear(const TensorView& input, const TensorView& packed,
                             const TensorView& scales, GlobalScale global_scale,

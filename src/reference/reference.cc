@@ -3,6 +3,7 @@
 #include <cstring>
 
 #include "fp4kv/format.h"
+#include "fp4kv/recipe.h"
 #include "src/params.h"
 
 namespace fp4kv {
@@ -27,15 +28,22 @@ void LoadPacked(const uint8_t* src, uint32_t (&packed)[2]) {
   for (int i = 0; i < kBlockBytes; ++i) packed[i / 4] |= static_cast<uint32_t>(src[i]) << (8 * (i % 4));
 }
 
-// Quantizes one [head_dim] row into a pool row.
+// Quantizes one [head_dim] row into a pool row. events, when not null, gets
+// the row's saturated ([0]) and underflowed ([1]) blocks added.
 void QuantizeRow(const void* src, DType dtype, int64_t src_offset, int head_dim, float g,
-                 const Recipe& recipe, uint8_t* data, uint8_t* scales) {
+                 const Recipe& recipe, uint8_t* data, uint8_t* scales,
+                 uint64_t* events = nullptr) {
   for (int blk = 0; blk < head_dim / kBlockSize; ++blk) {
     float x[kBlockSize];
     for (int i = 0; i < kBlockSize; ++i) x[i] = LoadFloat(src, dtype, src_offset + blk * kBlockSize + i);
     uint32_t packed[2];
     scales[blk] = QuantizeBlock(x, g, recipe, packed);
     StorePacked(data + blk * kBlockBytes, packed);
+    if (events != nullptr) {
+      const ScaleEvent e = ClassifyBlockScale(BlockAmax(x), g, scales[blk]);
+      if (e == ScaleEvent::kSaturated) ++events[0];
+      if (e == ScaleEvent::kUnderflow) ++events[1];
+    }
   }
 }
 
@@ -63,10 +71,11 @@ void ReferenceAppend(const AppendParams& p) {
     for (int h = 0; h < p.num_heads; ++h) {
       QuantizeRow(p.key, p.input_dtype, i * p.key_row_stride + h * p.key_head_stride, p.k.head_dim, gk,
                   p.recipe, p.k.data + p.k.DataOffset(page, entry, h),
-                  p.k.scales + p.k.ScaleOffset(page, entry, h));
+                  p.k.scales + p.k.ScaleOffset(page, entry, h), p.scale_events);
       QuantizeRow(p.value, p.input_dtype, i * p.value_row_stride + h * p.value_head_stride,
                   p.v.head_dim, gv, p.recipe, p.v.data + p.v.DataOffset(page, entry, h),
-                  p.v.scales + p.v.ScaleOffset(page, entry, h));
+                  p.v.scales + p.v.ScaleOffset(page, entry, h),
+                  p.scale_events == nullptr ? nullptr : p.scale_events + 2);
     }
   }
 }
@@ -155,6 +164,92 @@ void ReferenceDequantizeLinear(const LinearDequantParams& p) {
     DequantizeRow(p.packed + r * p.packed_row_stride, p.scales + r * p.scale_row_stride,
                   static_cast<int>(p.cols), g, p.output, p.dtype, r * p.output_row_stride);
   }
+}
+
+void ReferenceCalibrateRows(const RowCalibrationParams& p) {
+  if (p.flags[0] != 0 && p.flags[1] != 0) return;
+  float amax[2] = {0.0f, 0.0f};
+  for (int64_t r = 0; r < p.rows; ++r) {
+    if (p.slot_mapping[r] < 0) continue;
+    for (int kv = 0; kv < 2; ++kv) {
+      const void* base = kv == 0 ? p.key : p.value;
+      const int64_t rs = kv == 0 ? p.key_row_stride : p.value_row_stride;
+      const int64_t hs = kv == 0 ? p.key_head_stride : p.value_head_stride;
+      const int dim = kv == 0 ? p.head_dim_k : p.head_dim_v;
+      for (int h = 0; h < p.num_heads; ++h) {
+        for (int d = 0; d < dim; ++d) {
+          const float a = AbsF(LoadFloat(base, p.dtype, r * rs + h * hs + d));
+          amax[kv] = a > amax[kv] ? a : amax[kv];  // NaN ignored
+        }
+      }
+    }
+  }
+  for (int kv = 0; kv < 2; ++kv) {
+    if (p.flags[kv] != 0 || !(amax[kv] > 0.0f)) continue;
+    const float g = MakeGlobalScale(MulRn(amax[kv], p.headroom), p.recipe);
+    p.scales[kv] = g;
+    p.scales[2 + kv] = MinFp8ScaleFor(g);
+    p.flags[kv] = 1;
+    if (p.host_flags != nullptr) p.host_flags[kv] = 1;
+  }
+}
+
+void ReferenceReencode(const ReencodeParams& p) {
+  const float old_g = *p.old_scale;
+  const float new_g = *p.new_scale;
+  for (int64_t i = 0; i < p.blocks; ++i) {
+    uint32_t packed[2];
+    LoadPacked(p.data + i * kBlockBytes, packed);
+    float x[kBlockSize];
+    DequantizeBlock(packed, p.scales[i], old_g, x);
+    p.scales[i] = QuantizeBlock(x, new_g, p.recipe, packed);
+    StorePacked(p.data + i * kBlockBytes, packed);
+  }
+}
+
+// Calls f(src_page, entry, dst_page) for every row of a cache quantization
+// that writes.
+template <typename F>
+void ForEachCacheRow(const QuantizeCacheParams& p, F&& f) {
+  for (int64_t r = 0; r < p.rows; ++r) {
+    int64_t src, dst;
+    if (!ResolveCacheRow(p, r / p.page_size, &src, &dst)) continue;
+    f(src, r % p.page_size, dst);
+  }
+}
+
+void ReferenceQuantizeCache(const QuantizeCacheParams& p) {
+  if (p.compute_scales) {
+    float amax[2] = {0.0f, 0.0f};
+    ForEachCacheRow(p, [&](int64_t src, int64_t e, int64_t) {
+      for (int kv = 0; kv < 2; ++kv) {
+        const void* base = kv == 0 ? p.k_src : p.v_src;
+        const int64_t row = kv == 0 ? src * p.k_src_page + e * p.k_src_entry
+                                    : src * p.v_src_page + e * p.v_src_entry;
+        const int64_t hs = kv == 0 ? p.k_src_head : p.v_src_head;
+        const int dim = kv == 0 ? p.k.head_dim : p.v.head_dim;
+        for (int h = 0; h < p.num_heads; ++h) {
+          for (int d = 0; d < dim; ++d) {
+            const float a = AbsF(LoadFloat(base, p.dtype, row + h * hs + d));
+            amax[kv] = a > amax[kv] ? a : amax[kv];  // NaN ignored
+          }
+        }
+      }
+    });
+    FinishCacheScales(p, amax);
+  }
+  const float gk = p.k_scale.Get();
+  const float gv = p.v_scale.Get();
+  ForEachCacheRow(p, [&](int64_t src, int64_t e, int64_t dst) {
+    for (int h = 0; h < p.num_heads; ++h) {
+      QuantizeRow(p.k_src, p.dtype, src * p.k_src_page + e * p.k_src_entry + h * p.k_src_head,
+                  p.k.head_dim, gk, p.recipe, p.k.data + p.k.DataOffset(dst, e, h),
+                  p.k.scales + p.k.ScaleOffset(dst, e, h));
+      QuantizeRow(p.v_src, p.dtype, src * p.v_src_page + e * p.v_src_entry + h * p.v_src_head,
+                  p.v.head_dim, gv, p.recipe, p.v.data + p.v.DataOffset(dst, e, h),
+                  p.v.scales + p.v.ScaleOffset(dst, e, h));
+    }
+  });
 }
 
 }  // namespace internal

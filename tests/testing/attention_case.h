@@ -3,9 +3,10 @@
 // (`in`), all outputs in another (`out`, kPoison with gaps), tensors described
 // by offsets so the same case is viewed at host or device bases.
 //
-// The pools hold real NVFP4 data: f16/bf16 rows (RandomHalfBits, or the real
-// model rows of /work/shared/data/realkv) quantized with QuantizeBlock under a
-// global scale derived from the rows' amax. Block tables give every request
+// The pools hold real NVFP4 data: f16/bf16 rows (RandomHalfBits rescaled to
+// comparable row norms, or the real model rows of /work/shared/data/realkv)
+// quantized with QuantizeBlock under a global scale derived from the rows'
+// amax. Block tables give every request
 // its own pages, drawn from a random permutation of the pool.
 #ifndef FP4KV_TESTS_TESTING_ATTENTION_CASE_H_
 #define FP4KV_TESTS_TESTING_ATTENTION_CASE_H_
@@ -100,11 +101,13 @@ std::vector<uint8_t> ReferenceAttentionOutputs(const AttentionCase& c,
                                                std::vector<double>* exact = nullptr);
 
 // Compares an output blob with the reference's: per (query row, qo head)
-// written by the contract, ||got - ref|| / ||ref|| <= rel_tol (ref norm 0:
-// got must be 0 too), lse within lse_tol absolute (both -inf allowed), and
-// every byte the contract leaves alone still kPoison. ref is the unrounded
-// `exact` output when given (ReferenceAttentionOutputs), else want's out.
-// Returns "" or a description of the first failure.
+// written by the contract, ||got - ref|| <= rel_tol * ||ref|| + a floor of
+// two subnormal ulps of the dtype per element (so a zero reference row needs
+// a zero row, up to f16 subnormal noise), lse within lse_tol absolute (both
+// -inf allowed), and every byte the contract leaves alone still kPoison. ref
+// is the unrounded `exact` output when given (ReferenceAttentionOutputs),
+// else want's out. Returns "" or a description of the first failure
+// (request, query, row, position, head, norms and the first values).
 std::string CompareAttentionOutputs(const AttentionCase& c, const std::vector<uint8_t>& want,
                                     const std::vector<uint8_t>& got, double rel_tol,
                                     double lse_tol, const std::vector<double>* exact = nullptr);

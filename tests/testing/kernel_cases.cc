@@ -184,7 +184,8 @@ std::string AppendSpec::Name() const {
       "h", num_heads, "_k", head_dim_k, "_v", head_dim_v, "_s", page_size, "_", LayoutTag(layout),
       stacked ? "_stacked" : "_tuple", dtype == DType::kBF16 ? "_bf16" : "_f16",
       indexing == AppendIndexing::kSlot ? "_slot" : "_paged", "_", RecipeTag(recipe), "_b", batch,
-      "x", max_new_tokens, pointer_scales ? "_ptr" : "", padded_input ? "_pad" : "");
+      "x", max_new_tokens, pointer_scales ? "_ptr" : "", padded_input ? "_pad" : "",
+      count_events ? "_events" : "");
 }
 
 AppendCase MakeAppendCase(const AppendSpec& spec, uint64_t seed) {
@@ -221,6 +222,7 @@ AppendCase MakeAppendCase(const AppendSpec& spec, uint64_t seed) {
   c.in.assign(in.size(), kPoison);
   BlobLayout out;
   c.pool = AddPool(out, c.geometry, spec.stacked);
+  if (spec.count_events) c.scale_events = out.Add(DType::kI64, {4});
   c.out.assign(out.size(), kPoison);
   c.Rewrite(seed);
   return c;
@@ -305,8 +307,11 @@ void AppendCase::Rewrite(uint64_t seed) {
   }
 }
 
-AppendArgs AppendCase::Args(uint8_t* base, Device device) const {
+AppendArgs AppendCase::Args(uint8_t* base, Device device, uint8_t* out_base) const {
   AppendArgs a;
+  if (spec.count_events) {
+    a.scale_events = reinterpret_cast<uint64_t*>(out_base + scale_events.offset);
+  }
   a.key = key.At(base, device);
   a.value = value.At(base, device);
   a.batch_indices = batch_indices.At(base, device);
@@ -321,7 +326,8 @@ AppendArgs AppendCase::Args(uint8_t* base, Device device) const {
 }
 
 Appender::Options AppendCase::Options(Device device) const {
-  return Appender::Options{geometry, spec.dtype, spec.indexing, spec.recipe, device};
+  return Appender::Options{geometry, spec.dtype, spec.indexing, spec.recipe, device,
+                           spec.count_events};
 }
 
 // ----------------------------------------------------------------- dequant
@@ -556,6 +562,7 @@ std::vector<AppendSpec> AppendSweep() {
     s.padded_input = i % 4 == 2;
     s.num_heads = s.batch >= 31 ? 2 : (i % 2 ? 8 : 3);
     s.max_new_tokens = s.batch >= 31 ? 2 : (s.page_size >= 16 ? 70 : 9);
+    s.count_events = i % 5 == 2;
     out.push_back(s);
   }
   // A launch with many rows per CTA (>= 8192 rows).
@@ -646,6 +653,151 @@ std::vector<LinearSpec> LinearSweep() {
     s.padded = i % 4 == 1;
     out.push_back(s);
   }
+  return out;
+}
+
+// --------------------------------------------------------- quantize cache
+std::string QuantizeCacheSpec::Name() const {
+  return absl::StrCat("h", num_heads, "_k", head_dim_k, "_v", head_dim_v, "_s", page_size, "_",
+                      LayoutTag(source_layout), source_stacked ? "_stacked" : "_tuple", "_to_",
+                      LayoutTag(cache_layout), cache_stacked ? "_stacked" : "_tuple",
+                      dtype == DType::kBF16 ? "_bf16" : "_f16", "_", RecipeTag(recipe), "_p",
+                      source_pages, lists ? "_lists" : "", compute_scales ? "_computed" : "",
+                      pointer_scales ? "_ptr" : "", padded_source ? "_pad" : "");
+}
+
+QuantizeCacheCase MakeQuantizeCacheCase(const QuantizeCacheSpec& spec, uint64_t seed) {
+  QuantizeCacheCase c;
+  c.spec = spec;
+  const int64_t P = spec.source_pages, S = spec.page_size, H = spec.num_heads;
+  c.geometry = CacheGeometry{spec.num_heads, spec.head_dim_k, spec.head_dim_v,
+                             spec.page_size, P + 3,           spec.cache_layout};
+  BlobLayout in;
+  const bool nhd = spec.source_layout == Layout::kNHD;
+  const int64_t a = nhd ? S : H, b = nhd ? H : S;
+  const int64_t pad = spec.padded_source ? 8 : 0;
+  if (spec.source_stacked) {
+    c.kv_src = in.Add(spec.dtype, {P, 2, a, b, spec.head_dim_k}, pad);
+  } else {
+    c.k_src = in.Add(spec.dtype, {P, a, b, spec.head_dim_k}, pad);
+    c.v_src = in.Add(spec.dtype, {P, a, b, spec.head_dim_v}, pad);
+  }
+  if (spec.lists) {
+    c.src_pages = in.Add(DType::kI32, {P + 2});
+    c.dst_pages = in.Add(DType::kI32, {P + 2});
+    c.num_tokens = (P + 2) * S - S / 2;  // a partial last page
+  }
+  c.k_scale = MakeScale(in, spec.pointer_scales, 0.01f);
+  c.v_scale = MakeScale(in, spec.pointer_scales, 0.0037f);
+  c.in.assign(in.size(), kPoison);
+  BlobLayout out;
+  c.pool = AddPool(out, c.geometry, spec.cache_stacked);
+  if (spec.compute_scales) {
+    c.k_scale_out = out.Add(DType::kF32, {1});
+    c.v_scale_out = out.Add(DType::kF32, {1});
+  }
+  c.out.assign(out.size(), kPoison);
+  c.Rewrite(seed);
+  return c;
+}
+
+void QuantizeCacheCase::Rewrite(uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  if (spec.source_stacked) {
+    FillHalves(in, kv_src, seed + 1);
+  } else {
+    FillHalves(in, k_src, seed + 1);
+    FillHalves(in, v_src, seed + 2);
+  }
+  StoreScale(in, k_scale, std::ldexp(0.01f, static_cast<int>(rng() % 5) - 2));
+  StoreScale(in, v_scale, std::ldexp(0.0037f, static_cast<int>(rng() % 5) - 2));
+  if (spec.lists) {
+    const int64_t P = spec.source_pages, N = P + 2, C = geometry.num_pages;
+    std::vector<int64_t> dst(C);
+    std::iota(dst.begin(), dst.end(), 0);
+    std::shuffle(dst.begin(), dst.end(), rng);
+    for (int64_t i = 0; i < N; ++i) {
+      int64_t s = static_cast<int64_t>(rng() % P);  // repeats allowed
+      int64_t d = dst[i];                           // distinct
+      if (i == 1) s = -1;                           // out of range: nothing written
+      if (i == 2 && N > 3) d = C + 5;
+      if (i == 3 && N > 4) s = P;
+      Put<int32_t>(in, src_pages, i, static_cast<int32_t>(s));
+      Put<int32_t>(in, dst_pages, i, static_cast<int32_t>(d));
+    }
+  }
+}
+
+QuantizeCacheArgs QuantizeCacheCase::Args(uint8_t* in_base, uint8_t* out_base,
+                                          Device device) const {
+  QuantizeCacheArgs a;
+  if (spec.source_stacked) {
+    a.source = HalfPagedCache::FromStacked(kv_src.At(in_base, device), spec.source_layout).value();
+  } else {
+    a.source = HalfPagedCache::FromTuple(k_src.At(in_base, device), v_src.At(in_base, device),
+                                         spec.source_layout);
+  }
+  a.src_pages = src_pages.At(in_base, device);
+  a.dst_pages = dst_pages.At(in_base, device);
+  a.num_tokens = num_tokens;
+  if (spec.compute_scales) {
+    a.k_scale_out = reinterpret_cast<float*>(out_base + k_scale_out.offset);
+    a.v_scale_out = reinterpret_cast<float*>(out_base + v_scale_out.offset);
+  } else {
+    a.k_scale = k_scale.At(in_base);
+    a.v_scale = v_scale.At(in_base);
+  }
+  return a;
+}
+
+PagedCacheQuantizer::Options QuantizeCacheCase::Options(Device device) const {
+  PagedCacheQuantizer::Options o;
+  o.geometry = geometry;
+  o.source_layout = spec.source_layout;
+  o.input_dtype = spec.dtype;
+  o.recipe = spec.recipe;
+  o.device = device;
+  o.compute_scales = spec.compute_scales;
+  o.headroom = spec.compute_scales && spec.lists ? 2.0f : 1.0f;
+  return o;
+}
+
+std::vector<QuantizeCacheSpec> QuantizeCacheSweep() {
+  const std::vector<Recipe> recipes = AllRecipes();
+  std::vector<QuantizeCacheSpec> out;
+  for (int i = 0; i < 32; ++i) {
+    QuantizeCacheSpec s;
+    s.page_size = kPageSizes[i % 6];
+    s.head_dim_k = kDims[(i / 3) % 5][0];
+    s.head_dim_v = kDims[(i / 3) % 5][1];
+    s.source_layout = (i / 2) % 2 ? Layout::kHND : Layout::kNHD;
+    s.cache_layout = i % 5 == 3 ? (s.source_layout == Layout::kNHD ? Layout::kHND : Layout::kNHD)
+                                : s.source_layout;
+    const bool same = s.head_dim_k == s.head_dim_v;
+    s.source_stacked = same && (i % 4 == 1 || i % 4 == 2);
+    s.cache_stacked = same && i % 3 == 0;
+    s.dtype = (i / 4) % 2 ? DType::kF16 : DType::kBF16;
+    s.recipe = recipes[i % 5];
+    s.num_heads = i % 2 ? 3 : 8;
+    s.source_pages = s.page_size >= 16 ? 3 : 7;
+    s.lists = (i / 3) % 2 == 1;
+    s.compute_scales = i % 4 == 0 || i % 7 == 2;
+    s.pointer_scales = !s.compute_scales && i % 3 == 1;
+    s.padded_source = i % 5 == 1;
+    out.push_back(s);
+  }
+  QuantizeCacheSpec big;  // >= 8192 rows: 8 rows per CTA
+  big.num_heads = 1;
+  big.page_size = 16;
+  big.source_pages = 520;
+  big.compute_scales = true;
+  out.push_back(big);
+  big.source_layout = Layout::kHND;
+  big.cache_layout = Layout::kHND;
+  big.lists = true;
+  big.dtype = DType::kF16;
+  big.compute_scales = false;
+  out.push_back(big);
   return out;
 }
 

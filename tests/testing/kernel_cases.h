@@ -87,6 +87,7 @@ struct AppendSpec {
   bool pointer_scales = false;
   bool padded_input = false;  // key/value rows and heads with extra stride
   bool invalid_rows = true;   // padding and out-of-range rows
+  bool count_events = false;  // scale-event counters (in the output blob)
   std::string Name() const;
 };
 
@@ -98,10 +99,12 @@ struct AppendCase {
   std::vector<uint8_t> out;  // the pools, poisoned
   ViewSpec key, value, batch_indices, positions, kv_indices, kv_indptr, kv_last_page_len,
       slot_mapping;
+  ViewSpec scale_events;  // [4] u64 in the output blob when spec.count_events
   PoolSpec pool;
   ScaleSpec k_scale, v_scale;
 
-  AppendArgs Args(uint8_t* in_base, Device device) const;
+  // out_base: where scale_events lives (may be null without count_events).
+  AppendArgs Args(uint8_t* in_base, Device device, uint8_t* out_base = nullptr) const;
   PagedCache Cache(uint8_t* out_base, Device device) const { return pool.At(out_base, device); }
   Appender::Options Options(Device device) const;
   // New data, indices and scale values in place (same shapes), as the host
@@ -197,6 +200,45 @@ struct LinearCase {
   void Rewrite(uint64_t seed);
 };
 LinearCase MakeLinearCase(const LinearSpec& spec, uint64_t seed);
+
+// ---------------------------------------------------------------------------
+struct QuantizeCacheSpec {
+  int num_heads = 2;
+  int head_dim_k = 64;
+  int head_dim_v = 64;
+  int page_size = 16;
+  Layout source_layout = Layout::kNHD;
+  Layout cache_layout = Layout::kNHD;
+  bool source_stacked = false;  // need head_dim_k == head_dim_v
+  bool cache_stacked = false;
+  DType dtype = DType::kBF16;
+  Recipe recipe;
+  int source_pages = 5;
+  bool lists = false;  // src/dst page lists (with out-of-range entries) and a partial num_tokens
+  bool compute_scales = false;
+  bool pointer_scales = false;
+  bool padded_source = false;  // extra stride on every source dimension but the last
+  std::string Name() const;
+};
+
+struct QuantizeCacheCase {
+  QuantizeCacheSpec spec;
+  CacheGeometry geometry;  // of the NVFP4 cache
+  int64_t num_tokens = -1;
+  std::vector<uint8_t> in;   // source, lists, scales
+  std::vector<uint8_t> out;  // the pool and the computed scales, poisoned
+  ViewSpec k_src, v_src, kv_src, src_pages, dst_pages;
+  ViewSpec k_scale_out, v_scale_out;  // [1] f32 in the output blob (compute_scales)
+  PoolSpec pool;
+  ScaleSpec k_scale, v_scale;
+
+  QuantizeCacheArgs Args(uint8_t* in_base, uint8_t* out_base, Device device) const;
+  PagedCache Cache(uint8_t* out_base, Device device) const { return pool.At(out_base, device); }
+  PagedCacheQuantizer::Options Options(Device device) const;
+  void Rewrite(uint64_t seed);
+};
+QuantizeCacheCase MakeQuantizeCacheCase(const QuantizeCacheSpec& spec, uint64_t seed);
+std::vector<QuantizeCacheSpec> QuantizeCacheSweep();
 
 // Representative sweeps (a mixed cross product of page sizes 1..64, batch
 // sizes 1..128, head dims 64/128/256 and K != V, both layouts, tuple and

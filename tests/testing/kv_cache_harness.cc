@@ -83,8 +83,21 @@ int64_t LayerExpectedBytes(const CacheGeometry& g) {
   return n;
 }
 
+// The layer's scales as the device holds them (NaN when they cannot be read,
+// which makes every later comparison fail).
+LayerScales ScalesOf(const KVCache& c, int layer) {
+  absl::StatusOr<LayerScales> s = c.ReadScales(layer);
+  if (!s.ok()) {
+    ADD_FAILURE() << "ReadScales(" << layer << "): " << s.status();
+    const float nan = std::nanf("");
+    return LayerScales{nan, nan, nan, nan, false, false};
+  }
+  return *s;
+}
+
 float GlobalOf(const KVCache& c, int layer, bool is_v) {
-  return is_v ? c.v_global_scale(layer) : c.k_global_scale(layer);
+  const LayerScales s = ScalesOf(c, layer);
+  return is_v ? s.v : s.k;
 }
 
 }  // namespace
@@ -264,9 +277,9 @@ std::string CheckMaterialized(const KVCache& cache, int layer, const std::vector
     }
   }
   const absl::Span<const int32_t> indptr = cache.host_kv_page_indptr();
-  const float mult[2] = {
-      Fp8MaterializeMultiplier(cache.k_global_scale(layer), cache.k_fp8_scale(layer)),
-      Fp8MaterializeMultiplier(cache.v_global_scale(layer), cache.v_fp8_scale(layer))};
+  const LayerScales sc = ScalesOf(cache, layer);
+  const float mult[2] = {Fp8MaterializeMultiplier(sc.k, sc.k_fp8),
+                         Fp8MaterializeMultiplier(sc.v, sc.v_fp8)};
   for (size_t b = 0; b < rows.size(); ++b) {
     const int64_t len = static_cast<int64_t>(rows[b].size());
     const int64_t pages = (len + S - 1) / S;
@@ -331,7 +344,7 @@ std::string CheckDequantized(const KVCache& cache, int layer, const std::vector<
   for (int kv = 0; kv < 2; ++kv) {
     const int D = kv ? g.head_dim_v : g.head_dim_k;
     const std::vector<uint16_t>& outv = kv ? v_out : k_out;
-    const float gs = kv ? cache.v_global_scale(layer) : cache.k_global_scale(layer);
+    const float gs = GlobalOf(cache, layer, kv != 0);
     for (int64_t b = 0; b < batch; ++b) {
       const int64_t len = b < static_cast<int64_t>(rows.size()) ? rows[b].size() : 0;
       for (int64_t t = 0; t < max_len; ++t) {
@@ -422,16 +435,19 @@ Snapshot TakeSnapshot(const KVCache& cache) {
     s.step_buffers.insert(s.step_buffers.end(), bytes.begin(), bytes.end());
   }
   for (int l = 0; l < cache.num_layers(); ++l) {
-    s.scales.push_back(cache.k_global_scale(l));
-    s.scales.push_back(cache.v_global_scale(l));
-    s.scales.push_back(cache.k_fp8_scale(l));
-    s.scales.push_back(cache.v_fp8_scale(l));
+    const LayerScales sc = ScalesOf(cache, l);
+    s.scales.push_back(sc.k);
+    s.scales.push_back(sc.v);
+    s.scales.push_back(sc.k_fp8);
+    s.scales.push_back(sc.v_fp8);
+    s.scales.push_back(sc.k_calibrated ? 1.0f : 0.0f);
+    s.scales.push_back(sc.v_calibrated ? 1.0f : 0.0f);
   }
   const std::vector<uint8_t> dev_scales = DownloadView(TensorView::Contiguous(
       cache.global_scale_ptr(0, 0), DType::kF32, {4 * cache.num_layers()}, cache.device()));
   const size_t n = s.scales.size();
-  s.scales.resize(2 * n);
-  std::memcpy(s.scales.data() + n, dev_scales.data(), n * sizeof(float));
+  s.scales.resize(n + dev_scales.size() / sizeof(float));
+  std::memcpy(s.scales.data() + n, dev_scales.data(), dev_scales.size());
   s.pools = DownloadPools(cache);
   return s;
 }

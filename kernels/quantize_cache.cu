@@ -1,0 +1,94 @@
+// Paged-cache quantization kernels and their launcher (quantize_cache.cuh).
+#include "absl/status/status.h"
+#include "kernels/quantize_cache.cuh"
+#include "src/cuda_util.h"
+#include "src/params.h"
+
+namespace fp4kv {
+namespace internal {
+namespace {
+
+using kernels::QuantizeCacheLaunch;
+using kernels::RecipeVariant;
+
+template <bool kBf16, RecipeVariant kVariant>
+__global__ void __launch_bounds__(kernels::kMaxTileThreads)
+    QuantizeCacheKernel(const QuantizeCacheLaunch a) {
+  kernels::QuantizeCacheThread<kBf16, kVariant>(a, blockIdx.x, blockIdx.y, threadIdx.x);
+}
+
+// Warp maxima of the per-thread amax, added with one integer max per side
+// (the bits of non-negative floats order like their values).
+template <bool kBf16>
+__global__ void __launch_bounds__(kernels::kMaxTileThreads)
+    CacheAmaxKernel(const QuantizeCacheLaunch a) {
+  float k, v;
+  kernels::CacheAmaxThread<kBf16>(a, blockIdx.x, blockIdx.y, threadIdx.x, &k, &v);
+  for (int off = 16; off > 0; off >>= 1) {
+    k = fmaxf(k, __shfl_xor_sync(0xffffffffu, k, off));
+    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off));
+  }
+  if ((threadIdx.x & 31) != 0) return;
+  if (k > 0.0f) atomicMax(a.p.amax_bits[0], __float_as_uint(k));
+  if (v > 0.0f) atomicMax(a.p.amax_bits[1], __float_as_uint(v));
+}
+
+__global__ void CacheAmaxZeroKernel(uint32_t* __restrict__ d_k,   // [1]
+                                    uint32_t* __restrict__ d_v) {  // [1]
+  *d_k = 0;
+  *d_v = 0;
+}
+
+__global__ void CacheScalesFinishKernel(const QuantizeCacheParams p) {
+  kernels::FinishCacheScalesFromBits(p);
+}
+
+using QuantizeCacheFn = void (*)(QuantizeCacheLaunch);
+
+template <bool kBf16>
+QuantizeCacheFn PickQuantizeCacheKernel(RecipeVariant v) {
+  switch (v) {
+    case RecipeVariant::kStandard:
+      return QuantizeCacheKernel<kBf16, RecipeVariant::kStandard>;
+    case RecipeVariant::kMae:
+      return QuantizeCacheKernel<kBf16, RecipeVariant::kMae>;
+    case RecipeVariant::kMse:
+      return QuantizeCacheKernel<kBf16, RecipeVariant::kMse>;
+    case RecipeVariant::kMaeHalf:
+      return QuantizeCacheKernel<kBf16, RecipeVariant::kMaeHalf>;
+    case RecipeVariant::kMseHalf:
+      return QuantizeCacheKernel<kBf16, RecipeVariant::kMseHalf>;
+  }
+  return nullptr;
+}
+
+}  // namespace
+
+absl::Status LaunchQuantizeCache(const QuantizeCacheParams& p, Stream stream) {
+  const bool bf16 = p.dtype == DType::kBF16;
+  if (!kernels::ForEachQuantizeCacheLaunch(p, [](const QuantizeCacheLaunch&) {})) {
+    return absl::InvalidArgumentError(
+        "quantize cache: expected num_kv_heads * (head_dim_k + head_dim_v) / 16 <= 2^24 blocks "
+        "per row");
+  }
+  if (p.compute_scales) {
+    if (p.zero_first) {
+      CacheAmaxZeroKernel<<<1, 1, 0, stream>>>(p.amax_bits[0], p.amax_bits[1]);
+    }
+    const auto amax_fn = bf16 ? CacheAmaxKernel<true> : CacheAmaxKernel<false>;
+    kernels::ForEachQuantizeCacheLaunch(p, [&](const QuantizeCacheLaunch& a) {
+      amax_fn<<<dim3(a.shape.grid_x, a.shape.grid_y), a.shape.threads, 0, stream>>>(a);
+    });
+    CacheScalesFinishKernel<<<1, 1, 0, stream>>>(p);
+  }
+  const RecipeVariant v = kernels::VariantOf(p.recipe);
+  const QuantizeCacheFn fn =
+      bf16 ? PickQuantizeCacheKernel<true>(v) : PickQuantizeCacheKernel<false>(v);
+  kernels::ForEachQuantizeCacheLaunch(p, [&](const QuantizeCacheLaunch& a) {
+    fn<<<dim3(a.shape.grid_x, a.shape.grid_y), a.shape.threads, 0, stream>>>(a);
+  });
+  return CudaStatus(cudaGetLastError(), "QuantizeCacheKernel launch");
+}
+
+}  // namespace internal
+}  // namespace fp4kv
