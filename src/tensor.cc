@@ -92,8 +92,8 @@ absl::StatusOr<TensorView> TensorView::FromDLPack(const DLTensor& t) {
 #endif
   else {
     return absl::InvalidArgumentError(absl::StrCat(
-        "DLTensor: unsupported dtype (code ", code, ", bits ", bits,
-        "); expected f16, bf16, f32, u8, e4m3, i32 or i64"));
+        "DLTensor: expected dtype f16, bf16, f32, u8, e4m3, i32 or i64, got code ", code,
+        " with ", bits, " bits"));
   }
   if (t.device.device_type == kDLCPU || t.device.device_type == kDLCUDAHost) {
     v.device = Device::Cpu();
@@ -101,8 +101,8 @@ absl::StatusOr<TensorView> TensorView::FromDLPack(const DLTensor& t) {
     v.device = Device::Cuda(t.device.device_id);
   } else {
     return absl::InvalidArgumentError(absl::StrCat(
-        "DLTensor: unsupported device type ", static_cast<int>(t.device.device_type),
-        "; expected CPU, CUDA host or CUDA"));
+        "DLTensor: expected device type CPU, CUDA host or CUDA, got ",
+        static_cast<int>(t.device.device_type)));
   }
   if (t.ndim > 0 && t.shape == nullptr) {
     return absl::InvalidArgumentError(
