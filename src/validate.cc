@@ -68,6 +68,13 @@ absl::Status CheckGiven(const TensorView& t, const char* name) {
   if (t.data == nullptr) {
     return absl::InvalidArgumentError(absl::StrCat(name, ": expected a tensor, got a null pointer"));
   }
+  const auto addr = reinterpret_cast<uintptr_t>(t.data);
+  if (addr % DTypeSize(t.dtype) != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(name, ": expected a pointer aligned to its ",
+                                                   DTypeName(t.dtype), " elements (",
+                                                   DTypeSize(t.dtype), " bytes), got address ",
+                                                   addr));
+  }
   return absl::OkStatus();
 }
 

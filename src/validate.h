@@ -24,7 +24,7 @@ inline constexpr int64_t kAny = -1;
 // a byte extent (1 + sum (shape - 1) * stride elements) within int64, and
 // data + byte extent inside the address space. Null data is allowed here.
 absl::Status CheckExtents(const TensorView& t, const char* name);
-// CheckExtents and a non-null pointer.
+// CheckExtents and a non-null pointer aligned to the element size.
 absl::Status CheckGiven(const TensorView& t, const char* name);
 absl::Status CheckDType(const TensorView& t, const char* name, std::initializer_list<DType> allowed);
 // CheckExtents and the rank.
