@@ -80,6 +80,18 @@ struct Flags {
   bool Parse(int argc, char** argv) {
     for (int i = 1; i < argc; ++i) {
       const std::string a = argv[i];
+      if (a == "--help" || a == "-h") {
+        std::printf(
+            "usage: serving_loop [--name=value ...]\n"
+            "  --device=auto|cuda|cpu   where the cache lives (auto: a GPU when present)\n"
+            "  --read=attention|materialize  decode read path (direct NVFP4 attention, or FP8 pages)\n"
+            "  --layers, --kv_heads, --qo_heads, --head_dim, --page_size   model shape\n"
+            "  --requests, --max_batch, --prompt_min, --prompt_max, --decode_min, --decode_max,\n"
+            "  --chunk (prefill chunk), --samples (forked samples), --pool_pages,\n"
+            "  --error_seqs (sequences whose dequantized error is reported), --seed\n"
+            "Unset sizes get GPU- or CPU-sized defaults.\n");
+        std::exit(0);
+      }
       const size_t eq = a.find('=');
       if (a.rfind("--", 0) != 0 || eq == std::string::npos) {
         std::fprintf(stderr, "unknown argument %s (flags are --name=value)\n", a.c_str());
@@ -215,8 +227,8 @@ int main(int argc, char** argv) {
   const bool have_gpu = probe == cudaSuccess && gpu_count > 0;
   bool gpu = f.device == "cuda" || (f.device == "auto" && have_gpu);
   if (gpu && !have_gpu) {
-    std::fprintf(stderr, "--device=cuda: no usable CUDA GPU (%s)\n",
-                 probe == cudaSuccess ? "none present" : cudaGetErrorName(probe));
+    std::fprintf(stderr, "--device=cuda: no GPU on this machine (%s)\n",
+                 probe == cudaSuccess ? "no CUDA device found" : cudaGetErrorName(probe));
     return 1;
   }
   f.FillDefaults(gpu);
@@ -237,7 +249,10 @@ int main(int argc, char** argv) {
     std::printf("device: CPU (%s): every op runs through the CPU reference; smaller defaults\n",
                 f.device == "cpu"
                     ? "--device=cpu"
-                    : (probe == cudaSuccess ? "no CUDA GPU present" : cudaGetErrorName(probe)));
+                    : (probe == cudaSuccess || probe == cudaErrorNoDevice ||
+                               probe == cudaErrorInsufficientDriver
+                           ? "no GPU on this machine"
+                           : cudaGetErrorName(probe)));
   }
   const fp4kv::Device device = gpu ? fp4kv::Device::Cuda(0) : fp4kv::Device::Cpu();
   const int L = f.layers, H = f.kv_heads, D = f.head_dim, PS = f.page_size;

@@ -260,12 +260,7 @@ Calibrator::~Calibrator() {
 absl::Status Calibrator::Run(const TensorView& input, float* amax, float* global_scale,
                              Stream stream, float* fp8_scale) {
   const Options& o = options_;
-  for (int d = 0; d < input.ndim; ++d) {
-    if (input.shape[d] < 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("input: expected non-negative extents, got shape ", input.ShapeString()));
-    }
-  }
+  FP4KV_CALIBRATE_RETURN_IF_ERROR(internal::CheckExtents(input, "input"));
   const int64_t n = input.numel();
   if (n > o.max_elements) {
     return absl::InvalidArgumentError(

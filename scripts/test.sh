@@ -12,8 +12,10 @@ if [ "${1:-}" = "--sanitize" ]; then
   cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DFP4KV_SANITIZE=ON \
     -DCMAKE_CUDA_ARCHITECTURES=90 -DFP4KV_BUILD_BENCHMARKS=OFF -DFP4KV_BUILD_EXAMPLES=OFF >/dev/null
   cmake --build build-asan -j"$jobs"
-  # protect_shadow_gap=0 lets the CUDA runtime map memory under ASan.
-  ASAN_OPTIONS=protect_shadow_gap=0:detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
+  # protect_shadow_gap=0 lets the CUDA runtime map memory under ASan;
+  # allocator_may_return_null=1 lets an impossible allocation fail as it does
+  # without ASan (KVCache::Create then returns ResourceExhausted).
+  ASAN_OPTIONS=protect_shadow_gap=0:detect_leaks=1:allocator_may_return_null=1 UBSAN_OPTIONS=print_stacktrace=1 \
     ctest --test-dir build-asan --output-on-failure -j"$jobs"
 else
   cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DFP4KV_BUILD_TESTS=ON -DFP4KV_BUILD_BENCHMARKS=ON -DFP4KV_BUILD_EXAMPLES=ON >/dev/null

@@ -245,6 +245,10 @@ absl::StatusOr<AttentionParams> MakeAttentionParams(const DecodeAttention::Optio
 
 absl::Status DecodeAttention::Run(const DecodeAttentionArgs& args, const PagedCache& cache,
                                   void* workspace, int64_t workspace_bytes, Stream stream) const {
+  if (options_.num_qo_heads <= 0) {
+    return absl::FailedPreconditionError(
+        "DecodeAttention: expected an op from Create(), got a default-constructed one");
+  }
   absl::StatusOr<internal::AttentionParams> p =
       internal::MakeAttentionParams(options_, args, cache, workspace, workspace_bytes, num_sms_);
   if (!p.ok()) return p.status();

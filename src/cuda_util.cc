@@ -21,13 +21,17 @@ absl::Status CheckDeviceAvailable(const Device& device) {
   const cudaError_t err = cudaGetDeviceCount(&count);
   if (err != cudaSuccess) {
     (void)cudaGetLastError();  // clear the sticky-free error so later calls start clean
-    return absl::FailedPreconditionError(absl::StrCat("device ", device.ToString(),
-                                                      ": no usable CUDA device (cudaGetDeviceCount: ",
-                                                      cudaGetErrorName(err), ")"));
+    // No driver or no device: say so in plain words, the CUDA error after.
+    const bool no_gpu = err == cudaErrorNoDevice || err == cudaErrorInsufficientDriver;
+    return absl::FailedPreconditionError(absl::StrCat(
+        "device: expected a usable CUDA device for ", device.ToString(), ", got ",
+        no_gpu ? "no GPU on this machine" : "a CUDA runtime error", " (cudaGetDeviceCount: ",
+        cudaGetErrorName(err), ")"));
   }
   if (device.ordinal >= count) {
     return absl::FailedPreconditionError(absl::StrCat(
-        "device ", device.ToString(), ": expected an ordinal < ", count, " (CUDA devices present)"));
+        "device: expected a CUDA ordinal < ", count, " (the devices present), got ",
+        device.ToString()));
   }
   return absl::OkStatus();
 }

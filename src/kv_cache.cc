@@ -9,7 +9,9 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <tuple>
 #include <unordered_map>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "fp4kv/calibrate.h"
@@ -17,6 +19,7 @@
 #include "src/cuda_util.h"
 #include "src/page_allocator.h"
 #include "src/params.h"
+#include "src/validate.h"
 
 namespace fp4kv {
 namespace internal {
@@ -31,6 +34,8 @@ namespace {
 
 constexpr int64_t kRegionAlign = 256;  // every pool region and step buffer
 constexpr int64_t kHostAlign = 256;    // as cudaMalloc: regions stay 256-byte aligned
+// Longest sequence of the default max_pages_per_seq (KVCacheOptions).
+constexpr int64_t kDefaultMaxSeqTokens = 32768;
 
 int64_t RoundUp(int64_t x, int64_t a) { return (x + a - 1) / a * a; }
 
@@ -50,19 +55,30 @@ struct PoolLayout {
   int64_t total_bytes = 0;
 };
 
-PoolLayout ComputePoolLayout(const CacheGeometry& g, int num_layers) {
-  const int64_t rows = static_cast<int64_t>(g.page_size) * g.num_kv_heads;
-  const int64_t per_page[4] = {rows * g.DataRowBytes(false), rows * g.DataRowBytes(true),
-                               rows * g.ScaleRowBytes(false), rows * g.ScaleRowBytes(true)};
+// False when a size does not fit in int64 (nothing that large can be
+// allocated anyway).
+bool ComputePoolLayout(const CacheGeometry& g, int num_layers, PoolLayout* out) {
+  int64_t rows = 0;
+  if (__builtin_mul_overflow(static_cast<int64_t>(g.page_size), int64_t{g.num_kv_heads}, &rows)) {
+    return false;
+  }
+  const int64_t row_bytes[4] = {g.DataRowBytes(false), g.DataRowBytes(true),
+                                g.ScaleRowBytes(false), g.ScaleRowBytes(true)};
   PoolLayout l;
   int64_t off = 0;
   for (int r = 0; r < 4; ++r) {
-    l.regions[r] = Region{off, per_page[r]};
-    off += RoundUp(per_page[r] * g.num_pages, kRegionAlign);
+    int64_t page = 0, region = 0;
+    if (__builtin_mul_overflow(rows, row_bytes[r], &page) ||
+        __builtin_mul_overflow(page, g.num_pages, &region) || region > INT64_MAX - kRegionAlign) {
+      return false;
+    }
+    l.regions[r] = Region{off, page};
+    if (__builtin_add_overflow(off, RoundUp(region, kRegionAlign), &off)) return false;
   }
   l.layer_bytes = off;
-  l.total_bytes = off * num_layers;
-  return l;
+  if (__builtin_mul_overflow(off, int64_t{num_layers}, &l.total_bytes)) return false;
+  *out = l;
+  return true;
 }
 
 // Byte offsets of the step buffers. The staging (host) copy holds
@@ -75,6 +91,8 @@ struct StepLayout {
   // Scale state: calibrated flags [L, 2] i32, calibration scratch [L, 4] u32,
   // scale-event counters [L, 4] u64, old scales of a re-encode [L, 2] f32.
   int64_t flags = 0, calib = 0, events = 0, old_scales = 0;
+  // ReadSequence's block table [max_pages_per_seq] i32 and length [1] i32.
+  int64_t readback = 0;
   int64_t device_bytes = 0;
 };
 
@@ -93,7 +111,8 @@ StepLayout ComputeStepLayout(int64_t seqs, int64_t tokens, int64_t pages_per_seq
   s.calib = RoundUp(s.flags + 4 * 2 * L, 16);
   s.events = RoundUp(s.calib + 4 * 4 * L, 16);
   s.old_scales = RoundUp(s.events + 8 * 4 * L, 16);
-  s.device_bytes = s.old_scales + 4 * 2 * L;
+  s.readback = RoundUp(s.old_scales + 4 * 2 * L, 16);
+  s.device_bytes = s.readback + 4 * (pages_per_seq + 1);
   return s;
 }
 
@@ -216,9 +235,10 @@ class ScopedDevice {
 };
 
 absl::Status CheckScale(float v, const char* name, int layer) {
-  if (!(v > 0.0f) || !std::isfinite(v)) {
+  if (!IsValidGlobalScale(v)) {
     return absl::InvalidArgumentError(
-        absl::StrCat(name, "[", layer, "]: expected a positive finite global scale, got ", v));
+        absl::StrCat(name, "[", layer, "]: expected a global scale in (0, ", MaxGlobalScale(),
+                     "] (positive, with 6 * 448 * g finite), got ", v));
   }
   return absl::OkStatus();
 }
@@ -230,7 +250,7 @@ absl::Status CheckScale(float v, const char* name, int layer) {
 class KVCacheState {
  public:
   struct Sequence {
-    uint32_t generation = 1;  // id = generation << 32 | slot
+    SequenceId id = 0;  // of the live sequence in this slot
     bool live = false;
     int64_t length = 0;
     std::vector<int32_t> pages;  // ceil(length / page_size) entries
@@ -266,14 +286,11 @@ class KVCacheState {
     return absl::OkStatus();
   }
 
-  static SequenceId MakeId(uint32_t slot, uint32_t generation) {
-    return (static_cast<uint64_t>(generation) << 32) | slot;
-  }
   Sequence* Find(SequenceId id) {
-    const uint64_t slot = id & 0xffffffffu;
-    if (slot >= seqs.size()) return nullptr;
-    Sequence& s = seqs[slot];
-    return s.live && s.generation == (id >> 32) ? &s : nullptr;
+    auto it = slot_of.find(id);
+    if (it == slot_of.end()) return nullptr;
+    Sequence& s = seqs[it->second];
+    return s.live && s.id == id ? &s : nullptr;
   }
   const Sequence* Find(SequenceId id) const { return const_cast<KVCacheState*>(this)->Find(id); }
   static absl::Status Unknown(const char* name, SequenceId id) {
@@ -457,6 +474,10 @@ class KVCacheState {
   PageAllocator allocator;
   std::vector<Sequence> seqs;
   std::vector<uint32_t> free_slots;
+  // Ids count up from 1 and are never reused; slot_of maps a live id to its
+  // slot in seqs.
+  SequenceId next_id = 1;
+  std::unordered_map<SequenceId, uint32_t> slot_of;
   int64_t live_sequences = 0;
   std::vector<Row> rows;
   int64_t slot_extent = 0;  // staging slots [0, slot_extent) may be >= 0
@@ -500,32 +521,54 @@ absl::StatusOr<KVCache> KVCache::Create(const KVCacheOptions& o) {
     probe.num_pages = 1;
     FP4KV_KV_RETURN_IF_ERROR(probe.Validate());
   }
+  internal::PoolLayout one_page;
+  {
+    CacheGeometry t = g;
+    t.num_pages = 1;
+    if (!internal::ComputePoolLayout(t, o.num_layers, &one_page)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "geometry: expected a page size in bytes (all layers) within int64, got page_size ",
+          g.page_size, ", num_kv_heads ", g.num_kv_heads, ", head_dim_k ", g.head_dim_k,
+          ", head_dim_v ", g.head_dim_v, " and ", o.num_layers, " layers"));
+    }
+  }
   if (g.num_pages == 0) {
-    const int64_t per_page = g.PageBytes() * o.num_layers;
-    int64_t p = o.memory_budget_bytes / per_page;
-    for (;;) {
+    // The most pages (at most INT32_MAX) whose pools fit the budget.
+    int64_t per_page = 0;
+    if (__builtin_mul_overflow(g.PageBytes(), int64_t{o.num_layers}, &per_page)) {
+      per_page = INT64_MAX;
+    }
+    int64_t p = std::min<int64_t>(o.memory_budget_bytes / per_page, INT32_MAX);
+    for (internal::PoolLayout l; p >= 1; --p) {
       CacheGeometry t = g;
       t.num_pages = p;
-      if (p < 1 ||
-          internal::ComputePoolLayout(t, o.num_layers).total_bytes <= o.memory_budget_bytes) {
+      if (internal::ComputePoolLayout(t, o.num_layers, &l) &&
+          l.total_bytes <= o.memory_budget_bytes) {
         break;
       }
-      --p;
     }
     if (p < 1) {
-      CacheGeometry t = g;
-      t.num_pages = 1;
-      return absl::InvalidArgumentError(
-          absl::StrCat("memory_budget_bytes: expected at least ",
-                       internal::ComputePoolLayout(t, o.num_layers).total_bytes,
-                       " bytes (one page of every layer), got ", o.memory_budget_bytes));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "memory_budget_bytes: expected at least ", one_page.total_bytes,
+          " bytes (one page of every layer), got ", o.memory_budget_bytes));
     }
-    g.num_pages = std::min<int64_t>(p, INT32_MAX);
+    g.num_pages = p;
   }
   if (g.num_pages > INT32_MAX) {
     return absl::InvalidArgumentError(absl::StrCat("geometry.num_pages: expected at most ",
                                                    INT32_MAX, " (i32 block tables), got ",
                                                    g.num_pages));
+  }
+  internal::PoolLayout pool_layout;
+  if (!internal::ComputePoolLayout(g, o.num_layers, &pool_layout)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "geometry.num_pages: expected pools (", o.num_layers, " layers of ", g.num_pages,
+        " pages) whose size in bytes fits in int64, got ", g.num_pages));
+  }
+  int max_pages_per_seq = o.max_pages_per_seq;
+  if (max_pages_per_seq == 0) {
+    max_pages_per_seq = static_cast<int>(std::min<int64_t>(
+        g.num_pages, CeilDiv(internal::kDefaultMaxSeqTokens, g.page_size)));
   }
   FP4KV_KV_RETURN_IF_ERROR(ValidateRecipe(o.recipe));
   for (const auto& [v, name] :
@@ -542,18 +585,18 @@ absl::StatusOr<KVCache> KVCache::Create(const KVCacheOptions& o) {
   for (const auto& [v, name] :
        {std::pair<int, const char*>{o.max_seqs_per_step, "max_seqs_per_step"},
         std::pair<int, const char*>{o.max_tokens_per_step, "max_tokens_per_step"},
-        std::pair<int, const char*>{o.max_pages_per_seq, "max_pages_per_seq"}}) {
+        std::pair<int, const char*>{max_pages_per_seq, "max_pages_per_seq"}}) {
     if (v < 1) return absl::InvalidArgumentError(absl::StrCat(name, ": expected >= 1, got ", v));
   }
-  if (static_cast<int64_t>(o.max_pages_per_seq) * g.page_size > INT32_MAX) {
+  if (static_cast<int64_t>(max_pages_per_seq) * g.page_size > INT32_MAX) {
     return absl::InvalidArgumentError(
         absl::StrCat("max_pages_per_seq: expected max_pages_per_seq * page_size <= ", INT32_MAX,
-                     " (i32 lengths), got ", o.max_pages_per_seq, " * ", g.page_size));
+                     " (i32 lengths), got ", max_pages_per_seq, " * ", g.page_size));
   }
-  if (static_cast<int64_t>(o.max_pages_per_seq) * o.max_seqs_per_step >= INT32_MAX) {
+  if (static_cast<int64_t>(max_pages_per_seq) * o.max_seqs_per_step >= INT32_MAX) {
     return absl::InvalidArgumentError(absl::StrCat(
         "max_seqs_per_step, max_pages_per_seq: expected a product below ", INT32_MAX,
-        " (i32 kv_page_indptr), got ", o.max_seqs_per_step, " * ", o.max_pages_per_seq));
+        " (i32 kv_page_indptr), got ", o.max_seqs_per_step, " * ", max_pages_per_seq));
   }
   if (!(o.calibration_headroom >= 1.0f) || !std::isfinite(o.calibration_headroom)) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -565,12 +608,13 @@ absl::StatusOr<KVCache> KVCache::Create(const KVCacheOptions& o) {
   s->options = o;
   s->options.geometry = g;
   s->options.memory_budget_bytes = o.memory_budget_bytes;
+  s->options.max_pages_per_seq = max_pages_per_seq;
   s->geometry = g;
   s->cuda = o.device.is_cuda();
-  s->pool = internal::ComputePoolLayout(g, o.num_layers);
+  s->pool = pool_layout;
   const int S = o.max_seqs_per_step;
   const int T = o.max_tokens_per_step;
-  const int M = o.max_pages_per_seq;
+  const int M = max_pages_per_seq;
   s->step_layout = internal::ComputeStepLayout(S, T, M, o.num_layers);
   const internal::StepLayout& sl = s->step_layout;
 
@@ -663,12 +707,29 @@ absl::StatusOr<KVCache> KVCache::Create(const KVCacheOptions& o) {
 }
 
 KVCache::KVCache(std::unique_ptr<KVCacheState> state) : state_(std::move(state)) {}
+
+namespace {
+absl::Status NotBound(const char* what) {
+  return absl::FailedPreconditionError(absl::StrCat(
+      what, ": expected an op from a KVCache accessor, got a default-constructed one"));
+}
+absl::Status MovedFrom() {
+  return absl::FailedPreconditionError(
+      "KVCache: expected a live cache, got one that was moved from");
+}
+}  // namespace
+
+#define FP4KV_KV_RETURN_IF_MOVED_FROM() \
+  do {                                  \
+    if (state_ == nullptr) return MovedFrom(); \
+  } while (0)
 KVCache::KVCache(KVCache&&) noexcept = default;
 KVCache& KVCache::operator=(KVCache&&) noexcept = default;
 KVCache::~KVCache() = default;
 
 // --------------------------------------------------------------- sequences
 SequenceId KVCache::CreateSequence() {
+  if (state_ == nullptr) return 0;
   KVCacheState& s = *state_;
   uint32_t slot;
   if (!s.free_slots.empty()) {
@@ -684,10 +745,13 @@ SequenceId KVCache::CreateSequence() {
   q.pages.clear();
   ++q.epoch;
   ++s.live_sequences;
-  return KVCacheState::MakeId(slot, q.generation);
+  q.id = s.next_id++;
+  s.slot_of.emplace(q.id, slot);
+  return q.id;
 }
 
 absl::StatusOr<SequenceId> KVCache::ForkSequence(SequenceId parent) {
+  FP4KV_KV_RETURN_IF_MOVED_FROM();
   KVCacheState& s = *state_;
   if (s.Find(parent) == nullptr) return KVCacheState::Unknown("parent", parent);
   const SequenceId child = CreateSequence();  // may move s.seqs: look the parent up again
@@ -700,6 +764,7 @@ absl::StatusOr<SequenceId> KVCache::ForkSequence(SequenceId parent) {
 }
 
 absl::Status KVCache::Truncate(SequenceId seq, int64_t new_len) {
+  FP4KV_KV_RETURN_IF_MOVED_FROM();
   KVCacheState& s = *state_;
   KVCacheState::Sequence* q = s.Find(seq);
   if (q == nullptr) return KVCacheState::Unknown("seq", seq);
@@ -718,6 +783,7 @@ absl::Status KVCache::Truncate(SequenceId seq, int64_t new_len) {
 }
 
 absl::Status KVCache::ReleaseSequence(SequenceId seq) {
+  FP4KV_KV_RETURN_IF_MOVED_FROM();
   KVCacheState& s = *state_;
   KVCacheState::Sequence* q = s.Find(seq);
   if (q == nullptr) return KVCacheState::Unknown("seq", seq);
@@ -725,9 +791,9 @@ absl::Status KVCache::ReleaseSequence(SequenceId seq) {
   q->pages.clear();  // keeps the capacity for the next sequence in this slot
   q->length = 0;
   q->live = false;
-  ++q->generation;
-  if (q->generation == 0) q->generation = 1;  // wrapped: id 0 stays invalid
-  s.free_slots.push_back(static_cast<uint32_t>(seq & 0xffffffffu));
+  q->id = 0;
+  s.free_slots.push_back(s.slot_of[seq]);
+  s.slot_of.erase(seq);
   --s.live_sequences;
   return absl::OkStatus();
 }
@@ -865,18 +931,21 @@ absl::StatusOr<SequenceId> KVCache::ImportSequence(absl::Span<const HalfPagedCac
 }
 
 absl::StatusOr<int64_t> KVCache::SequenceLength(SequenceId seq) const {
+  FP4KV_KV_RETURN_IF_MOVED_FROM();
   const KVCacheState::Sequence* q = state_->Find(seq);
   if (q == nullptr) return KVCacheState::Unknown("seq", seq);
   return q->length;
 }
 
 absl::StatusOr<absl::Span<const int32_t>> KVCache::SequencePages(SequenceId seq) const {
+  FP4KV_KV_RETURN_IF_MOVED_FROM();
   const KVCacheState::Sequence* q = state_->Find(seq);
   if (q == nullptr) return KVCacheState::Unknown("seq", seq);
   return absl::Span<const int32_t>(q->pages);
 }
 
 absl::StatusOr<int32_t> KVCache::PageRefCount(int64_t page) const {
+  FP4KV_KV_RETURN_IF_MOVED_FROM();
   if (page < 0 || page >= state_->geometry.num_pages) {
     return absl::InvalidArgumentError(
         absl::StrCat("page: expected in [0, ", state_->geometry.num_pages, "), got ", page));
@@ -884,8 +953,82 @@ absl::StatusOr<int32_t> KVCache::PageRefCount(int64_t page) const {
   return state_->allocator.RefCount(static_cast<int32_t>(page));
 }
 
+absl::Status KVCache::ReadSequence(int layer, SequenceId seq, const TensorView& k_out,
+                                  const TensorView& v_out, Stream stream) const {
+  FP4KV_KV_RETURN_IF_MOVED_FROM();
+  const KVCacheState& s = *state_;
+  FP4KV_KV_RETURN_IF_ERROR(s.CheckLayer(layer));
+  const KVCacheState::Sequence* q = s.Find(seq);
+  if (q == nullptr) return KVCacheState::Unknown("seq", seq);
+  const CacheGeometry& g = s.geometry;
+  // Shapes here; dtype, alignment and device through the Dequantizer below.
+  for (const auto& [t, name, dim] :
+       {std::tuple<const TensorView&, const char*, int>{k_out, "k_out", g.head_dim_k},
+        std::tuple<const TensorView&, const char*, int>{v_out, "v_out", g.head_dim_v}}) {
+    FP4KV_KV_RETURN_IF_ERROR(internal::CheckGiven(t, name));
+    FP4KV_KV_RETURN_IF_ERROR(internal::CheckShape(t, name, {k_out.shape[0], g.num_kv_heads, dim}));
+    if (t.shape[0] < q->length || t.shape[0] > INT32_MAX) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(name, ": expected dimension 0 in [", q->length, ", ", INT32_MAX,
+                       "] (the sequence's length ..), got shape ", t.ShapeString()));
+    }
+  }
+  FP4KV_KV_RETURN_IF_ERROR(internal::CheckFloatDType(k_out.dtype, "k_out"));
+  absl::StatusOr<Dequantizer> op =
+      Dequantizer::Create({g, k_out.dtype, DType::kI32, s.options.device});
+  if (!op.ok()) return op.status();
+  // One request: [1, T, H, D] views of the outputs.
+  auto batched = [](const TensorView& t) {
+    TensorView b = TensorView::Strided(t.data, t.dtype, {1, t.shape[0], t.shape[1], t.shape[2]},
+                                       {0, t.strides[0], t.strides[1], t.strides[2]}, t.device);
+    return b;
+  };
+  const int64_t pages = static_cast<int64_t>(q->pages.size());
+  const int32_t len = static_cast<int32_t>(q->length);
+  DequantArgs a;
+  a.k_out = batched(k_out);
+  a.v_out = batched(v_out);
+  a.k_scale = GlobalScale::Pointer(s.d_scales + 4 * layer + 0);
+  a.v_scale = GlobalScale::Pointer(s.d_scales + 4 * layer + 1);
+  const Device dev = s.options.device;
+  int32_t* d_table = reinterpret_cast<int32_t*>(s.d_step + s.step_layout.readback);
+  int32_t* d_len = d_table + s.options.max_pages_per_seq;
+  const int64_t width = std::max<int64_t>(pages, 1);
+  a.block_tables = TensorView::Contiguous(d_table, DType::kI32, {1, width}, dev);
+  a.seq_lens = TensorView::Contiguous(d_len, DType::kI32, {1}, dev);
+  if (len == 0) {
+    // Nothing to write; still check every argument.
+    int32_t zero_table = 0, zero_len = 0;
+    a.block_tables = TensorView::Contiguous(&zero_table, DType::kI32, {1, 1}, dev);
+    a.seq_lens = TensorView::Contiguous(&zero_len, DType::kI32, {1}, dev);
+    absl::StatusOr<internal::DequantParams> p =
+        internal::MakeDequantParams(op->options(), a, s.LayerCache(layer));
+    return p.status();
+  }
+  if (!s.cuda) {
+    std::memcpy(d_table, q->pages.data(), sizeof(int32_t) * pages);
+    *d_len = len;
+    return op->Run(a, s.LayerCache(layer), stream);
+  }
+  // Check everything before the upload, then upload and launch.
+  absl::StatusOr<internal::DequantParams> p =
+      internal::MakeDequantParams(op->options(), a, s.LayerCache(layer));
+  if (!p.ok()) return p.status();
+  internal::ScopedDevice scoped;
+  FP4KV_KV_RETURN_IF_ERROR(scoped.Set(dev));
+  std::vector<int32_t> host(q->pages.begin(), q->pages.end());
+  host.resize(s.options.max_pages_per_seq + 1, 0);
+  host.back() = len;
+  // From pageable memory: the copy has taken the bytes when it returns.
+  FP4KV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(d_table, host.data(), sizeof(int32_t) * host.size(),
+                                             cudaMemcpyHostToDevice,
+                                             reinterpret_cast<cudaStream_t>(stream)));
+  return internal::LaunchDequantize(*p, stream);
+}
+
 // ------------------------------------------------------------------- steps
 absl::StatusOr<StepInfo> KVCache::PrepareStep(absl::Span<const StepEntry> entries, Stream stream) {
+  FP4KV_KV_RETURN_IF_MOVED_FROM();
   KVCacheState& s = *state_;
   const int S = s.options.max_seqs_per_step;
   const int M = s.options.max_pages_per_seq;
@@ -1060,28 +1203,41 @@ absl::StatusOr<StepInfo> KVCache::PrepareStep(absl::Span<const StepEntry> entrie
   return info;
 }
 
-const StepInfo& KVCache::step() const { return state_->step; }
-const StepViews& KVCache::step_views() const { return state_->views; }
+namespace {
+// What the accessors of a moved-from cache return.
+const StepInfo kNoStep{};
+const StepViews kNoViews{};
+const KVCacheOptions kNoOptions{};
+}  // namespace
+
+const StepInfo& KVCache::step() const { return state_ ? state_->step : kNoStep; }
+const StepViews& KVCache::step_views() const { return state_ ? state_->views : kNoViews; }
 
 absl::Span<const int64_t> KVCache::host_slot_mapping() const {
+  if (state_ == nullptr) return {};
   return absl::Span<const int64_t>(state_->h_slots, state_->step.num_tokens);
 }
 absl::Span<const int32_t> KVCache::host_seq_lens() const {
+  if (state_ == nullptr) return {};
   return absl::Span<const int32_t>(state_->h_seq_lens, state_->step.num_seqs);
 }
 absl::Span<const int32_t> KVCache::host_kv_page_indptr() const {
+  if (state_ == nullptr) return {};
   return absl::Span<const int32_t>(state_->h_kv_indptr, state_->step.num_seqs + 1);
 }
 absl::Span<const int32_t> KVCache::host_token_indptr() const {
+  if (state_ == nullptr) return {};
   return absl::Span<const int32_t>(state_->h_token_indptr, state_->step.num_seqs + 1);
 }
 absl::Span<const int32_t> KVCache::host_block_table(int row) const {
+  if (state_ == nullptr || row < 0 || row >= state_->options.max_seqs_per_step) return {};
   const int M = state_->options.max_pages_per_seq;
   return absl::Span<const int32_t>(state_->h_tables + static_cast<int64_t>(row) * M, M);
 }
 
 // --------------------------------------------------------------------- ops
 absl::StatusOr<CacheAppender> KVCache::appender(DType input_dtype) const {
+  FP4KV_KV_RETURN_IF_MOVED_FROM();
   const KVCacheState& s = *state_;
   absl::StatusOr<Appender> op =
       Appender::Create({s.geometry, input_dtype, AppendIndexing::kSlot, s.options.recipe,
@@ -1091,6 +1247,7 @@ absl::StatusOr<CacheAppender> KVCache::appender(DType input_dtype) const {
 }
 
 absl::StatusOr<CacheMaterializer> KVCache::materializer() const {
+  FP4KV_KV_RETURN_IF_MOVED_FROM();
   const KVCacheState& s = *state_;
   const CacheGeometry& g = s.geometry;
   if (g.head_dim_k != g.head_dim_v || g.head_dim_k % 64 != 0 || g.page_size % 4 != 0) {
@@ -1105,6 +1262,7 @@ absl::StatusOr<CacheMaterializer> KVCache::materializer() const {
 }
 
 absl::StatusOr<CacheDequantizer> KVCache::dequantizer(DType output_dtype) const {
+  FP4KV_KV_RETURN_IF_MOVED_FROM();
   const KVCacheState& s = *state_;
   absl::StatusOr<Dequantizer> op =
       Dequantizer::Create({s.geometry, output_dtype, DType::kI32, s.options.device});
@@ -1113,6 +1271,7 @@ absl::StatusOr<CacheDequantizer> KVCache::dequantizer(DType output_dtype) const 
 }
 
 absl::StatusOr<CacheAttention> KVCache::attention(const CacheAttentionOptions& co) const {
+  FP4KV_KV_RETURN_IF_MOVED_FROM();
   const KVCacheState& s = *state_;
   DecodeAttention::Options o;
   o.geometry = s.geometry;
@@ -1134,17 +1293,20 @@ absl::StatusOr<CacheAttention> KVCache::attention(const CacheAttentionOptions& c
 }
 
 int64_t KVCache::Fp8WorkspacePagesAtCapacity() const {
+  if (state_ == nullptr) return 0;
   return 1 + static_cast<int64_t>(state_->options.max_seqs_per_step) *
                  state_->options.max_pages_per_seq;
 }
 
 std::vector<int64_t> KVCache::Fp8WorkspaceShape(int64_t pages) const {
+  if (state_ == nullptr) return {};
   const CacheGeometry& g = state_->geometry;
   return {pages, 2, g.num_kv_heads, g.page_size, g.head_dim_k};
 }
 
 absl::Status CacheAppender::Run(int layer, const TensorView& key, const TensorView& value,
                                 Stream stream) const {
+  if (state_ == nullptr) return NotBound("CacheAppender");
   const KVCacheState& s = *state_;
   FP4KV_KV_RETURN_IF_ERROR(s.CheckLayer(layer));
   int64_t rows = s.options.max_tokens_per_step;
@@ -1211,6 +1373,7 @@ absl::Status CacheAppender::Run(int layer, const TensorView& key, const TensorVi
 }
 
 absl::Status CacheMaterializer::Run(int layer, const TensorView& out, Stream stream) const {
+  if (state_ == nullptr) return NotBound("CacheMaterializer");
   const KVCacheState& s = *state_;
   FP4KV_KV_RETURN_IF_ERROR(s.CheckLayer(layer));
   if (out.ndim >= 1 && out.shape[0] < s.step.fp8_workspace_pages) {
@@ -1233,6 +1396,7 @@ absl::Status CacheMaterializer::Run(int layer, const TensorView& out, Stream str
 
 absl::Status CacheDequantizer::Run(int layer, const TensorView& k_out, const TensorView& v_out,
                                    Stream stream) const {
+  if (state_ == nullptr) return NotBound("CacheDequantizer");
   const KVCacheState& s = *state_;
   FP4KV_KV_RETURN_IF_ERROR(s.CheckLayer(layer));
   const int S = s.options.max_seqs_per_step;
@@ -1265,6 +1429,7 @@ absl::Status CacheDequantizer::Run(int layer, const TensorView& k_out, const Ten
 absl::Status CacheAttention::Run(int layer, const TensorView& q, const TensorView& out,
                                  void* workspace, int64_t workspace_bytes, Stream stream,
                                  const TensorView& lse, const TensorView& sinks) const {
+  if (state_ == nullptr) return NotBound("CacheAttention");
   const KVCacheState& s = *state_;
   FP4KV_KV_RETURN_IF_ERROR(s.CheckLayer(layer));
   const int S = s.options.max_seqs_per_step;
@@ -1313,12 +1478,14 @@ absl::Status CacheAttention::Run(int layer, const TensorView& q, const TensorVie
 // ------------------------------------------------------- scales and views
 absl::Status KVCache::UpdateGlobalScales(int layer, float k_scale, float v_scale, Stream stream,
                                          StoredTokens stored) {
+  FP4KV_KV_RETURN_IF_MOVED_FROM();
   return UpdateGlobalScalesRange(layer, 1, &k_scale, &v_scale, stream, stored);
 }
 
 absl::Status KVCache::UpdateGlobalScales(absl::Span<const float> k_scales,
                                          absl::Span<const float> v_scales, Stream stream,
                                          StoredTokens stored) {
+  FP4KV_KV_RETURN_IF_MOVED_FROM();
   const int L = state_->options.num_layers;
   for (const auto& [v, name] :
        {std::pair<absl::Span<const float>, const char*>{k_scales, "k_scales"},
@@ -1379,6 +1546,7 @@ absl::Status KVCache::UpdateGlobalScalesRange(int first, int count, const float*
 absl::Status KVCache::CalibrateGlobalScales(int layer, const TensorView& k, const TensorView& v,
                                             Calibrator& calibrator, Stream stream,
                                             StoredTokens stored) {
+  FP4KV_KV_RETURN_IF_MOVED_FROM();
   KVCacheState& s = *state_;
   FP4KV_KV_RETURN_IF_ERROR(s.CheckLayer(layer));
   const Calibrator::Options& co = calibrator.options();
@@ -1395,6 +1563,7 @@ absl::Status KVCache::CalibrateGlobalScales(int layer, const TensorView& k, cons
   // Check both tensors first so a bad V cannot leave K's scales half-updated.
   for (const auto& [t, name] : {std::pair<const TensorView&, const char*>{k, "k"},
                                 std::pair<const TensorView&, const char*>{v, "v"}}) {
+    FP4KV_KV_RETURN_IF_ERROR(internal::CheckExtents(t, name));
     if (t.numel() > co.max_elements) {
       return absl::InvalidArgumentError(absl::StrCat(name, ": expected at most ", co.max_elements,
                                                      " elements (calibrator.max_elements), got ",
@@ -1430,6 +1599,7 @@ absl::Status KVCache::CalibrateGlobalScales(int layer, const TensorView& k, cons
 }
 
 absl::StatusOr<LayerScales> KVCache::ReadScales(int layer, Stream stream) const {
+  FP4KV_KV_RETURN_IF_MOVED_FROM();
   const KVCacheState& s = *state_;
   FP4KV_KV_RETURN_IF_ERROR(s.CheckLayer(layer));
   float vals[4];
@@ -1458,11 +1628,13 @@ absl::StatusOr<LayerScales> KVCache::ReadScales(int layer, Stream stream) const 
 }
 
 absl::StatusOr<int64_t> KVCache::LayerTokens(int layer) const {
+  FP4KV_KV_RETURN_IF_MOVED_FROM();
   FP4KV_KV_RETURN_IF_ERROR(state_->CheckLayer(layer));
   return state_->TokensHeld(layer);
 }
 
 absl::StatusOr<ScaleEventCounts> KVCache::ReadScaleEvents(int layer, Stream stream) const {
+  FP4KV_KV_RETURN_IF_MOVED_FROM();
   const KVCacheState& s = *state_;
   FP4KV_KV_RETURN_IF_ERROR(s.CheckLayer(layer));
   if (!s.options.count_scale_events) {
@@ -1484,6 +1656,7 @@ absl::StatusOr<ScaleEventCounts> KVCache::ReadScaleEvents(int layer, Stream stre
 }
 
 absl::Status KVCache::ResetScaleEvents(Stream stream) {
+  FP4KV_KV_RETURN_IF_MOVED_FROM();
   KVCacheState& s = *state_;
   if (!s.options.count_scale_events) {
     return absl::FailedPreconditionError(
@@ -1501,19 +1674,27 @@ absl::Status KVCache::ResetScaleEvents(Stream stream) {
 }
 
 const float* KVCache::global_scale_ptr(int layer, int kv) const {
+  if (state_ == nullptr || !state_->CheckLayer(layer).ok()) return nullptr;
   return state_->d_scales + 4 * layer + (kv != 0 ? 1 : 0);
 }
 const float* KVCache::fp8_scale_ptr(int layer, int kv) const {
+  if (state_ == nullptr || !state_->CheckLayer(layer).ok()) return nullptr;
   return state_->d_scales + 4 * layer + 2 + (kv != 0 ? 1 : 0);
 }
 
-PagedCache KVCache::LayerCache(int layer) const { return state_->LayerCache(layer); }
-const KVCacheOptions& KVCache::options() const { return state_->options; }
-const CacheGeometry& KVCache::geometry() const { return state_->geometry; }
-int KVCache::num_layers() const { return state_->options.num_layers; }
-Device KVCache::device() const { return state_->options.device; }
+PagedCache KVCache::LayerCache(int layer) const {
+  if (state_ == nullptr || !state_->CheckLayer(layer).ok()) return PagedCache();
+  return state_->LayerCache(layer);
+}
+const KVCacheOptions& KVCache::options() const { return state_ ? state_->options : kNoOptions; }
+const CacheGeometry& KVCache::geometry() const {
+  return state_ ? state_->geometry : kNoOptions.geometry;
+}
+int KVCache::num_layers() const { return state_ ? state_->options.num_layers : 0; }
+Device KVCache::device() const { return state_ ? state_->options.device : Device::Cpu(); }
 
 KVCacheStats KVCache::Stats() const {
+  if (state_ == nullptr) return KVCacheStats();
   const KVCacheState& s = *state_;
   const int ps = s.geometry.page_size;
   KVCacheStats st;
@@ -1527,8 +1708,7 @@ KVCacheStats KVCache::Stats() const {
     const KVCacheState::Sequence& q = s.seqs[slot];
     if (!q.live) continue;
     st.tokens_stored += q.length;
-    st.sequence_lengths.emplace_back(
-        KVCacheState::MakeId(static_cast<uint32_t>(slot), q.generation), q.length);
+    st.sequence_lengths.emplace_back(q.id, q.length);
   }
   std::sort(st.sequence_lengths.begin(), st.sequence_lengths.end());
   for (int32_t p = 0; p < s.allocator.num_pages(); ++p) {

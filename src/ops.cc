@@ -17,6 +17,7 @@ namespace fp4kv {
 using internal::CheckAligned;
 using internal::CheckDevice;
 using internal::CheckDType;
+using internal::CheckExtentAtMost;
 using internal::CheckGiven;
 using internal::CheckGlobalScale;
 using internal::CheckInnerContiguous;
@@ -51,6 +52,11 @@ absl::Status CheckRows(const TensorView& t, const char* name, DType dtype, int64
   FP4KV_RETURN_IF_ERROR(CheckInnerContiguous(t, name));
   FP4KV_RETURN_IF_ERROR(CheckAligned(t, name, 16));
   return CheckDevice(t, name, device);
+}
+
+absl::Status NotCreated(const char* what) {
+  return absl::FailedPreconditionError(
+      absl::StrCat(what, ": expected an op from Create(), got a default-constructed one"));
 }
 
 absl::Status CheckCommonOptions(const CacheGeometry& g, const Device& device) {
@@ -121,6 +127,7 @@ absl::StatusOr<AppendParams> MakeAppendParams(const Appender::Options& o, const 
     if (a.kv_indptr.shape[0] < 1) {
       return absl::InvalidArgumentError("kv_indptr: expected shape [B + 1] with B >= 0, got [0]");
     }
+    FP4KV_RETURN_IF_ERROR(CheckExtentAtMost(a.kv_indptr, "kv_indptr", 0, INT32_MAX));
     const int64_t batch = a.kv_indptr.shape[0] - 1;
     FP4KV_RETURN_IF_ERROR(
         CheckIndexVector(a.kv_last_page_len, "kv_last_page_len", DType::kI32, batch, dev));
@@ -160,6 +167,7 @@ absl::StatusOr<AppendParams> MakeAppendParams(const Appender::Options& o, const 
 }  // namespace internal
 
 absl::Status Appender::Run(const AppendArgs& a, const PagedCache& cache, Stream stream) const {
+  if (!created_) return NotCreated("Appender");
   absl::StatusOr<internal::AppendParams> p = internal::MakeAppendParams(options_, a, cache);
   if (!p.ok()) return p.status();
   if (p->nnz == 0) return absl::OkStatus();
@@ -189,12 +197,15 @@ absl::StatusOr<DequantParams> MakeDequantParams(const Dequantizer::Options& o, c
   FP4KV_RETURN_IF_ERROR(CheckTableDType(a.block_tables.dtype, "block_tables"));
   FP4KV_RETURN_IF_ERROR(CheckDType(a.block_tables, "block_tables", {o.table_dtype}));
   FP4KV_RETURN_IF_ERROR(CheckShape(a.block_tables, "block_tables", {kAny, kAny}));
+  FP4KV_RETURN_IF_ERROR(CheckExtentAtMost(a.block_tables, "block_tables", 0, INT32_MAX));
+  FP4KV_RETURN_IF_ERROR(CheckExtentAtMost(a.block_tables, "block_tables", 1, INT32_MAX));
   FP4KV_RETURN_IF_ERROR(CheckInnerContiguous(a.block_tables, "block_tables"));
   FP4KV_RETURN_IF_ERROR(CheckDevice(a.block_tables, "block_tables", dev));
   const int64_t batch = a.block_tables.shape[0];
   FP4KV_RETURN_IF_ERROR(CheckIndexVector(a.seq_lens, "seq_lens", DType::kI32, batch, dev));
   FP4KV_RETURN_IF_ERROR(CheckGiven(a.k_out, "k_out"));
   FP4KV_RETURN_IF_ERROR(CheckShape(a.k_out, "k_out", {batch, kAny, g.num_kv_heads, g.head_dim_k}));
+  FP4KV_RETURN_IF_ERROR(CheckExtentAtMost(a.k_out, "k_out", 1, INT32_MAX));
   const int64_t max_len = a.k_out.shape[1];
   for (const auto& [t, name, dim] :
        {std::tuple<const TensorView&, const char*, int>{a.k_out, "k_out", g.head_dim_k},
@@ -234,6 +245,7 @@ absl::StatusOr<DequantParams> MakeDequantParams(const Dequantizer::Options& o, c
 }  // namespace internal
 
 absl::Status Dequantizer::Run(const DequantArgs& a, const PagedCache& cache, Stream stream) const {
+  if (!created_) return NotCreated("Dequantizer");
   absl::StatusOr<internal::DequantParams> p = internal::MakeDequantParams(options_, a, cache);
   if (!p.ok()) return p.status();
   if (p->batch_size == 0 || p->max_seq_len == 0 || p->max_pages == 0) return absl::OkStatus();
@@ -283,6 +295,9 @@ absl::StatusOr<MaterializeParams> MakeMaterializeParams(const Materializer::Opti
   } else {
     FP4KV_RETURN_IF_ERROR(CheckShape(a.block_tables, "block_tables", {kAny, kAny}));
   }
+  FP4KV_RETURN_IF_ERROR(CheckExtentAtMost(a.block_tables, "block_tables", 0, INT32_MAX - 1));
+  FP4KV_RETURN_IF_ERROR(
+      CheckExtentAtMost(a.block_tables, "block_tables", a.block_tables.ndim - 1, INT32_MAX));
   FP4KV_RETURN_IF_ERROR(CheckInnerContiguous(a.block_tables, "block_tables"));
   FP4KV_RETURN_IF_ERROR(CheckDevice(a.block_tables, "block_tables", dev));
   const int64_t batch = a.block_tables.shape[0];
@@ -341,6 +356,7 @@ absl::StatusOr<MaterializeParams> MakeMaterializeParams(const Materializer::Opti
 
 absl::Status Materializer::Run(const MaterializeArgs& a, const PagedCache& cache,
                                Stream stream) const {
+  if (!created_) return NotCreated("Materializer");
   absl::StatusOr<internal::MaterializeParams> p =
       internal::MakeMaterializeParams(options_, a, cache);
   if (!p.ok()) return p.status();
@@ -352,13 +368,10 @@ absl::Status Materializer::Run(const MaterializeArgs& a, const PagedCache& cache
 }
 
 absl::StatusOr<float> MinFp8Scale(float g) {
-  if (!(g > 0.0f) || !std::isfinite(g)) {
+  if (!IsValidGlobalScale(g)) {
     return absl::InvalidArgumentError(
-        absl::StrCat("global_scale: expected a positive finite value, got ", g));
-  }
-  if (!std::isfinite(6.0f * g)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("global_scale: expected 6 * global_scale to be finite, got ", g));
+        absl::StrCat("global_scale: expected a value in (0, ", MaxGlobalScale(),
+                     "] (positive, with 6 * 448 * g finite), got ", g));
   }
   return MinFp8ScaleFor(g);
 }
@@ -404,6 +417,7 @@ absl::Status CheckLinear(const TensorView& x, const char* x_name, DType dtype,
 absl::Status LinearQuantizer::Quantize(const TensorView& input, const TensorView& packed,
                                        const TensorView& scales, GlobalScale global_scale,
                                        Stream stream) const {
+  if (!created_) return NotCreated("LinearQuantizer");
   FP4KV_RETURN_IF_ERROR(
       CheckLinear(input, "input", options_.dtype, packed, scales, options_.device));
   FP4KV_RETURN_IF_ERROR(CheckGlobalScale(global_scale, "global_scale"));
@@ -430,6 +444,7 @@ absl::Status LinearQuantizer::Quantize(const TensorView& input, const TensorView
 absl::Status LinearQuantizer::Dequantize(const TensorView& packed, const TensorView& scales,
                                          const TensorView& output, GlobalScale global_scale,
                                          Stream stream) const {
+  if (!created_) return NotCreated("LinearQuantizer");
   FP4KV_RETURN_IF_ERROR(
       CheckLinear(output, "output", options_.dtype, packed, scales, options_.device));
   FP4KV_RETURN_IF_ERROR(CheckGlobalScale(global_scale, "global_scale"));

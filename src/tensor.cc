@@ -2,8 +2,11 @@
 
 #include <dlpack/dlpack.h>
 
+#include <cstdint>
+
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "src/validate.h"
 
 namespace fp4kv {
 
@@ -25,37 +28,46 @@ std::string Device::ToString() const {
 }
 
 namespace {
+
+// Row-major strides; the products wrap instead of overflowing (a view whose
+// extents overflow is rejected by validation through its byte extent).
 void FillContiguousStrides(TensorView& v) {
-  int64_t s = 1;
+  uint64_t s = 1;
   for (int d = v.ndim - 1; d >= 0; --d) {
-    v.strides[d] = s;
-    s *= v.shape[d];
+    v.strides[d] = static_cast<int64_t>(s);
+    s *= static_cast<uint64_t>(v.shape[d]);
   }
 }
-}  // namespace
 
-TensorView TensorView::Contiguous(void* data, DType dtype, std::initializer_list<int64_t> shape,
-                                  Device device) {
+TensorView InvalidView(void* data, DType dtype, Device device) {
   TensorView v;
   v.data = data;
   v.dtype = dtype;
   v.device = device;
-  for (int64_t s : shape) {
-    if (v.ndim == kMaxDims) break;
-    v.shape[v.ndim++] = s;
-  }
+  v.ndim = -1;
+  return v;
+}
+
+}  // namespace
+
+TensorView TensorView::Contiguous(void* data, DType dtype, absl::Span<const int64_t> shape,
+                                  Device device) {
+  if (shape.size() > static_cast<size_t>(kMaxDims)) return InvalidView(data, dtype, device);
+  TensorView v;
+  v.data = data;
+  v.dtype = dtype;
+  v.device = device;
+  for (int64_t s : shape) v.shape[v.ndim++] = s;
   FillContiguousStrides(v);
   return v;
 }
 
-TensorView TensorView::Strided(void* data, DType dtype, std::initializer_list<int64_t> shape,
-                               std::initializer_list<int64_t> strides, Device device) {
+TensorView TensorView::Strided(void* data, DType dtype, absl::Span<const int64_t> shape,
+                               absl::Span<const int64_t> strides, Device device) {
+  if (strides.size() != shape.size()) return InvalidView(data, dtype, device);
   TensorView v = Contiguous(data, dtype, shape, device);
-  int d = 0;
-  for (int64_t s : strides) {
-    if (d == v.ndim) break;
-    v.strides[d++] = s;
-  }
+  if (v.ndim < 0) return v;
+  for (int d = 0; d < v.ndim; ++d) v.strides[d] = strides[d];
   return v;
 }
 
@@ -80,8 +92,8 @@ absl::StatusOr<TensorView> TensorView::FromDLPack(const DLTensor& t) {
 #endif
   else {
     return absl::InvalidArgumentError(absl::StrCat(
-        "DLTensor: unsupported dtype (code ", code, ", bits ", bits,
-        "); expected f16, bf16, f32, u8, e4m3, i32 or i64"));
+        "DLTensor: expected dtype f16, bf16, f32, u8, e4m3, i32 or i64, got code ", code,
+        " with ", bits, " bits"));
   }
   if (t.device.device_type == kDLCPU || t.device.device_type == kDLCUDAHost) {
     v.device = Device::Cpu();
@@ -89,8 +101,20 @@ absl::StatusOr<TensorView> TensorView::FromDLPack(const DLTensor& t) {
     v.device = Device::Cuda(t.device.device_id);
   } else {
     return absl::InvalidArgumentError(absl::StrCat(
-        "DLTensor: unsupported device type ", static_cast<int>(t.device.device_type),
-        "; expected CPU, CUDA host or CUDA"));
+        "DLTensor: expected device type CPU, CUDA host or CUDA, got ",
+        static_cast<int>(t.device.device_type)));
+  }
+  if (t.ndim > 0 && t.shape == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("DLTensor: expected a shape array for ndim ", t.ndim, ", got a null pointer"));
+  }
+  if (t.data == nullptr && t.byte_offset != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "DLTensor: expected byte_offset 0 with a null data pointer, got ", t.byte_offset));
+  }
+  if (t.byte_offset > static_cast<uint64_t>(INT64_MAX)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("DLTensor: expected byte_offset within int64, got ", t.byte_offset));
   }
   v.ndim = t.ndim;
   for (int d = 0; d < t.ndim; ++d) v.shape[d] = t.shape[d];
@@ -99,28 +123,46 @@ absl::StatusOr<TensorView> TensorView::FromDLPack(const DLTensor& t) {
   } else {
     FillContiguousStrides(v);
   }
-  v.data = static_cast<char*>(t.data) + t.byte_offset;
+  const uintptr_t base = reinterpret_cast<uintptr_t>(t.data);
+  if (base + t.byte_offset < base) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "DLTensor: expected data + byte_offset inside the address space, got byte_offset ",
+        t.byte_offset));
+  }
+  v.data = t.data == nullptr ? nullptr : static_cast<char*>(t.data) + t.byte_offset;
+  if (absl::Status s = internal::CheckExtents(v, "DLTensor"); !s.ok()) return s;
   return v;
 }
 
 int64_t TensorView::numel() const {
+  if (ndim < 0 || ndim > kMaxDims) return -1;
   int64_t n = 1;
-  for (int d = 0; d < ndim; ++d) n *= shape[d];
+  for (int d = 0; d < ndim; ++d) {
+    if (shape[d] < 0 || __builtin_mul_overflow(n, shape[d], &n)) return -1;
+  }
   return n;
 }
 
 bool TensorView::IsContiguous() const {
-  int64_t s = 1;
+  if (numel() < 0) return false;
+  uint64_t s = 1;
   for (int d = ndim - 1; d >= 0; --d) {
-    if (shape[d] != 1 && strides[d] != s) return false;
-    s *= shape[d];
+    if (shape[d] != 1 && static_cast<uint64_t>(strides[d]) != s) return false;
+    s *= static_cast<uint64_t>(shape[d]);
   }
   return true;
 }
 
 TensorView TensorView::Select(int dim, int64_t i) const {
+  if (ndim < 1 || ndim > kMaxDims || dim < 0 || dim >= ndim || i < 0 || i >= shape[dim]) {
+    return InvalidView(data, dtype, device);
+  }
   TensorView v = *this;
-  v.data = static_cast<char*>(data) + i * strides[dim] * DTypeSize(dtype);
+  // Address arithmetic wraps (never UB); validation of the result rejects a
+  // view whose byte extent does not fit.
+  v.data = reinterpret_cast<void*>(reinterpret_cast<uintptr_t>(data) +
+                                   static_cast<uint64_t>(i) * static_cast<uint64_t>(strides[dim]) *
+                                       static_cast<uint64_t>(DTypeSize(dtype)));
   for (int d = dim; d + 1 < ndim; ++d) {
     v.shape[d] = shape[d + 1];
     v.strides[d] = strides[d + 1];
@@ -132,6 +174,7 @@ TensorView TensorView::Select(int dim, int64_t i) const {
 }
 
 std::string TensorView::ShapeString() const {
+  if (ndim < 0 || ndim > kMaxDims) return "[invalid view]";
   return absl::StrCat("[", absl::StrJoin(shape, shape + ndim, ", "), "]");
 }
 

@@ -10,9 +10,70 @@
 namespace fp4kv {
 namespace internal {
 
+absl::Status CheckExtents(const TensorView& t, const char* name) {
+  if (t.ndim < 0 || t.ndim > TensorView::kMaxDims) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        name, ": expected rank in [0, ", TensorView::kMaxDims, "], got ",
+        t.ndim == -1 ? std::string("an invalid view (too many extents, or strides not matching "
+                                   "the extents)")
+                     : absl::StrCat("rank ", t.ndim)));
+  }
+  bool any_zero = false;
+  for (int d = 0; d < t.ndim; ++d) {
+    if (t.shape[d] < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(name, ": expected non-negative extents, got shape ", t.ShapeString()));
+    }
+    if (t.shape[d] == 0) any_zero = true;
+  }
+  for (int d = 0; d < t.ndim; ++d) {
+    if (t.shape[d] > 1 && t.strides[d] < 0) {
+      return absl::InvalidArgumentError(absl::StrCat(name, ": expected non-negative strides, got ",
+                                                     t.strides[d], " on dimension ", d,
+                                                     " (shape ", t.ShapeString(), ")"));
+    }
+  }
+  if (t.numel() < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        name, ": expected an element count within int64, got shape ", t.ShapeString()));
+  }
+  if (any_zero) return absl::OkStatus();
+  // Offset of the last element, then the bytes up to its end.
+  int64_t last = 0;
+  bool overflow = false;
+  for (int d = 0; d < t.ndim && !overflow; ++d) {
+    int64_t step = 0;
+    overflow = __builtin_mul_overflow(t.shape[d] - 1, t.strides[d], &step) ||
+               __builtin_add_overflow(last, step, &last);
+  }
+  int64_t bytes = 0;
+  overflow = overflow || __builtin_add_overflow(last, int64_t{1}, &bytes) ||
+             __builtin_mul_overflow(bytes, int64_t{DTypeSize(t.dtype)}, &bytes);
+  if (overflow) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, ": expected a byte extent within int64, got shape ", t.ShapeString(),
+                     " with strides [", absl::StrJoin(t.strides, t.strides + t.ndim, ", "), "]"));
+  }
+  const uintptr_t base = reinterpret_cast<uintptr_t>(t.data);
+  if (base + static_cast<uint64_t>(bytes) < base) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        name, ": expected the view's ", bytes, " bytes inside the address space, got address ",
+        base));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status CheckGiven(const TensorView& t, const char* name) {
+  if (absl::Status s = CheckExtents(t, name); !s.ok()) return s;
   if (t.data == nullptr) {
     return absl::InvalidArgumentError(absl::StrCat(name, ": expected a tensor, got a null pointer"));
+  }
+  const auto addr = reinterpret_cast<uintptr_t>(t.data);
+  if (addr % DTypeSize(t.dtype) != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(name, ": expected a pointer aligned to its ",
+                                                   DTypeName(t.dtype), " elements (",
+                                                   DTypeSize(t.dtype), " bytes), got address ",
+                                                   addr));
   }
   return absl::OkStatus();
 }
@@ -28,6 +89,7 @@ absl::Status CheckDType(const TensorView& t, const char* name, std::initializer_
 }
 
 absl::Status CheckRank(const TensorView& t, const char* name, int rank) {
+  if (absl::Status s = CheckExtents(t, name); !s.ok()) return s;
   if (t.ndim != rank) {
     return absl::InvalidArgumentError(absl::StrCat(name, ": expected rank ", rank, ", got rank ",
                                                    t.ndim, " (shape ", t.ShapeString(), ")"));
@@ -53,6 +115,15 @@ absl::Status CheckShape(const TensorView& t, const char* name, std::initializer_
     want += "]";
     return absl::InvalidArgumentError(
         absl::StrCat(name, ": expected shape ", want, ", got ", t.ShapeString()));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckExtentAtMost(const TensorView& t, const char* name, int dim, int64_t max) {
+  if (t.shape[dim] > max) {
+    return absl::InvalidArgumentError(absl::StrCat(name, ": expected dimension ", dim,
+                                                   " at most ", max, ", got shape ",
+                                                   t.ShapeString()));
   }
   return absl::OkStatus();
 }
@@ -93,9 +164,10 @@ absl::Status CheckDevice(const TensorView& t, const char* name, const Device& de
 
 absl::Status CheckGlobalScale(const GlobalScale& s, const char* name) {
   if (s.ptr != nullptr) return absl::OkStatus();
-  if (!(s.value > 0.0f) || !std::isfinite(s.value)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(name, ": expected a positive finite global scale, got ", s.value));
+  if (!IsValidGlobalScale(s.value)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        name, ": expected a global scale in (0, ", MaxGlobalScale(),
+        "] (positive, with 6 * 448 * g finite), got ", s.value));
   }
   return absl::OkStatus();
 }

@@ -19,9 +19,19 @@ namespace internal {
 // Wildcard for CheckShape.
 inline constexpr int64_t kAny = -1;
 
+// A well-formed view: rank in [0, kMaxDims], non-negative extents, a
+// non-negative stride on every dimension of extent > 1, an element count and
+// a byte extent (1 + sum (shape - 1) * stride elements) within int64, and
+// data + byte extent inside the address space. Null data is allowed here.
+absl::Status CheckExtents(const TensorView& t, const char* name);
+// CheckExtents and a non-null pointer aligned to the element size.
 absl::Status CheckGiven(const TensorView& t, const char* name);
 absl::Status CheckDType(const TensorView& t, const char* name, std::initializer_list<DType> allowed);
+// CheckExtents and the rank.
 absl::Status CheckRank(const TensorView& t, const char* name, int rank);
+// Extent `dim` of an already shape-checked view is at most `max` (for the
+// int fields the kernels index with).
+absl::Status CheckExtentAtMost(const TensorView& t, const char* name, int dim, int64_t max);
 // Rank and every extent (kAny matches anything).
 absl::Status CheckShape(const TensorView& t, const char* name, std::initializer_list<int64_t> shape);
 absl::Status CheckInnerContiguous(const TensorView& t, const char* name);

@@ -890,8 +890,8 @@ TEST(Fp8Materialize, ValueIsE4m3OfProductLikeToolkit) {
 
 TEST(Fp8Materialize, MinFp8ScaleIsTheSmallestNonSaturatingScale) {
   std::mt19937 rng(15);
-  // 6 g must be finite: g < FLT_MAX / 6 (about 2^125.4); subnormal g too.
-  std::uniform_real_distribution<float> e(-148.0f, 125.0f);
+  // Every valid g: up to MaxGlobalScale() (about 2^116.6); subnormal g too.
+  std::uniform_real_distribution<float> e(-148.0f, 116.5f);
   const float top = kE2m1Max * kE4m3Max;  // the largest magnitude a cache holds, over g
   for (int n = 0; n < 3000; ++n) {
     const float g = std::exp2(e(rng));
@@ -916,14 +916,43 @@ TEST(Fp8Materialize, MinFp8ScaleIsTheSmallestNonSaturatingScale) {
 
 TEST(Fp8Materialize, MinFp8ScaleRejectsInvalidGlobalScale) {
   for (float g : {0.0f, -0.0f, -1.0f, -FLT_TRUE_MIN, kInf, -kInf,
-                  std::numeric_limits<float>::quiet_NaN(), FLT_MAX, FLT_MAX / 5.0f}) {
+                  std::numeric_limits<float>::quiet_NaN(), FLT_MAX, FLT_MAX / 5.0f,
+                  FLT_MAX / 7.0f, std::nextafter(MaxGlobalScale(), FLT_MAX)}) {
     absl::StatusOr<float> fs = MinFp8Scale(g);
     ASSERT_FALSE(fs.ok()) << g;
     EXPECT_EQ(fs.status().code(), absl::StatusCode::kInvalidArgument) << g;
     EXPECT_NE(fs.status().message().find("global_scale"), std::string::npos) << fs.status();
   }
-  EXPECT_TRUE(MinFp8Scale(FLT_MAX / 7.0f).ok());
+  EXPECT_TRUE(MinFp8Scale(MaxGlobalScale()).ok());
   EXPECT_TRUE(MinFp8Scale(FLT_TRUE_MIN).ok());
+}
+
+TEST(GlobalScaleRange, MaxGlobalScaleIsTheLargestWithAFiniteTopValue) {
+  const float top = kE2m1Max * kE4m3Max;  // 2688
+  EXPECT_TRUE(std::isfinite(MulRn(top, MaxGlobalScale())));
+  EXPECT_FALSE(std::isfinite(MulRn(top, std::nextafter(MaxGlobalScale(), FLT_MAX))));
+  EXPECT_TRUE(IsValidGlobalScale(MaxGlobalScale()));
+  EXPECT_TRUE(IsValidGlobalScale(FLT_TRUE_MIN));
+  for (float g : {0.0f, -1.0f, kInf, std::nanf(""), FLT_MAX / 6.0f}) {
+    EXPECT_FALSE(IsValidGlobalScale(g)) << g;
+  }
+}
+
+TEST(GlobalScaleRange, ExtremeInputsUnderTheLargestScaleKeepTheDocumentedBytes) {
+  // Under g = MaxGlobalScale() every product is finite: scale bytes stay in
+  // 0x00..0x7E, infinities encode to +-6 with their sign.
+  const float g = MaxGlobalScale();
+  float x[kBlockSize];
+  for (int i = 0; i < kBlockSize; ++i) x[i] = (i % 2 ? -1.0f : 1.0f) * FLT_MAX / (i + 1);
+  x[3] = -kInf;
+  x[4] = kInf;
+  for (const Recipe& r : {Recipe::Standard(), Recipe::FourOverSix(256, ErrorMetric::kMse)}) {
+    uint32_t packed[2];
+    const uint8_t b = QuantizeBlock(x, g, r, packed);
+    EXPECT_LE(b, 0x7e);
+    EXPECT_EQ((packed[0] >> 12) & 0xfu, 0xfu);  // element 3: -inf -> -6
+    EXPECT_EQ((packed[0] >> 16) & 0xfu, 0x7u);  // element 4: +inf -> +6
+  }
 }
 
 }  // namespace

@@ -189,7 +189,7 @@ TEST(KVCacheCreate, RejectsBadOptionsNamingThem) {
        "max_seqs_per_step"},
       {[](KVCacheOptions& o) { o.max_tokens_per_step = -1; }, absl::StatusCode::kInvalidArgument,
        "max_tokens_per_step"},
-      {[](KVCacheOptions& o) { o.max_pages_per_seq = 0; }, absl::StatusCode::kInvalidArgument,
+      {[](KVCacheOptions& o) { o.max_pages_per_seq = -1; }, absl::StatusCode::kInvalidArgument,
        "max_pages_per_seq"},
       {[](KVCacheOptions& o) { o.max_pages_per_seq = 1 << 30; }, absl::StatusCode::kInvalidArgument,
        "max_pages_per_seq"},
@@ -1155,6 +1155,197 @@ TEST(KVCacheGpu, CapturedStepReplaysLikeEagerAndCpu) {
   EXPECT_GT(copies, 0) << "the scenario never copied a shared page";
   if (exec != nullptr) FP4KV_ASSERT_CUDA(cudaGraphExecDestroy(exec));
   FP4KV_ASSERT_CUDA(cudaStreamDestroy(cs));
+}
+
+TEST(KVCacheApi, MovedFromCacheReturnsErrorsAndEmptyValues) {
+  absl::StatusOr<KVCache> made = KVCache::Create(SmallOptions());
+  ASSERT_TRUE(made.ok()) << made.status();
+  KVCache live = *std::move(made);
+  const SequenceId seq = live.CreateSequence();
+  KVCache moved = std::move(live);
+  // `live` is moved from: defined behaviour everywhere.
+  auto precondition = [](const absl::Status& s) {
+    EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+    EXPECT_NE(s.message().find("KVCache: expected a live cache"), std::string::npos) << s;
+  };
+  EXPECT_EQ(live.CreateSequence(), 0u);
+  precondition(live.ForkSequence(seq).status());
+  precondition(live.Truncate(seq, 0));
+  precondition(live.ReleaseSequence(seq));
+  precondition(live.SequenceLength(seq).status());
+  precondition(live.SequencePages(seq).status());
+  precondition(live.PageRefCount(0).status());
+  precondition(live.PrepareStep({{seq, 1}}).status());
+  precondition(live.appender().status());
+  precondition(live.materializer().status());
+  precondition(live.dequantizer().status());
+  precondition(live.attention({}).status());
+  precondition(live.UpdateGlobalScales(0, 1.0f, 1.0f));
+  precondition(live.UpdateGlobalScales(std::vector<float>{1, 1}, std::vector<float>{1, 1}));
+  precondition(live.ReadScales(0).status());
+  precondition(live.LayerTokens(0).status());
+  precondition(live.ReadScaleEvents(0).status());
+  precondition(live.ResetScaleEvents());
+  precondition(live.ReadSequence(0, seq, TensorView(), TensorView()));
+  EXPECT_EQ(live.step().num_seqs, 0);
+  EXPECT_TRUE(live.step_views().slot_mapping.empty());
+  EXPECT_TRUE(live.host_slot_mapping().empty());
+  EXPECT_TRUE(live.host_seq_lens().empty());
+  EXPECT_TRUE(live.host_kv_page_indptr().empty());
+  EXPECT_TRUE(live.host_token_indptr().empty());
+  EXPECT_TRUE(live.host_block_table(0).empty());
+  EXPECT_EQ(live.global_scale_ptr(0, 0), nullptr);
+  EXPECT_EQ(live.fp8_scale_ptr(0, 1), nullptr);
+  EXPECT_TRUE(live.LayerCache(0).k_data.empty());
+  EXPECT_EQ(live.num_layers(), 0);
+  EXPECT_EQ(live.Fp8WorkspacePagesAtCapacity(), 0);
+  EXPECT_TRUE(live.Fp8WorkspaceShape(3).empty());
+  EXPECT_EQ(live.Stats().pages_total, 0);
+  EXPECT_EQ(live.options().num_layers, 0);
+  // The cache it moved into works, and a moved-from cache can be reassigned.
+  EXPECT_TRUE(moved.SequenceLength(seq).ok());
+  live = std::move(moved);
+  EXPECT_TRUE(live.SequenceLength(seq).ok());
+  // Out-of-range accessors of a live cache are defined too.
+  EXPECT_TRUE(live.host_block_table(-1).empty());
+  EXPECT_TRUE(live.host_block_table(4).empty());
+  EXPECT_EQ(live.global_scale_ptr(2, 0), nullptr);
+  EXPECT_TRUE(live.LayerCache(-1).k_data.empty());
+}
+
+TEST(KVCacheApi, BoundOpsAreDefaultConstructibleMembers) {
+  struct Server {
+    CacheAppender append;
+    CacheMaterializer materialize;
+    CacheDequantizer dequantize;
+    CacheAttention attend;
+    Appender raw;
+  } server;
+  EXPECT_EQ(server.append.Run(0, TensorView(), TensorView()).code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(server.materialize.Run(0, TensorView()).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(server.dequantize.Run(0, TensorView(), TensorView()).code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(server.attend.Run(0, TensorView(), TensorView(), nullptr, 0).code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(server.raw.Run(AppendArgs(), PagedCache()).code(),
+            absl::StatusCode::kFailedPrecondition);
+  absl::StatusOr<KVCache> cache = KVCache::Create(SmallOptions());
+  ASSERT_TRUE(cache.ok());
+  absl::StatusOr<CacheAppender> a = cache->appender();
+  ASSERT_TRUE(a.ok());
+  server.append = *a;  // assignable
+  EXPECT_EQ(server.append.Run(0, TensorView(), TensorView()).code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST(KVCacheApi, SequenceIdsCountUpAndAreNeverReused) {
+  absl::StatusOr<KVCache> cache = KVCache::Create(SmallOptions());
+  ASSERT_TRUE(cache.ok());
+  const SequenceId a = cache->CreateSequence();
+  const SequenceId b = cache->CreateSequence();
+  EXPECT_EQ(a, 1u);
+  EXPECT_EQ(b, 2u);
+  ASSERT_TRUE(cache->ReleaseSequence(a).ok());
+  const SequenceId c = cache->CreateSequence();  // reuses a's slot, not its id
+  EXPECT_EQ(c, 3u);
+  EXPECT_EQ(cache->SequenceLength(a).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE(cache->SequenceLength(c).ok());
+  EXPECT_EQ(cache->Stats().sequence_lengths.size(), 2u);
+}
+
+TEST(KVCacheApi, DefaultMaxPagesPerSeqIsValidAndReported) {
+  KVCacheOptions o = SmallOptions();
+  o.max_pages_per_seq = 0;
+  absl::StatusOr<KVCache> cache = KVCache::Create(o);
+  ASSERT_TRUE(cache.ok()) << cache.status();
+  EXPECT_EQ(cache->options().max_pages_per_seq, 16);  // min(num_pages, 32768 / 4)
+  o.geometry.num_pages = 100000;
+  o.geometry.page_size = 16;
+  cache = KVCache::Create(o);
+  ASSERT_TRUE(cache.ok()) << cache.status();
+  EXPECT_EQ(cache->options().max_pages_per_seq, 2048);  // 32768 tokens
+}
+
+TEST(KVCacheApi, HugeBudgetOrPagesOverflowingThePoolAreRejected) {
+  KVCacheOptions o = SmallOptions();
+  o.geometry.num_kv_heads = 1 << 30;
+  o.geometry.head_dim_k = o.geometry.head_dim_v = 1 << 30;
+  absl::StatusOr<KVCache> cache = KVCache::Create(o);
+  ASSERT_FALSE(cache.ok());
+  EXPECT_EQ(cache.status().code(), absl::StatusCode::kInvalidArgument) << cache.status();
+  EXPECT_NE(cache.status().message().find("geometry"), std::string::npos) << cache.status();
+  o = SmallOptions();
+  o.geometry.num_kv_heads = 1 << 20;
+  o.geometry.head_dim_k = o.geometry.head_dim_v = 1 << 16;
+  o.geometry.num_pages = INT32_MAX;
+  cache = KVCache::Create(o);
+  ASSERT_FALSE(cache.ok());
+  EXPECT_NE(cache.status().message().find("geometry.num_pages"), std::string::npos)
+      << cache.status();
+  o.geometry.num_pages = 0;
+  o.memory_budget_bytes = INT64_MAX;
+  o.geometry.page_size = 1 << 20;
+  cache = KVCache::Create(o);
+  ASSERT_FALSE(cache.ok());  // a budget near INT64_MAX: computed without overflow, not allocatable
+  EXPECT_TRUE(cache.status().code() == absl::StatusCode::kInvalidArgument ||
+              cache.status().code() == absl::StatusCode::kResourceExhausted)
+      << cache.status();
+}
+
+TEST(KVCacheApi, ReadSequenceDequantizesOneSequenceWithoutAStep) {
+  KVCacheOptions o = SmallOptions();
+  absl::StatusOr<KVCache> cache = KVCache::Create(o);
+  ASSERT_TRUE(cache.ok());
+  const CacheGeometry& g = cache->geometry();
+  const SequenceId a = cache->CreateSequence();
+  const SequenceId b = cache->CreateSequence();
+  const int n = 7;
+  ASSERT_TRUE(cache->PrepareStep({{a, n}, {b, 2}}).ok());
+  const int64_t row = int64_t{g.num_kv_heads} * g.head_dim_k;
+  std::vector<uint16_t> k = testing::RandomHalfBits(DType::kBF16, 9 * row, 3);
+  std::vector<uint16_t> v = testing::RandomHalfBits(DType::kBF16, 9 * row, 4);
+  absl::StatusOr<CacheAppender> app = cache->appender();
+  ASSERT_TRUE(app.ok());
+  for (int layer = 0; layer < 2; ++layer) {
+    ASSERT_TRUE(app->Run(layer,
+                         TensorView::Contiguous(k.data(), DType::kBF16, {9, g.num_kv_heads, g.head_dim_k}),
+                         TensorView::Contiguous(v.data(), DType::kBF16, {9, g.num_kv_heads, g.head_dim_v}))
+                    .ok());
+  }
+  // The step dequantizer's rows for sequence a are the reference.
+  const int64_t T = 8;
+  std::vector<uint16_t> step_k(4 * T * row, 0xA5A5), step_v(4 * T * row, 0xA5A5);
+  absl::StatusOr<CacheDequantizer> dq = cache->dequantizer();
+  ASSERT_TRUE(dq.ok());
+  ASSERT_TRUE(dq->Run(1, TensorView::Contiguous(step_k.data(), DType::kBF16, {4, T, g.num_kv_heads, g.head_dim_k}),
+                      TensorView::Contiguous(step_v.data(), DType::kBF16, {4, T, g.num_kv_heads, g.head_dim_v}))
+                  .ok());
+  std::vector<uint16_t> out_k(T * row, 0xA5A5), out_v(T * row, 0xA5A5);
+  const TensorView ko = TensorView::Contiguous(out_k.data(), DType::kBF16, {T, g.num_kv_heads, g.head_dim_k});
+  const TensorView vo = TensorView::Contiguous(out_v.data(), DType::kBF16, {T, g.num_kv_heads, g.head_dim_v});
+  ASSERT_TRUE(cache->ReadSequence(1, a, ko, vo).ok());
+  EXPECT_EQ(0, std::memcmp(out_k.data(), step_k.data(), n * row * 2));
+  EXPECT_EQ(0, std::memcmp(out_v.data(), step_v.data(), n * row * 2));
+  EXPECT_EQ(out_k[n * row], 0xA5A5);  // past the length: unchanged
+  // Errors name the argument and write nothing.
+  std::vector<uint16_t> before = out_k;
+  const TensorView short_k = TensorView::Contiguous(out_k.data(), DType::kBF16, {n - 1, g.num_kv_heads, g.head_dim_k});
+  absl::Status s = cache->ReadSequence(1, a, short_k, vo);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("k_out"), std::string::npos) << s;
+  EXPECT_EQ(cache->ReadSequence(1, 999, ko, vo).code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(cache->ReadSequence(2, a, ko, vo).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(out_k, before);
+}
+
+TEST(KVCacheApi, Fp8WorkspaceShapeBuildsAView) {
+  absl::StatusOr<KVCache> cache = KVCache::Create(SmallOptions());
+  ASSERT_TRUE(cache.ok());
+  const std::vector<int64_t> shape = cache->Fp8WorkspaceShape(3);
+  const TensorView w = TensorView::Contiguous(static_cast<void*>(nullptr), DType::kE4M3, shape);
+  EXPECT_EQ(w.ndim, 5);
+  EXPECT_EQ(w.ShapeString(), "[3, 2, 2, 4, 64]");
 }
 
 }  // namespace

@@ -179,10 +179,11 @@ TEST(GlobalScale, ExactValuesAndSpecialAmax) {
     EXPECT_EQ(MakeGlobalScale(-0.0f, r), unit);
     EXPECT_EQ(MakeGlobalScale(-5.0f, r), unit);
     EXPECT_EQ(MakeGlobalScale(std::nanf(""), r), unit);
-    // +inf: from FLT_MAX, finite.
+    // +inf: from FLT_MAX, clamped to the largest valid global scale.
     const float big = MakeGlobalScale(INFINITY, r);
     EXPECT_TRUE(std::isfinite(big));
-    EXPECT_EQ(big, FLT_MAX / (6.0f * E4m3Max(r)));
+    EXPECT_EQ(big, std::min(FLT_MAX / (6.0f * E4m3Max(r)), MaxGlobalScale()));
+    EXPECT_TRUE(IsValidGlobalScale(big));
     // Tiny amax: never zero or subnormal.
     EXPECT_EQ(MakeGlobalScale(1e-45f, r), FLT_MIN);
     EXPECT_EQ(MakeGlobalScale(FLT_MIN, r), FLT_MIN);

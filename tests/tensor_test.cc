@@ -264,7 +264,7 @@ TEST(DLPack, UnsupportedInputsAreRejectedWithAMessage) {
     DLHolder h = MakeDL(buf, kDLFloat, 16, {4}, {}, dev);
     absl::StatusOr<TensorView> v = TensorView::FromDLPack(h.t);
     ASSERT_FALSE(v.ok()) << dev;
-    ExpectStatusMentions(v.status(), {"DLTensor", "device", "expected CPU"});
+    ExpectStatusMentions(v.status(), {"DLTensor", "expected device type CPU"});
   }
   {
     DLHolder h = MakeDL(buf, kDLFloat, 16, {1, 1, 1, 1, 1, 1, 1});
@@ -526,6 +526,60 @@ TEST(CacheGeometry, ValidateNamesTheField) {
   b = g;
   b.layout = static_cast<Layout>(7);
   ExpectStatusMentions(b.Validate(), {"geometry.layout"});
+}
+
+TEST(TensorView, MalformedBuildsAreInvalidViews) {
+  int64_t shape7[7] = {1, 1, 1, 1, 1, 1, 1};
+  const TensorView seven =
+      TensorView::Contiguous(static_cast<void*>(nullptr), DType::kU8, absl::MakeConstSpan(shape7));
+  EXPECT_EQ(seven.ndim, -1);
+  EXPECT_EQ(seven.numel(), -1);
+  EXPECT_EQ(seven.ShapeString(), "[invalid view]");
+  const TensorView mismatched = TensorView::Strided(static_cast<void*>(nullptr), DType::kU8, {2, 3}, {1});
+  EXPECT_EQ(mismatched.ndim, -1);
+  const TensorView t = TensorView::Contiguous(static_cast<void*>(nullptr), DType::kU8, {2, 3});
+  EXPECT_EQ(t.Select(2, 0).ndim, -1);
+  EXPECT_EQ(t.Select(0, 2).ndim, -1);
+  EXPECT_EQ(t.Select(0, -1).ndim, -1);
+}
+
+TEST(TensorView, NumelIsMinusOneOnNegativeOrOverflowingExtents) {
+  EXPECT_EQ(TensorView::Contiguous(static_cast<void*>(nullptr), DType::kU8, {2, -3}).numel(), -1);
+  EXPECT_EQ(TensorView::Contiguous(static_cast<void*>(nullptr), DType::kU8,
+                                   {int64_t{1} << 32, int64_t{1} << 32})
+                .numel(),
+            -1);
+  EXPECT_EQ(TensorView::Contiguous(static_cast<void*>(nullptr), DType::kU8, {0, INT64_MAX}).numel(), 0);
+}
+
+TEST(DLPack, NullShapeAndNullPointerOffsetsAreRejected) {
+  int64_t shape[2] = {2, 3};
+  DLTensor t{};
+  t.ndim = 2;
+  t.shape = nullptr;
+  t.dtype = DLDataType{kDLFloat, 32, 1};
+  t.device = DLDevice{kDLCPU, 0};
+  float data[6] = {};
+  t.data = data;
+  absl::StatusOr<TensorView> v = TensorView::FromDLPack(t);
+  ASSERT_FALSE(v.ok());
+  EXPECT_NE(v.status().message().find("DLTensor: expected a shape array"), std::string::npos);
+  t.shape = shape;
+  t.data = nullptr;
+  t.byte_offset = 16;
+  EXPECT_FALSE(TensorView::FromDLPack(t).ok());
+  t.data = data;
+  t.byte_offset = 0;
+  shape[1] = -3;
+  v = TensorView::FromDLPack(t);
+  ASSERT_FALSE(v.ok());
+  EXPECT_NE(v.status().message().find("non-negative extents"), std::string::npos) << v.status();
+  shape[1] = INT64_MAX;
+  EXPECT_FALSE(TensorView::FromDLPack(t).ok());
+  shape[1] = 3;
+  int64_t strides[2] = {-3, 1};
+  t.strides = strides;
+  EXPECT_FALSE(TensorView::FromDLPack(t).ok());
 }
 
 }  // namespace

@@ -64,6 +64,7 @@ struct DecodeAttentionArgs {
 
 class DecodeAttention {
  public:
+  DecodeAttention() = default;  // Run() fails until assigned from Create()
   struct Options {
     CacheGeometry geometry;  // head_dim_k and head_dim_v in {64, 128, 256}; equal on CUDA
     int num_qo_heads = 0;    // a positive multiple of geometry.num_kv_heads

@@ -89,6 +89,16 @@ FP4KV_HD float DivRn(float a, float b) {
 
 FP4KV_HD float AbsF(float x) { return BitsFloat(FloatBits(x) & 0x7fffffffu); }
 
+// Global decode scales. A valid g is positive, finite, and small enough that
+// the largest value a cache can hold, 6 * 448 * g, is finite: g <=
+// kMaxGlobalScale = 0x79C30C30 (about 1.266e35, FLT_MAX / 2688). Every
+// product the quantizer and the readers form is then finite, so block scale
+// bytes stay in 0x00..0x7E. Ops reject other fixed values; a scale read
+// from memory when an op runs cannot be checked and, outside this range,
+// gives defined but meaningless bytes.
+FP4KV_HD float MaxGlobalScale() { return BitsFloat(0x79c30c30u); }
+FP4KV_HD bool IsValidGlobalScale(float g) { return g > 0.0f && g <= MaxGlobalScale(); }
+
 // Rounds the integer `mag` (a magnitude scaled so the target's unit is bit
 // `shift`) to nearest, ties to even, and returns mag >> shift rounded.
 FP4KV_HD uint32_t ShiftRoundNearestEven(uint32_t mag, uint32_t shift) {
@@ -391,7 +401,7 @@ FP4KV_HD float Fp8MaterializeMultiplier(float global_scale, float fp8_scale) {
 
 // The smallest fp32 FP8 decode scale f with (6 * 448) * (g / f) <= 448, so
 // that no value a cache with global decode scale g can hold saturates the FP8
-// range. Precondition: g positive, finite, and 6 * g finite (MinFp8Scale in
+// range. Precondition: IsValidGlobalScale(g) (MinFp8Scale in
 // ops.h validates; here any other g returns 6 * g unchanged).
 FP4KV_HD float MinFp8ScaleFor(float g) {
   float f = MulRn(6.0f, g);

@@ -50,7 +50,8 @@ struct CacheGeometry {
     return static_cast<int64_t>(page_size) * num_kv_heads *
            (DataRowBytes(false) + DataRowBytes(true) + ScaleRowBytes(false) + ScaleRowBytes(true));
   }
-  // Bits of storage per cached value, K and V together.
+  // Bytes of storage per token of this cache (one layer): K and V, data and
+  // scales, PageBytes() / page_size.
   double BytesPerToken() const {
     return static_cast<double>(PageBytes()) / static_cast<double>(page_size);
   }

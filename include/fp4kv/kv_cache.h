@@ -133,7 +133,11 @@ struct KVCacheOptions {
   // Step capacities: they fix the shapes of the step buffers.
   int max_seqs_per_step = 256;
   int max_tokens_per_step = 8192;
-  int max_pages_per_seq = 0;  // longest sequence: max_pages_per_seq * page_size tokens
+  // Longest sequence: max_pages_per_seq * page_size tokens. 0 (the default):
+  // min(num_pages, ceil(32768 / page_size)), sequences of up to 32768 tokens
+  // (options() reports the value chosen). It sizes the step block tables
+  // (max_seqs_per_step * max_pages_per_seq i32) and the FP8 workspace.
+  int max_pages_per_seq = 0;
 };
 
 class KVCache;
@@ -144,6 +148,10 @@ class KVCacheState;
 // The Appender of a cache (AppendIndexing::kSlot on the step's slot_mapping).
 class CacheAppender {
  public:
+  // Not bound to a cache: Run() returns FailedPrecondition. Assign one from
+  // the KVCache accessor (the type is copyable and movable, so it can be a
+  // member).
+  CacheAppender() = default;
   // key: [R, H, Dk], value: [R, H, Dv] (input dtype of appender()), rows
   // 0 .. num_tokens-1 of the current step in the order of its entries; R >=
   // the step's num_tokens and rows past it are ignored (R = max_tokens_per_step
@@ -162,13 +170,17 @@ class CacheAppender {
   friend class KVCache;
   CacheAppender(const internal::KVCacheState* state, Appender op)
       : state_(state), op_(std::move(op)) {}
-  const internal::KVCacheState* state_;
+  const internal::KVCacheState* state_ = nullptr;
   Appender op_;
 };
 
 // The Materializer of a cache: writes the step's sequences as FP8 pages.
 class CacheMaterializer {
  public:
+  // Not bound to a cache: Run() returns FailedPrecondition. Assign one from
+  // the KVCache accessor (the type is copyable and movable, so it can be a
+  // member).
+  CacheMaterializer() = default;
   // out: [W, 2, H, page_size, D] e4m3 (u8 accepted), caller-owned, with W >=
   // the step's fp8_workspace_pages (W = KVCache::Fp8WorkspacePagesAtCapacity()
   // serves every step). Writes the cache's fp8_block_tables step buffer; FP8
@@ -182,7 +194,7 @@ class CacheMaterializer {
   friend class KVCache;
   CacheMaterializer(const internal::KVCacheState* state, Materializer op)
       : state_(state), op_(std::move(op)) {}
-  const internal::KVCacheState* state_;
+  const internal::KVCacheState* state_ = nullptr;
   Materializer op_;
 };
 
@@ -190,6 +202,10 @@ class CacheMaterializer {
 // f16/bf16 tensors.
 class CacheDequantizer {
  public:
+  // Not bound to a cache: Run() returns FailedPrecondition. Assign one from
+  // the KVCache accessor (the type is copyable and movable, so it can be a
+  // member).
+  CacheDequantizer() = default;
   // k_out: [B, T, H, Dk], v_out: [B, T, H, Dv] with num_seqs <= B <=
   // max_seqs_per_step and T >= the step's max_seq_len; row b is the step's
   // entry b. Positions past a sequence's length are left unchanged. Graph-safe.
@@ -201,7 +217,7 @@ class CacheDequantizer {
   friend class KVCache;
   CacheDequantizer(const internal::KVCacheState* state, Dequantizer op)
       : state_(state), op_(std::move(op)) {}
-  const internal::KVCacheState* state_;
+  const internal::KVCacheState* state_ = nullptr;
   Dequantizer op_;
 };
 
@@ -245,6 +261,10 @@ struct CacheAttentionOptions {
 // NVFP4 pages directly (attention.h has the math and the defined behaviour).
 class CacheAttention {
  public:
+  // Not bound to a cache: Run() returns FailedPrecondition. Assign one from
+  // the KVCache accessor (the type is copyable and movable, so it can be a
+  // member).
+  CacheAttention() = default;
   // q: [R, Hq, Dk], out: [R, Hq, Dv] (dtype of the options). max_q_len == 1:
   // row b is the step's entry b, num_seqs <= R <= max_seqs_per_step (R =
   // max_seqs_per_step serves every step; rows past num_seqs have seq_len 0
@@ -266,7 +286,7 @@ class CacheAttention {
   friend class KVCache;
   CacheAttention(const internal::KVCacheState* state, DecodeAttention op)
       : state_(state), op_(std::move(op)) {}
-  const internal::KVCacheState* state_;
+  const internal::KVCacheState* state_ = nullptr;
   DecodeAttention op_;
 };
 
@@ -277,6 +297,11 @@ class CacheAttention {
 // copied first); pages_free + pages_used == pages_total.
 // A call that returns an error changes nothing (but see PrepareStep on CUDA
 // errors).
+//
+// A moved-from KVCache holds nothing: every call that returns a Status
+// returns FailedPrecondition, CreateSequence() returns 0 (an invalid id),
+// the accessors return empty values (spans, views, null pointers, default
+// options and stats). Assigning a live cache to it makes it usable again.
 class KVCache {
  public:
   // Validates the options and allocates everything: pools (one allocation),
@@ -335,6 +360,19 @@ class KVCache {
   absl::StatusOr<absl::Span<const int32_t>> SequencePages(SequenceId seq) const;
   // Sequences holding `page`; 0 for a free page. InvalidArgument out of range.
   absl::StatusOr<int32_t> PageRefCount(int64_t page) const;
+
+  // Dequantizes sequence `seq`'s tokens of layer `layer` into k_out [T, H,
+  // Dk] and v_out [T, H, Dv] (f16 or bf16, both the same; contiguous rows,
+  // 16-byte aligned; T >= the sequence's length): row t is token t; rows at
+  // or past the length are left unchanged. Reads the pages as they are after
+  // the work already enqueued on `stream`, outside any step (no PrepareStep
+  // needed). CUDA: uploads the sequence's block table into a fixed device
+  // buffer and enqueues one kernel on `stream`; calls must all use one
+  // stream (the step stream) so that a later upload cannot overtake an
+  // earlier read; not graph-capturable. CPU: synchronous. NotFound for an
+  // unknown sequence; InvalidArgument naming the argument otherwise.
+  absl::Status ReadSequence(int layer, SequenceId seq, const TensorView& k_out,
+                            const TensorView& v_out, Stream stream = nullptr) const;
 
   // ---------------------------------------------------------------- steps
   // Reserves pages for the entries, advances their lengths, fills the step
@@ -435,7 +473,9 @@ class KVCache {
 
   // Layer `layer`'s pools as the four tuple views ([P, S, H, D/2] u8 and
   // [P, S, H, D/16] e4m3 for NHD; [P, H, S, ...] for HND), for an external
-  // attention kernel. Precondition: 0 <= layer < num_layers.
+  // attention kernel. Empty views (which every op rejects) for a layer
+  // outside [0, num_layers); global_scale_ptr and fp8_scale_ptr return null
+  // there.
   PagedCache LayerCache(int layer) const;
 
   const KVCacheOptions& options() const;  // with geometry.num_pages resolved

@@ -28,9 +28,10 @@ using Stream = CUstream_st*;
 
 // A global decode scale: a value fixed at the call, or a pointer to an fp32
 // in memory on the op's device read when the op runs (so a captured CUDA graph
-// sees updates). Values must be positive and finite; a fixed value is
-// validated, a pointed-to value cannot be and gives defined but meaningless
-// bytes when it is not.
+// sees updates). Values must satisfy IsValidGlobalScale (format.h: positive,
+// at most MaxGlobalScale(), about 1.266e35); a fixed value is validated, a
+// pointed-to value cannot be and gives defined but meaningless bytes when it
+// is not.
 struct GlobalScale {
   float value = 1.0f;
   const float* ptr = nullptr;
@@ -75,6 +76,10 @@ struct AppendArgs {
 
 class Appender {
  public:
+  // Not usable: every Run() returns FailedPrecondition until assigned from
+  // Create(). (Lets an op object be a member; the same holds for every op
+  // class below.)
+  Appender() = default;
   struct Options {
     CacheGeometry geometry;
     DType input_dtype = DType::kBF16;  // kF16 or kBF16
@@ -99,8 +104,9 @@ class Appender {
   const Options& options() const { return options_; }
 
  private:
-  explicit Appender(const Options& o) : options_(o) {}
+  explicit Appender(const Options& o) : options_(o), created_(true) {}
   Options options_;
+  bool created_ = false;
 };
 
 // ---------------------------------------------------------------------------
@@ -118,6 +124,7 @@ struct DequantArgs {
 
 class Dequantizer {
  public:
+  Dequantizer() = default;  // not usable until assigned from Create()
   struct Options {
     CacheGeometry geometry;
     DType output_dtype = DType::kBF16;
@@ -131,8 +138,9 @@ class Dequantizer {
   const Options& options() const { return options_; }
 
  private:
-  explicit Dequantizer(const Options& o) : options_(o) {}
+  explicit Dequantizer(const Options& o) : options_(o), created_(true) {}
   Options options_;
+  bool created_ = false;
 };
 
 // ---------------------------------------------------------------------------
@@ -164,6 +172,7 @@ struct MaterializeArgs {
 
 class Materializer {
  public:
+  Materializer() = default;  // not usable until assigned from Create()
   struct Options {
     CacheGeometry geometry;  // head_dim_k == head_dim_v, multiple of 64; page_size % 4 == 0
     DType table_dtype = DType::kI32;
@@ -176,14 +185,15 @@ class Materializer {
   const Options& options() const { return options_; }
 
  private:
-  explicit Materializer(const Options& o) : options_(o) {}
+  explicit Materializer(const Options& o) : options_(o), created_(true) {}
   Options options_;
+  bool created_ = false;
 };
 
 // The smallest FP8 decode scale under which no value a cache with global
 // decode scale g can hold (|e2m1| <= 6, block scale <= 448) exceeds the FP8
 // range: about 6 * g, adjusted so that (6 * 448) * (g / fp8_scale) <= 448 in
-// fp32. g must be positive and finite.
+// fp32. InvalidArgument unless IsValidGlobalScale(g).
 absl::StatusOr<float> MinFp8Scale(float global_scale);
 
 // ---------------------------------------------------------------------------
@@ -278,6 +288,7 @@ class PagedCacheQuantizer {
 // ---------------------------------------------------------------------------
 class LinearQuantizer {
  public:
+  LinearQuantizer() = default;  // not usable until assigned from Create()
   struct Options {
     DType dtype = DType::kBF16;  // of the unquantized side
     Recipe recipe;
@@ -291,8 +302,9 @@ class LinearQuantizer {
   const Options& options() const { return options_; }
 
  private:
-  explicit LinearQuantizer(const Options& o) : options_(o) {}
+  explicit LinearQuantizer(const Options& o) : options_(o), created_(true) {}
   Options options_;
+  bool created_ = false;
 };
 
 // ---------------------------------------------------------------------------

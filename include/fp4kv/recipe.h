@@ -84,8 +84,11 @@ FP4KV_HD float E4m3Max(const Recipe& recipe) { return recipe.e4m3_max == 256 ? 2
 //       later data of ordinary size representable, where g = 1 would flush
 //       every block with amax below about 0.01 to zero);
 //   amax == +inf                -> computed from FLT_MAX (stays finite);
-//   a result below FLT_MIN (amax < ~3e-35) -> FLT_MIN.
-// The result is always positive, finite and normal, hence a valid GlobalScale.
+//   a result below FLT_MIN (amax < ~3e-35) -> FLT_MIN;
+//   a result above MaxGlobalScale() (amax > ~1.9e38 with e4m3_max 256)
+//       -> MaxGlobalScale().
+// The result is always positive, finite and normal, hence a valid GlobalScale
+// (IsValidGlobalScale).
 FP4KV_HD float MakeGlobalScale(float amax, const Recipe& recipe) {
   const float kFltMax = BitsFloat(0x7f7fffffu);
   const float kFltMin = BitsFloat(0x00800000u);
@@ -93,6 +96,7 @@ FP4KV_HD float MakeGlobalScale(float amax, const Recipe& recipe) {
   if (!(a > 0.0f)) a = 1.0f;  // zero, negative, NaN
   if (a > kFltMax) a = kFltMax;
   const float g = DivRn(a, MulRn(6.0f, E4m3Max(recipe)));
+  if (g > MaxGlobalScale()) return MaxGlobalScale();
   return g < kFltMin ? kFltMin : g;
 }
 

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "absl/types/span.h"
 
 #include <dlpack/dlpack.h>
 
@@ -42,6 +43,13 @@ struct Device {
 
 // A view of caller-owned memory. Copyable and cheap; it never frees.
 // An empty view (data == nullptr, ndim == 0) means "not given".
+//
+// Building a view checks nothing; every op validates the views it is given
+// (rank, non-negative extents and strides, element count and byte extent
+// within int64, then what the op needs) and rejects a malformed one by name.
+// A builder given more than kMaxDims extents, or a number of strides other
+// than the number of extents, returns an invalid view (ndim == -1) that every
+// op rejects.
 struct TensorView {
   static constexpr int kMaxDims = 6;
 
@@ -52,24 +60,44 @@ struct TensorView {
   int64_t strides[kMaxDims] = {};  // in elements
   Device device;
 
-  // A contiguous (row-major) view.
-  static TensorView Contiguous(void* data, DType dtype, std::initializer_list<int64_t> shape,
+  // A contiguous (row-major) view. The span overloads take any int64
+  // sequence, e.g. the std::vector of KVCache::Fp8WorkspaceShape().
+  static TensorView Contiguous(void* data, DType dtype, absl::Span<const int64_t> shape,
                                Device device = Device::Cpu());
+  static TensorView Contiguous(void* data, DType dtype, std::initializer_list<int64_t> shape,
+                               Device device = Device::Cpu()) {
+    return Contiguous(data, dtype, absl::Span<const int64_t>(shape.begin(), shape.size()), device);
+  }
+  static TensorView Contiguous(const void* data, DType dtype, absl::Span<const int64_t> shape,
+                               Device device = Device::Cpu()) {
+    return Contiguous(const_cast<void*>(data), dtype, shape, device);
+  }
   static TensorView Contiguous(const void* data, DType dtype, std::initializer_list<int64_t> shape,
                                Device device = Device::Cpu()) {
     return Contiguous(const_cast<void*>(data), dtype, shape, device);
   }
-  // A strided view; `strides` in elements.
+  // A strided view; `strides` in elements, one per extent.
+  static TensorView Strided(void* data, DType dtype, absl::Span<const int64_t> shape,
+                            absl::Span<const int64_t> strides, Device device = Device::Cpu());
   static TensorView Strided(void* data, DType dtype, std::initializer_list<int64_t> shape,
-                            std::initializer_list<int64_t> strides, Device device = Device::Cpu());
+                            std::initializer_list<int64_t> strides, Device device = Device::Cpu()) {
+    return Strided(data, dtype, absl::Span<const int64_t>(shape.begin(), shape.size()),
+                   absl::Span<const int64_t>(strides.begin(), strides.size()), device);
+  }
   // Wraps a DLPack tensor (byte_offset applied; null strides mean contiguous).
+  // InvalidArgument ("DLTensor: expected ...") for an unsupported dtype or
+  // device, a null shape with ndim > 0, a byte_offset on a null pointer, or
+  // extents and strides that fail the checks every op makes.
   // Supported: float16/bfloat16/float32, uint8, int32, int64 (and float8_e4m3fn
   // where the DLPack header defines it). FP8 scale tensors that arrive as uint8
   // may be retagged with WithDType(DType::kE4M3).
   static absl::StatusOr<TensorView> FromDLPack(const DLTensor& t);
 
   bool empty() const { return data == nullptr && ndim == 0; }
+  // Product of the extents; -1 for an invalid view, a negative extent, or a
+  // product past int64.
   int64_t numel() const;
+  // Precondition: -ndim <= dim < ndim.
   int64_t size(int dim) const { return shape[dim < 0 ? dim + ndim : dim]; }
   int64_t stride(int dim) const { return strides[dim < 0 ? dim + ndim : dim]; }
   bool IsContiguous() const;
@@ -78,7 +106,8 @@ struct TensorView {
     v.dtype = t;
     return v;
   }
-  // View of index `i` along dimension `dim` (that dimension removed).
+  // View of index `i` along dimension `dim` (that dimension removed). An
+  // invalid view when dim or i is out of range.
   TensorView Select(int dim, int64_t i) const;
   template <typename T>
   T* ptr() const {
