@@ -801,6 +801,7 @@ absl::Status KVCache::ReleaseSequence(SequenceId seq) {
 absl::StatusOr<SequenceId> KVCache::ImportSequence(absl::Span<const HalfPagedCache> layers,
                                                    absl::Span<const int32_t> src_pages,
                                                    int64_t length, Stream stream) {
+  FP4KV_KV_RETURN_IF_MOVED_FROM();
   KVCacheState& s = *state_;
   const int L = s.options.num_layers;
   const int64_t ps = s.geometry.page_size;
