@@ -223,7 +223,8 @@ BENCHMARK(BM_DeviceCopy)->UseManualTime()->Iterations(1)->Unit(benchmark::kMicro
 
 // ---------------------------------------------------------------- append
 // args: rows, layout (0 NHD, 1 HND), recipe (0 standard, 1 4over6 MAE,
-// 2 4over6 MAE fast_math), indexing (0 slot, 1 paged), scattered (1: rows
+// 2 4over6 MSE, 3 4over6 MAE fast_math; all e4m3_max 256), indexing (0 slot,
+// 1 paged), scattered (1: rows
 // land on random pages, one per row; 0: consecutive tokens of shuffled pages)
 void BM_Append(benchmark::State& state) {
   if (!HaveGpu(state)) return;
@@ -231,6 +232,7 @@ void BM_Append(benchmark::State& state) {
   const Layout layout = state.range(1) ? Layout::kHND : Layout::kNHD;
   const Recipe recipe = state.range(2) == 0   ? Recipe::Standard()
                         : state.range(2) == 1 ? Recipe::FourOverSix(256, ErrorMetric::kMae, false)
+                        : state.range(2) == 2 ? Recipe::FourOverSix(256, ErrorMetric::kMse, false)
                                               : Recipe::FourOverSix(256, ErrorMetric::kMae, true);
   const bool paged = state.range(3) == 1;
   const bool scattered = state.range(4) == 1;
@@ -324,6 +326,7 @@ BENCHMARK(BM_Append)
     ->Args({65536, 1, 0, 1, 0})
     ->Args({65536, 0, 1, 0, 0})
     ->Args({65536, 0, 2, 0, 0})
+    ->Args({65536, 0, 3, 0, 0})
     ->Args({128, 0, 0, 0, 1})
     ->Args({128, 0, 0, 1, 1})
     ->UseManualTime()
