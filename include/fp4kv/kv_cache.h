@@ -73,7 +73,7 @@ struct StepEntry {
   // read during the call only. Empty for a sequence that appends tokens:
   // the sequence stops being tracked and its later pages are never cached.
   // Ignored without prefix caching.
-  absl::Span<const int32_t> token_ids;
+  absl::Span<const int32_t> token_ids = {};
 };
 
 // What PrepareStep did; host values, valid until the next PrepareStep.
