@@ -240,7 +240,7 @@ class KVCacheState {
     // removed (copy on write, truncation); appends only push.
     uint64_t epoch = 0;
     uint64_t mark = 0;  // step stamp: duplicate detection
-    TokenChain chain;   // token ids and page hashes (prefix caching)
+    TokenChain chain;   // page hashes (prefix caching)
   };
   // What row b of the staging block tables holds: the first `count` pages of
   // sequence `seq` as of `epoch`.
@@ -481,6 +481,9 @@ class KVCacheState {
   mutable std::vector<uint8_t> hash_scratch;
   mutable std::vector<BlockHash> match_hashes;
   mutable std::vector<int32_t> match_pages;
+  // Token id of every slot (page * page_size + entry) written by a tracked
+  // sequence: a page's ids travel with it (forks, matches, truncations).
+  std::vector<int32_t> page_tokens;
 
   // True once the host has seen every layer's scales calibrated: only then
   // are pages indexed (bytes written under a pending layer's placeholder
@@ -515,34 +518,46 @@ class KVCacheState {
     }
   }
 
-  // After a committed append of entry `e` to `q`: records its token ids and
-  // indexes the pages they completed (one kBlockStored event per run of
-  // consecutive newly indexed pages).
-  void CommitTokens(Sequence& q, const StepEntry& e, StepInfo* info) {
+  // After a committed append of entry `e` to `q` (its slots at h_slots[tok0
+  // ..]): records the token ids with the pages and indexes the pages they
+  // completed (one kBlockStored event per run of consecutive newly indexed
+  // pages).
+  void CommitTokens(Sequence& q, const StepEntry& e, int64_t tok0, StepInfo* info) {
     TokenChain& c = q.chain;
-    if (!prefix || !c.tracked || e.num_new_tokens == 0) return;
+    if (!c.tracked || e.num_new_tokens == 0) return;
     if (e.token_ids.empty()) {
       c.Untrack();
       return;
     }
+    for (int32_t k = 0; k < e.num_new_tokens; ++k) page_tokens[h_slots[tok0 + k]] = e.token_ids[k];
     const int ps = geometry.page_size;
-    const size_t first = c.Append(e.token_ids, ps, &hash_scratch);
-    if (first == c.hashes.size() || !Calibrated()) return;
-    size_t run = c.hashes.size();  // start of the current run; size(): none
-    for (size_t j = first; j <= c.hashes.size(); ++j) {
-      if (j < c.hashes.size() && allocator.Register(q.pages[j], c.hashes[j])) {
+    const size_t first = c.hashes.size();
+    const size_t full = static_cast<size_t>(q.length / ps);
+    if (first == full) return;
+    for (size_t j = first; j < full; ++j) {
+      c.hashes.push_back(HashPage(j == 0 ? nullptr : &c.hashes[j - 1], PageTokens(q.pages[j]),
+                                  c.extra_key, &hash_scratch));
+    }
+    if (!Calibrated()) return;
+    size_t run = full;  // start of the current run of indexed pages; full: none
+    for (size_t j = first; j <= full; ++j) {
+      if (j < full && allocator.Register(q.pages[j], c.hashes[j])) {
         ++info->pages_cached;
-        if (run == c.hashes.size()) run = j;
+        if (run == full) run = j;
         continue;
       }
-      if (run < j) {
-        events.Stored(absl::Span<const BlockHash>(c.hashes.data() + run, j - run),
-                      run > 0 ? &c.hashes[run - 1] : nullptr,
-                      absl::Span<const int32_t>(c.tokens.data() + run * ps, (j - run) * ps), ps,
-                      c.extra_key);
+      for (size_t k = run; k < j; ++k) {
+        events.Stored(c.hashes[k], k > 0 ? &c.hashes[k - 1] : nullptr, PageTokens(q.pages[k]), ps,
+                      c.extra_key, /*continues=*/k > run);
       }
-      run = c.hashes.size();
+      run = full;
     }
+  }
+
+  // The token ids recorded for a page (page_size of them).
+  absl::Span<const int32_t> PageTokens(int32_t page) const {
+    const int ps = geometry.page_size;
+    return absl::Span<const int32_t>(page_tokens.data() + static_cast<int64_t>(page) * ps, ps);
   }
 
   void ClearPrefixIndex() {
@@ -726,6 +741,7 @@ absl::StatusOr<KVCache> KVCache::Create(const KVCacheOptions& o) {
       static_cast<int32_t>(g.num_pages),
       o.prefix_cache.enabled ? static_cast<size_t>(o.prefix_cache.max_pending_events) : 0);
   s->prefix = o.prefix_cache.enabled;
+  if (s->prefix) s->page_tokens.assign(static_cast<size_t>(g.num_pages) * g.page_size, 0);
   s->options = o;
   s->options.geometry = g;
   s->options.memory_budget_bytes = o.memory_budget_bytes;
@@ -917,7 +933,6 @@ absl::StatusOr<PrefixSequence> KVCache::CreateSequenceFromPrefix(absl::Span<cons
   q.pages.assign(s.match_pages.begin(), s.match_pages.end());
   q.length = tokens;
   q.chain.Reset(true, extra_key);
-  q.chain.tokens.assign(prompt.begin(), prompt.begin() + tokens);
   q.chain.hashes.assign(s.match_hashes.begin(), s.match_hashes.end());
   ++s.prefix_queries;
   s.prefix_query_tokens += static_cast<int64_t>(prompt.size());
@@ -997,6 +1012,10 @@ absl::StatusOr<StepInfo> KVCache::PrepareStep(absl::Span<const StepEntry> entrie
       for (int32_t p : s.cow_dst) s.allocator.Release(p);
       return st;
     }
+    if (s.prefix) {  // the page's token ids travel with its bytes
+      const absl::Span<const int32_t> ids = s.PageTokens(s.cow_src[k]);
+      std::copy(ids.begin(), ids.end(), s.page_tokens.begin() + int64_t{dst} * ps);
+    }
   }
 
   // Pass 2: commit. Nothing below fails until the upload.
@@ -1034,7 +1053,7 @@ absl::StatusOr<StepInfo> KVCache::PrepareStep(absl::Span<const StepEntry> entrie
       }
     }
     q.length = new_len;
-    s.CommitTokens(q, entries[i], &info);
+    if (s.prefix) s.CommitTokens(q, entries[i], tok - (new_len - old_len), &info);
     const int32_t count = static_cast<int32_t>(q.pages.size());
     s.h_seq_lens[i] = static_cast<int32_t>(new_len);
     s.h_token_indptr[i + 1] = static_cast<int32_t>(tok);
@@ -1377,16 +1396,13 @@ absl::Status KVCache::CheckInvariants() const {
     for (int32_t page : q.pages) ++refs[page];
     const internal::TokenChain& c = q.chain;
     if (!c.tracked) continue;
-    if (static_cast<int64_t>(c.tokens.size()) != q.length ||
-        static_cast<int64_t>(c.hashes.size()) != q.length / ps) {
+    if (static_cast<int64_t>(c.hashes.size()) != q.length / ps) {
       return absl::InternalError(absl::StrCat("sequence ", id, ": length ", q.length, " tracks ",
-                                              c.tokens.size(), " tokens and ", c.hashes.size(),
-                                              " page hashes"));
+                                              c.hashes.size(), " page hashes"));
     }
     for (size_t j = 0; j < c.hashes.size(); ++j) {
       const BlockHash h = internal::HashPage(
-          j == 0 ? nullptr : &c.hashes[j - 1],
-          absl::Span<const int32_t>(c.tokens.data() + j * ps, ps), c.extra_key, &scratch);
+          j == 0 ? nullptr : &c.hashes[j - 1], s.PageTokens(q.pages[j]), c.extra_key, &scratch);
       if (h != c.hashes[j]) {
         return absl::InternalError(absl::StrCat("sequence ", id, " page ", j, ": hash ",
                                                 c.hashes[j].ToHex(), ", its tokens hash to ",

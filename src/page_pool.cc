@@ -17,7 +17,9 @@ PagePool::PagePool(int32_t num_pages, KVEventQueue* events)
       hash_(num_pages) {
   // The top of the stack is the end: page 0 is handed out first.
   for (int32_t i = 0; i < num_pages; ++i) free_[i] = num_pages - 1 - i;
-  index_.reserve(static_cast<size_t>(num_pages));  // no rehash on the step path
+  // Twice the most entries it can hold: erasures leave tombstones, and the
+  // headroom keeps their cleanup amortized O(1) (no rehash on the step path).
+  index_.reserve(2 * static_cast<size_t>(num_pages));
 }
 
 void PagePool::LruUnlink(int32_t p) {

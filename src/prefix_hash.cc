@@ -59,40 +59,5 @@ BlockHash HashPage(const BlockHash* parent, absl::Span<const int32_t> tokens,
   return BlockHash{h.high64, h.low64};
 }
 
-void TokenChain::Reset(bool track, absl::string_view key) {
-  tracked = track;
-  extra_key.assign(key.data(), key.size());
-  tokens.clear();
-  hashes.clear();
-}
-
-void TokenChain::Untrack() {
-  tracked = false;
-  tokens.clear();
-  hashes.clear();
-}
-
-size_t TokenChain::Append(absl::Span<const int32_t> ids, int page_size,
-                          std::vector<uint8_t>* scratch) {
-  const size_t first = hashes.size();
-  tokens.insert(tokens.end(), ids.begin(), ids.end());
-  const size_t full = tokens.size() / static_cast<size_t>(page_size);
-  while (hashes.size() < full) {
-    const size_t i = hashes.size();
-    const BlockHash* parent = i == 0 ? nullptr : &hashes[i - 1];
-    const BlockHash h = HashPage(
-        parent, absl::Span<const int32_t>(tokens.data() + i * page_size, page_size), extra_key,
-        scratch);
-    hashes.push_back(h);
-  }
-  return first;
-}
-
-void TokenChain::Truncate(int64_t len, int page_size) {
-  if (!tracked) return;
-  tokens.resize(static_cast<size_t>(len));
-  hashes.resize(static_cast<size_t>(len / page_size));
-}
-
 }  // namespace internal
 }  // namespace fp4kv

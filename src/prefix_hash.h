@@ -30,28 +30,35 @@ BlockHash HashPage(const BlockHash* parent, absl::Span<const int32_t> tokens,
 
 // For hash maps keyed by BlockHash (the hash is already uniform).
 struct BlockHashHasher {
-  size_t operator()(const BlockHash& h) const { return static_cast<size_t>(h.low ^ h.high); }
+  size_t operator()(const BlockHash& h) const { return static_cast<size_t>(h.low); }
 };
 
-// The token ids of a sequence and the hashes of its full pages, while the
-// sequence is tracked. Invariant when tracked: tokens.size() == the
-// sequence's length and hashes.size() == tokens.size() / page_size.
+// The page hashes of a sequence while it is tracked (its token ids live
+// with its pages: KVCacheState::page_tokens). Invariant when tracked:
+// hashes.size() == length / page_size, hashes[i] chained from hashes[i-1].
 struct TokenChain {
   bool tracked = false;
   std::string extra_key;
-  std::vector<int32_t> tokens;
   std::vector<BlockHash> hashes;
 
   // Starts over, tracked or not (capacities are kept).
-  void Reset(bool track, absl::string_view key);
+  void Reset(bool track, absl::string_view key) {
+    tracked = track;
+    extra_key.assign(key.data(), key.size());
+    hashes.clear();
+  }
   // Stops tracking (a step came without token ids): later pages are never
   // hashed.
-  void Untrack();
-  // Appends token ids and hashes every page they complete; returns the
-  // index of the first new hash (== hashes.size() when none).
-  size_t Append(absl::Span<const int32_t> ids, int page_size, std::vector<uint8_t>* scratch);
-  // Keeps the first `len` tokens and the hashes of the pages they fill.
-  void Truncate(int64_t len, int page_size);
+  void Untrack() {
+    tracked = false;
+    hashes.clear();
+  }
+  // Keeps the hashes of the pages the first `len` tokens fill.
+  void Truncate(int64_t len, int page_size) {
+    if (tracked && hashes.size() > static_cast<size_t>(len / page_size)) {
+      hashes.resize(static_cast<size_t>(len / page_size));
+    }
+  }
 };
 
 }  // namespace internal

@@ -118,27 +118,36 @@ TEST(PagePool, UnregisterAndClearIndex) {
   EXPECT_EQ(b.events[0].type, KVEventType::kAllBlocksCleared);
 }
 
-TEST(KVEventQueue, BoundedWithDropsCounted) {
+TEST(KVEventQueue, BoundedWithDropsCountedAndContinuingPagesMerged) {
   KVEventQueue q(2);
-  const BlockHash h[1] = {H(1)};
-  const int32_t tok[2] = {5, 6};
-  q.Stored(h, nullptr, tok, 2, "a");
-  q.Stored(h, &h[0], tok, 2, "b");
-  q.Stored(h, nullptr, tok, 2, "c");  // dropped
-  q.Removed(H(3));                    // dropped: the last event is not a removal
+  const int32_t tok[4] = {5, 6, 7, 8};
+  q.Stored(H(1), nullptr, {tok, 2}, 2, "a", false);
+  q.Stored(H(2), nullptr, {tok + 2, 2}, 2, "a", true);  // same event
+  q.Stored(H(3), nullptr, {tok, 2}, 2, "b", false);
+  q.Stored(H(4), nullptr, {tok, 2}, 2, "c", false);  // dropped
+  q.Stored(H(5), nullptr, {tok, 2}, 2, "c", true);   // part of the dropped event
+  q.Removed(H(3));                                   // dropped: the last event is not a removal
   EXPECT_EQ(q.pending(), 2u);
   KVEventBatch b = q.Take();
   EXPECT_EQ(b.dropped, 2u);
   ASSERT_EQ(b.events.size(), 2u);
+  EXPECT_EQ(b.events[0].type, KVEventType::kBlockStored);
+  EXPECT_EQ(b.events[0].block_hashes, (std::vector<BlockHash>{H(1), H(2)}));
+  EXPECT_EQ(b.events[0].token_ids, (std::vector<int32_t>{5, 6, 7, 8}));
   EXPECT_EQ(b.events[0].extra_key, "a");
   EXPECT_FALSE(b.events[0].has_parent);
-  EXPECT_TRUE(b.events[1].has_parent);
-  EXPECT_EQ(b.events[1].token_ids, (std::vector<int32_t>{5, 6}));
+  EXPECT_EQ(b.events[1].extra_key, "b");
   EXPECT_EQ(b.events[1].block_size, 2);
   EXPECT_EQ(q.Take().dropped, 0u) << "counted once";
   EXPECT_EQ(q.dropped_total(), 2u);
+  const BlockHash parent = H(9);
+  q.Stored(H(10), &parent, {tok, 2}, 2, "", false);
+  b = q.Take();
+  ASSERT_EQ(b.events.size(), 1u);
+  EXPECT_TRUE(b.events[0].has_parent);
+  EXPECT_EQ(b.events[0].parent_block_hash, parent);
   KVEventQueue off(0);
-  off.Stored(h, nullptr, tok, 2, "");
+  off.Stored(H(1), nullptr, {tok, 2}, 2, "", false);
   off.Removed(H(1));
   off.AllCleared();
   EXPECT_EQ(off.pending(), 0u);

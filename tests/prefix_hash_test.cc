@@ -86,24 +86,23 @@ TEST(PrefixHash, EveryInputChangesTheHash) {
                   .second);
 }
 
-TEST(TokenChain, AppendHashesCompletedPagesAndTruncateDropsThem) {
+TEST(TokenChain, TruncateKeepsTheHashesOfFullPages) {
   std::vector<uint8_t> scratch;
   TokenChain c;
   c.Reset(true, "k");
-  const std::vector<int32_t> a = {1, 2, 3}, b = {4, 5, 6, 7, 8};
-  EXPECT_EQ(c.Append(a, 4, &scratch), 0u);
-  EXPECT_TRUE(c.hashes.empty());
-  EXPECT_EQ(c.Append(b, 4, &scratch), 0u);
-  ASSERT_EQ(c.hashes.size(), 2u);
   const BlockHash h0 = HashPage(nullptr, {1, 2, 3, 4}, "k", &scratch);
-  EXPECT_EQ(c.hashes[0], h0);
-  EXPECT_EQ(c.hashes[1], HashPage(&h0, {5, 6, 7, 8}, "k", &scratch));
+  c.hashes = {h0, HashPage(&h0, {5, 6, 7, 8}, "k", &scratch)};
   c.Truncate(6, 4);
-  EXPECT_EQ(c.tokens.size(), 6u);
+  ASSERT_EQ(c.hashes.size(), 1u);
+  EXPECT_EQ(c.hashes[0], h0);
+  c.Truncate(6, 4);
   EXPECT_EQ(c.hashes.size(), 1u);
   c.Untrack();
   EXPECT_FALSE(c.tracked);
-  EXPECT_TRUE(c.tokens.empty());
+  EXPECT_TRUE(c.hashes.empty());
+  c.Reset(true, "");
+  EXPECT_TRUE(c.tracked);
+  EXPECT_EQ(c.extra_key, "");
 }
 
 }  // namespace
