@@ -484,6 +484,7 @@ class KVCacheState {
   // Token id of every slot (page * page_size + entry) written by a tracked
   // sequence: a page's ids travel with it (forks, matches, truncations).
   std::vector<int32_t> page_tokens;
+  std::vector<uint32_t> unhashed;  // sequence slots with completed, unhashed pages
 
   // True once the host has seen every layer's scales calibrated: only then
   // are pages indexed (bytes written under a pending layer's placeholder
@@ -519,39 +520,64 @@ class KVCacheState {
   }
 
   // After a committed append of entry `e` to `q` (its slots at h_slots[tok0
-  // ..]): records the token ids with the pages and indexes the pages they
-  // completed (one kBlockStored event per run of consecutive newly indexed
-  // pages).
-  void CommitTokens(Sequence& q, const StepEntry& e, int64_t tok0, StepInfo* info) {
+  // ..]): records the token ids with the pages and queues the sequence when
+  // pages were completed (FlushIndex hashes and indexes them).
+  void CommitTokens(Sequence& q, const StepEntry& e, int64_t tok0) {
     TokenChain& c = q.chain;
     if (!c.tracked || e.num_new_tokens == 0) return;
     if (e.token_ids.empty()) {
+      if (c.queued) {  // pages completed while tracked (before this append) are still indexed
+        const int64_t len = q.length;
+        q.length -= e.num_new_tokens;
+        FlushIndex();
+        q.length = len;
+      }
       c.Untrack();
       return;
     }
     for (int32_t k = 0; k < e.num_new_tokens; ++k) page_tokens[h_slots[tok0 + k]] = e.token_ids[k];
-    const int ps = geometry.page_size;
-    const size_t first = c.hashes.size();
+    const int64_t ps = geometry.page_size;
+    if (static_cast<int64_t>(c.hashes.size() + 1) * ps > q.length) return;  // no page completed
     const size_t full = static_cast<size_t>(q.length / ps);
-    if (first == full) return;
-    for (size_t j = first; j < full; ++j) {
-      c.hashes.push_back(HashPage(j == 0 ? nullptr : &c.hashes[j - 1], PageTokens(q.pages[j]),
-                                  c.extra_key, &hash_scratch));
+    if (!Calibrated()) c.index_from = full;  // written under a pending layer's placeholder
+    if (!c.queued) {
+      c.queued = true;
+      unhashed.push_back(static_cast<uint32_t>(&q - seqs.data()));
     }
-    if (!Calibrated()) return;
-    size_t run = full;  // start of the current run of indexed pages; full: none
-    for (size_t j = first; j <= full; ++j) {
-      if (j < full && allocator.Register(q.pages[j], c.hashes[j])) {
-        ++info->pages_cached;
-        if (run == full) run = j;
-        continue;
+  }
+
+  // Hashes the completed pages of the queued sequences and indexes them (one
+  // kBlockStored event per run of consecutive newly indexed pages). Called
+  // before anything reads the index or frees pages, so the index is as if
+  // PrepareStep had done it.
+  void FlushIndex() {
+    const int ps = geometry.page_size;
+    for (uint32_t slot : unhashed) {
+      Sequence& q = seqs[slot];
+      TokenChain& c = q.chain;
+      if (!c.queued) continue;
+      c.queued = false;
+      if (!q.live || !c.tracked) continue;
+      const size_t first = c.hashes.size();
+      const size_t full = static_cast<size_t>(q.length / ps);
+      for (size_t j = first; j < full; ++j) {
+        c.hashes.push_back(HashPage(j == 0 ? nullptr : &c.hashes[j - 1], PageTokens(q.pages[j]),
+                                    c.extra_key, &hash_scratch));
       }
-      for (size_t k = run; k < j; ++k) {
-        events.Stored(c.hashes[k], k > 0 ? &c.hashes[k - 1] : nullptr, PageTokens(q.pages[k]), ps,
-                      c.extra_key, /*continues=*/k > run);
+      size_t run = full;  // start of the current run of indexed pages; full: none
+      for (size_t j = std::max(first, c.index_from); j <= full; ++j) {
+        if (j < full && allocator.Register(q.pages[j], c.hashes[j])) {
+          if (run == full) run = j;
+          continue;
+        }
+        for (size_t k = run; k < j; ++k) {
+          events.Stored(c.hashes[k], k > 0 ? &c.hashes[k - 1] : nullptr, PageTokens(q.pages[k]),
+                        ps, c.extra_key, /*continues=*/k > run);
+        }
+        run = full;
       }
-      run = full;
     }
+    unhashed.clear();
   }
 
   // The token ids recorded for a page (page_size of them).
@@ -561,7 +587,9 @@ class KVCacheState {
   }
 
   void ClearPrefixIndex() {
-    if (prefix) allocator.ClearIndex();
+    if (!prefix) return;
+    FlushIndex();  // their hashes are still needed; their index entries go now
+    allocator.ClearIndex();
   }
 };
 
@@ -870,6 +898,7 @@ SequenceId KVCache::CreateSequence() {
 
 absl::StatusOr<SequenceId> KVCache::ForkSequence(SequenceId parent) {
   KVCacheState& s = *state_;
+  s.FlushIndex();
   if (s.Find(parent) == nullptr) return KVCacheState::Unknown("parent", parent);
   const SequenceId child = CreateSequence();  // may move s.seqs: look the parent up again
   const KVCacheState::Sequence& p = *s.Find(parent);
@@ -883,6 +912,7 @@ absl::StatusOr<SequenceId> KVCache::ForkSequence(SequenceId parent) {
 
 absl::Status KVCache::Truncate(SequenceId seq, int64_t new_len) {
   KVCacheState& s = *state_;
+  s.FlushIndex();
   KVCacheState::Sequence* q = s.Find(seq);
   if (q == nullptr) return KVCacheState::Unknown("seq", seq);
   if (new_len < 0 || new_len > q->length) {
@@ -903,6 +933,7 @@ absl::Status KVCache::Truncate(SequenceId seq, int64_t new_len) {
 
 absl::Status KVCache::ReleaseSequence(SequenceId seq) {
   KVCacheState& s = *state_;
+  s.FlushIndex();
   KVCacheState::Sequence* q = s.Find(seq);
   if (q == nullptr) return KVCacheState::Unknown("seq", seq);
   // Last page first: of pages that become cached, the deepest is evicted first.
@@ -925,6 +956,7 @@ absl::StatusOr<PrefixSequence> KVCache::CreateSequenceFromPrefix(absl::Span<cons
     return absl::FailedPreconditionError(
         "CreateSequenceFromPrefix: expected a cache with prefix_cache.enabled, got one without");
   }
+  s.FlushIndex();
   s.MatchPages(prompt, extra_key, &s.match_hashes, &s.match_pages);
   const SequenceId id = CreateSequence();
   KVCacheState::Sequence& q = *s.Find(id);
@@ -942,7 +974,8 @@ absl::StatusOr<PrefixSequence> KVCache::CreateSequenceFromPrefix(absl::Span<cons
 
 PrefixMatch KVCache::MatchPrefix(absl::Span<const int32_t> prompt,
                                  absl::string_view extra_key) const {
-  const KVCacheState& s = *state_;
+  KVCacheState& s = *state_;
+  s.FlushIndex();  // logically part of the earlier steps
   s.MatchPages(prompt, extra_key, &s.match_hashes, &s.match_pages);
   PrefixMatch m;
   m.pages = static_cast<int64_t>(s.match_pages.size());
@@ -1040,7 +1073,10 @@ absl::StatusOr<StepInfo> KVCache::PrepareStep(absl::Span<const StepEntry> entrie
     const int64_t new_len = old_len + entries[i].num_new_tokens;
     // An indexed partial last page about to be written (after a truncation)
     // leaves the index: its cached content is being overwritten.
-    if (new_len > old_len && old_len % ps != 0) s.allocator.Unregister(q.pages.back());
+    if (q.chain.tail_maybe_indexed && new_len > old_len) {
+      if (old_len % ps != 0) s.allocator.Unregister(q.pages.back());
+      q.chain.tail_maybe_indexed = false;
+    }
     const size_t pages_after = static_cast<size_t>(CeilDiv(new_len, ps));
     while (q.pages.size() < pages_after) q.pages.push_back(s.allocator.Allocate());
     int64_t j = old_len / ps;
@@ -1053,7 +1089,7 @@ absl::StatusOr<StepInfo> KVCache::PrepareStep(absl::Span<const StepEntry> entrie
       }
     }
     q.length = new_len;
-    if (s.prefix) s.CommitTokens(q, entries[i], tok - (new_len - old_len), &info);
+    if (s.prefix) s.CommitTokens(q, entries[i], tok - (new_len - old_len));
     const int32_t count = static_cast<int32_t>(q.pages.size());
     s.h_seq_lens[i] = static_cast<int32_t>(new_len);
     s.h_token_indptr[i + 1] = static_cast<int32_t>(tok);
@@ -1375,11 +1411,15 @@ absl::Status CacheAttention::Run(int layer, const TensorView& q, const TensorVie
 }
 
 // ------------------------------------------------------------ prefix cache
-KVEventBatch KVCache::TakeEvents() { return state_->events.Take(); }
+KVEventBatch KVCache::TakeEvents() {
+  state_->FlushIndex();
+  return state_->events.Take();
+}
 
 void KVCache::ResetPrefixCache() { state_->ClearPrefixIndex(); }
 
 absl::Status KVCache::CheckInvariants() const {
+  state_->FlushIndex();  // logically part of the earlier steps
   const KVCacheState& s = *state_;
   const int ps = s.geometry.page_size;
   FP4KV_KV_RETURN_IF_ERROR(s.allocator.Validate());
@@ -1630,6 +1670,7 @@ int KVCache::num_layers() const { return state_->options.num_layers; }
 Device KVCache::device() const { return state_->options.device; }
 
 KVCacheStats KVCache::Stats() const {
+  state_->FlushIndex();  // logically part of the earlier steps
   const KVCacheState& s = *state_;
   const int ps = s.geometry.page_size;
   KVCacheStats st;

@@ -34,16 +34,26 @@ struct BlockHashHasher {
 };
 
 // The page hashes of a sequence while it is tracked (its token ids live
-// with its pages: KVCacheState::page_tokens). Invariant when tracked:
-// hashes.size() == length / page_size, hashes[i] chained from hashes[i-1].
+// with its pages: KVCacheState::page_tokens). Hashing lags the steps: pages
+// filled by PrepareStep are hashed (and indexed) by the next call that reads
+// the index. Invariant when tracked and not queued: hashes.size() == length
+// / page_size, hashes[i] chained from hashes[i-1].
 struct TokenChain {
   bool tracked = false;
+  bool queued = false;  // on the list of sequences with unhashed full pages
+  // Its last page may be indexed while partial (after a truncation): the
+  // next append takes it out of the index first. Kept when untracked.
+  bool tail_maybe_indexed = false;
+  size_t index_from = 0;  // pages below were filled before calibration: never indexed
   std::string extra_key;
   std::vector<BlockHash> hashes;
 
   // Starts over, tracked or not (capacities are kept).
   void Reset(bool track, absl::string_view key) {
     tracked = track;
+    queued = false;
+    tail_maybe_indexed = false;
+    index_from = 0;
     extra_key.assign(key.data(), key.size());
     hashes.clear();
   }
@@ -55,6 +65,7 @@ struct TokenChain {
   }
   // Keeps the hashes of the pages the first `len` tokens fill.
   void Truncate(int64_t len, int page_size) {
+    if (len % page_size != 0) tail_maybe_indexed = true;
     if (tracked && hashes.size() > static_cast<size_t>(len / page_size)) {
       hashes.resize(static_cast<size_t>(len / page_size));
     }

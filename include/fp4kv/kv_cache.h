@@ -86,7 +86,6 @@ struct StepInfo {
   int64_t pages_allocated = 0;      // new pages taken from the pool (including copies)
   int64_t pages_copied = 0;         // shared partial pages copied on write
   int64_t pages_evicted = 0;        // of pages_allocated, cached pages evicted
-  int64_t pages_cached = 0;         // full pages this step added to the prefix index
 };
 
 // Device views of the step buffers (on the cache's device, fixed addresses).
