@@ -70,7 +70,11 @@ struct StepEntry {
   SequenceId seq = 0;
   int32_t num_new_tokens = 0;
   // With prefix caching: the ids of the new tokens (num_new_tokens of them),
-  // read during the call only. Empty for a sequence that appends tokens:
+  // read during the call only. Pages the step completes are hashed and
+  // indexed by the next call that reads the index (CreateSequenceFromPrefix,
+  // MatchPrefix, Release, Truncate, Fork, TakeEvents, Stats, ...); a sequence
+  // sharing them must run its kernels after this step's appends, which stream
+  // order gives. Empty for a sequence that appends tokens:
   // the sequence stops being tracked and its later pages are never cached.
   // Ignored without prefix caching.
   absl::Span<const int32_t> token_ids = {};
@@ -367,7 +371,9 @@ class KVCache {
                                                           absl::string_view extra_key = {});
   // How much of `prompt` CreateSequenceFromPrefix would reuse now: whole
   // pages, at most (prompt.size() - 1) / page_size and max_pages_per_seq of
-  // them. Changes nothing (no recency, no stats). Zero when caching is off.
+  // them. Changes nothing (no recency, no stats; pages that earlier steps
+  // completed are indexed first, as if by those steps: docs/kv_cache.md).
+  // Zero when caching is off.
   PrefixMatch MatchPrefix(absl::Span<const int32_t> prompt,
                           absl::string_view extra_key = {}) const;
   // A child holding the parent's tokens: it shares every page of the parent
