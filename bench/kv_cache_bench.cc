@@ -5,7 +5,8 @@
 //     16). order 0: the same order every step (the usual decode loop);
 //     order 1: shuffled every step (every block-table row rewritten).
 //     Counters: median_us / p99_us of the individual calls.
-//   BM_PageAllocator/<n>: allocate n pages then free them; pages/s.
+//   BM_PageAllocator/<n>: allocate n pages then free them (the page pool,
+//     no prefix index); pages/s.
 //   BM_CacheAllocateRelease/<n>: the same through the cache: a sequence, a
 //     step reserving n pages, ReleaseSequence; pages/s.
 //   BM_DecodeStepGraph/<seqs>/<attention>: CUDA only. A model-shaped cache
@@ -26,7 +27,7 @@
 
 #include "benchmark/benchmark.h"
 #include "fp4kv/kv_cache.h"
-#include "src/page_allocator.h"
+#include "src/page_pool.h"
 
 namespace fp4kv {
 namespace {
@@ -168,7 +169,7 @@ BENCHMARK(BM_PrepareStepDecode)
 
 void BM_PageAllocator(benchmark::State& state) {
   const int32_t n = static_cast<int32_t>(state.range(0));
-  internal::PageAllocator a(1 << 20);
+  internal::PagePool a(1 << 20);
   std::vector<int32_t> pages(n);
   for (auto _ : state) {
     for (int32_t i = 0; i < n; ++i) pages[i] = a.Allocate();

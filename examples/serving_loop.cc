@@ -17,12 +17,24 @@
 // decode step's append / read time, pages in use, the scale-event counters
 // and the error of dequantized K/V against the original rows.
 //
+// Prefix caching (--prefix_cache=1, the default): prompts start with one of
+// a few shared system prompts, and some requests are follow-up turns of an
+// earlier conversation (its whole history plus a new user turn). Requests
+// are admitted with CreateSequenceFromPrefix, so the cached part of the
+// prompt is shared instead of prefilled; steps pass token ids; finished
+// requests leave their full pages cached for later turns. A token's K/V row
+// is a function of its token prefix (as in a real model), so reused pages
+// hold exactly the rows a prefill would write, and the error check below
+// covers them too. The end prints the hit rate and prefill tokens saved.
+//
 // Flags (--name=value): device (auto|cpu|cuda), read (attention|materialize),
 // layers, kv_heads, qo_heads (0: 4 * kv_heads), head_dim, page_size,
 // requests, max_batch, prompt_min, prompt_max, decode_min, decode_max, chunk
 // (max tokens per step), samples (forked children), pool_pages (0: enough for
 // max_batch + samples full-length sequences), error_seqs (finished sequences
-// whose error is measured), seed.
+// whose error is measured), prefix_cache (0|1), system_prompts (distinct
+// shared system prompts), follow_ups (percent of requests that continue an
+// earlier conversation), seed.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -75,6 +87,7 @@ struct Flags {
   int decode_min = -1, decode_max = -1, chunk = -1, samples = 4;
   int64_t pool_pages = 0;
   int error_seqs = 8;
+  int prefix_cache = 1, system_prompts = 3, follow_ups = 40;
   uint64_t seed = 1;
 
   bool Parse(int argc, char** argv) {
@@ -111,7 +124,8 @@ struct Flags {
           {"page_size", &page_size},   {"requests", &requests},     {"max_batch", &max_batch},
           {"prompt_min", &prompt_min}, {"prompt_max", &prompt_max}, {"decode_min", &decode_min},
           {"decode_max", &decode_max}, {"chunk", &chunk},           {"samples", &samples},
-          {"error_seqs", &error_seqs}};
+          {"error_seqs", &error_seqs}, {"prefix_cache", &prefix_cache},
+          {"system_prompts", &system_prompts}, {"follow_ups", &follow_ups}};
       bool known = false;
       for (const auto& f : ints) {
         if (k == f.name) {
@@ -200,13 +214,23 @@ struct Request {
   int fork_len = 0;
   State state = kWaiting;
   SequenceId seq = 0;
+  // Token ids of the prompt and of the tokens it will generate (decided up
+  // front: the "sampler" is a hash), and key[t], a hash of ids[0..t].
+  std::vector<int32_t> ids;
+  std::vector<uint64_t> key;
 };
 
-// Key of token `pos` of request `r`: tokens before a fork belong to the
-// parent's lineage.
+// Fills r.key from r.ids (a running hash of the token prefix).
+void KeyTokens(Request& r) {
+  r.key.resize(r.ids.size());
+  uint64_t h = 0x5eed;
+  for (size_t t = 0; t < r.ids.size(); ++t) r.key[t] = h = Mix(h ^ static_cast<uint32_t>(r.ids[t]));
+}
+
+// Key of token `pos` of request `r` in a layer: a function of the token
+// prefix, like a real model's K/V.
 uint64_t TokenKey(const std::vector<Request>& reqs, int r, int pos, int layer) {
-  while (reqs[r].parent >= 0 && pos < reqs[r].fork_len) r = reqs[r].parent;
-  return (static_cast<uint64_t>(r) << 40) ^ (static_cast<uint64_t>(pos) << 8) ^ layer;
+  return Mix(reqs[r].key[pos] + static_cast<uint64_t>(layer));
 }
 
 struct ErrorStats {
@@ -280,6 +304,7 @@ int main(int argc, char** argv) {
   o.max_seqs_per_step = S;
   o.max_tokens_per_step = T;
   o.max_pages_per_seq = M;
+  o.prefix_cache.enabled = f.prefix_cache != 0;
   absl::StatusOr<KVCache> created = KVCache::Create(o);
   CHECK_OK(created.status());
   KVCache& cache = *created;
@@ -395,13 +420,35 @@ int main(int argc, char** argv) {
 
   // Requests: f.requests arrive over time; request 0 is forked into
   // f.samples children once its prompt is in.
+  // Prompts: a shared system prompt (about half of prompt_min) and a user
+  // turn; a follow-up continues an earlier request's whole conversation.
   std::mt19937_64 rng(f.seed);
+  auto random_ids = [&](int n, std::vector<int32_t>* out) {
+    for (int i = 0; i < n; ++i) out->push_back(static_cast<int32_t>(rng() % 151936));
+  };
+  std::vector<std::vector<int32_t>> system(std::max(1, f.system_prompts));
+  for (auto& sp : system) random_ids(std::max(1, f.prompt_min / 2), &sp);
   std::vector<Request> reqs;
+  int64_t follow_up_requests = 0;
   for (int i = 0; i < f.requests; ++i) {
     Request r;
     r.id = i;
     r.prompt = std::uniform_int_distribution<int>(f.prompt_min, f.prompt_max)(rng);
     r.decode = std::uniform_int_distribution<int>(f.decode_min, f.decode_max)(rng);
+    const int turn = std::uniform_int_distribution<int>(8, std::max(8, f.prompt_min / 2))(rng);
+    const int prev = i > 0 ? static_cast<int>(rng() % i) : -1;
+    if (prev >= 0 && static_cast<int>(rng() % 100) < f.follow_ups &&
+        static_cast<int>(reqs[prev].ids.size()) + turn <= f.prompt_max) {
+      r.ids = reqs[prev].ids;  // the earlier turn's prompt and answer
+      ++follow_up_requests;
+    } else {
+      r.ids = system[rng() % system.size()];
+    }
+    r.prompt = std::max(r.prompt, static_cast<int>(r.ids.size()) + turn);
+    r.prompt = std::min(r.prompt, std::max(f.prompt_max, static_cast<int>(r.ids.size()) + 1));
+    random_ids(r.prompt - static_cast<int>(r.ids.size()), &r.ids);
+    random_ids(r.decode, &r.ids);  // what it will generate
+    KeyTokens(r);
     reqs.push_back(r);
   }
   reqs.reserve(total_requests);
@@ -411,6 +458,7 @@ int main(int argc, char** argv) {
   bool forked = f.samples <= 0;
   ErrorStats err;
   int64_t prefill_tokens = 0, decode_tokens = 0, steps = 0, replays = 0, preemptions = 0;
+  int64_t prefill_saved = 0;  // prompt tokens shared from the prefix cache instead of prefilled
   int64_t peak_pages = 0, copies = 0;
   double prepare_s = 0, layers_s = 0;  // host time in PrepareStep; the layers' ops (synchronized)
   int done = 0;
@@ -497,7 +545,17 @@ int main(int argc, char** argv) {
     while (!waiting.empty() && static_cast<int>(active.size()) < f.max_batch) {
       Request& r = reqs[waiting.front()];
       waiting.pop_front();
-      r.seq = cache.CreateSequence();
+      if (f.prefix_cache != 0) {
+        // Shares the cached pages of the prompt's longest cached prefix.
+        absl::StatusOr<fp4kv::PrefixSequence> ps = cache.CreateSequenceFromPrefix(
+            absl::Span<const int32_t>(r.ids.data(), r.prompt));
+        CHECK_OK(ps.status());
+        r.seq = ps->seq;
+        r.stored = static_cast<int>(ps->cached_tokens);
+        prefill_saved += ps->cached_tokens;
+      } else {
+        r.seq = cache.CreateSequence();
+      }
       r.state = Request::kPrefill;
       active.push_back(r.id);
     }
@@ -507,7 +565,7 @@ int main(int argc, char** argv) {
     bool decode_only = true;
     for (int id : active) {
       if (reqs[id].state == Request::kDecode) {
-        entries.push_back({reqs[id].seq, 1});
+        entries.push_back({reqs[id].seq, 1, {reqs[id].ids.data() + reqs[id].stored, 1}});
         --budget;
       }
     }
@@ -515,7 +573,7 @@ int main(int argc, char** argv) {
       Request& r = reqs[id];
       if (r.state != Request::kPrefill || budget == 0) continue;
       const int n = std::min(budget, r.prompt - r.stored);
-      entries.push_back({r.seq, n});
+      entries.push_back({r.seq, n, {r.ids.data() + r.stored, static_cast<size_t>(n)}});
       budget -= n;
       decode_only = false;
     }
@@ -627,6 +685,9 @@ int main(int argc, char** argv) {
         c.prompt = reqs[0].prompt;
         c.stored = reqs[0].stored;
         c.decode = std::uniform_int_distribution<int>(f.decode_min, f.decode_max)(rng);
+        c.ids.assign(reqs[0].ids.begin(), reqs[0].ids.begin() + c.fork_len);
+        random_ids(c.decode, &c.ids);  // its own samples
+        KeyTokens(c);
         c.state = Request::kDecode;
         absl::StatusOr<SequenceId> child = cache.ForkSequence(reqs[0].seq);
         CHECK_OK(child.status());
@@ -702,6 +763,17 @@ int main(int argc, char** argv) {
   std::printf("pages: peak %lld of %lld in use, %lld copied on write; now %lld in use\n",
               static_cast<long long>(peak_pages), static_cast<long long>(st.pages_total),
               static_cast<long long>(copies), static_cast<long long>(st.pages_used));
+  if (f.prefix_cache != 0) {
+    std::printf(
+        "prefix cache: %lld admissions (%lld follow-up turns, %d system prompts), hit rate "
+        "%.1f%% of prompt tokens; %lld prefill tokens saved (%.1f%% of the prefill work); "
+        "%lld pages cached now, %lld evictions\n",
+        static_cast<long long>(st.prefix_queries), static_cast<long long>(follow_up_requests),
+        static_cast<int>(system.size()), 100.0 * st.prefix_hit_rate,
+        static_cast<long long>(prefill_saved),
+        100.0 * prefill_saved / std::max<int64_t>(1, prefill_saved + prefill_tokens),
+        static_cast<long long>(st.pages_cached), static_cast<long long>(st.evictions));
+  }
   if (err.seqs > 0) {
     std::printf(
         "dequantized vs original (%d sequences, layers 0 and %d, %lld rows): "

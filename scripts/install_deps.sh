@@ -2,7 +2,7 @@
 # Installs the Debian packages fp4kv builds against, if any is missing.
 # The CUDA toolkit itself (nvcc) must already be installed.
 set -euo pipefail
-pkgs=(cmake g++ make libabsl-dev libgtest-dev libbenchmark-dev libdlpack-dev)
+pkgs=(cmake g++ make libabsl-dev libgtest-dev libbenchmark-dev libdlpack-dev libxxhash-dev)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

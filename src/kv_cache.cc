@@ -17,7 +17,9 @@
 #include "fp4kv/calibrate.h"
 #include "fp4kv/recipe.h"
 #include "src/cuda_util.h"
-#include "src/page_allocator.h"
+#include "src/kv_event_queue.h"
+#include "src/page_pool.h"
+#include "src/prefix_hash.h"
 #include "src/params.h"
 #include "src/validate.h"
 
@@ -258,6 +260,7 @@ class KVCacheState {
     // removed (copy on write, truncation); appends only push.
     uint64_t epoch = 0;
     uint64_t mark = 0;  // step stamp: duplicate detection
+    TokenChain chain;   // page hashes (prefix caching)
   };
   // What row b of the staging block tables holds: the first `count` pages of
   // sequence `seq` as of `epoch`.
@@ -267,7 +270,8 @@ class KVCacheState {
     int32_t count = 0;
   };
 
-  explicit KVCacheState(int32_t num_pages) : allocator(num_pages) {}
+  KVCacheState(int32_t num_pages, size_t max_events)
+      : events(max_events), allocator(num_pages, &events) {}
   ~KVCacheState() {
     if (upload_done != nullptr) {
       ScopedDevice d;
@@ -471,7 +475,8 @@ class KVCacheState {
 
   StepViews views;
   StepInfo step;
-  PageAllocator allocator;
+  KVEventQueue events;
+  PagePool allocator;
   std::vector<Sequence> seqs;
   std::vector<uint32_t> free_slots;
   // Ids count up from 1 and are never reused; slot_of maps a live id to its
@@ -489,7 +494,202 @@ class KVCacheState {
   std::vector<int32_t> cow_src;      // pages to copy, in entry order
   std::vector<int> cow_entry;        // entry index of each copy
   std::vector<int32_t> cow_dst;
+
+  // Prefix caching (options.prefix_cache).
+  bool prefix = false;
+  bool all_calibrated = false;  // sticky: a layer never goes back to pending
+  int64_t prefix_queries = 0, prefix_query_tokens = 0, prefix_hit_tokens = 0;
+  mutable std::vector<uint8_t> hash_scratch;
+  mutable std::vector<BlockHash> match_hashes;
+  mutable std::vector<int32_t> match_pages;
+  // Token id of every slot (page * page_size + entry) written by a tracked
+  // sequence: a page's ids travel with it (forks, matches, truncations).
+  std::vector<int32_t> page_tokens;
+  std::vector<uint32_t> unhashed;  // sequence slots with completed, unhashed pages
+
+  // True once the host has seen every layer's scales calibrated: only then
+  // are pages indexed (bytes written under a pending layer's placeholder
+  // scale must not be shared).
+  bool Calibrated() {
+    if (all_calibrated) return true;
+    for (int l = 0; l < options.num_layers; ++l) {
+      if (LayerPending(l)) return false;
+    }
+    all_calibrated = true;
+    return true;
+  }
+
+  // The longest indexed prefix of `prompt` in whole pages, leaving at least
+  // one token: their hashes and pages (into the given vectors).
+  void MatchPages(absl::Span<const int32_t> prompt, absl::string_view key,
+                  std::vector<BlockHash>* hashes, std::vector<int32_t>* pages) const {
+    hashes->clear();
+    pages->clear();
+    if (!prefix || prompt.empty()) return;
+    const int ps = geometry.page_size;
+    const int64_t max_pages = std::min<int64_t>(static_cast<int64_t>(prompt.size() - 1) / ps,
+                                                options.max_pages_per_seq);
+    for (int64_t i = 0; i < max_pages; ++i) {
+      const BlockHash h = HashPage(hashes->empty() ? nullptr : &hashes->back(),
+                                   prompt.subspan(static_cast<size_t>(i) * ps, ps), key,
+                                   &hash_scratch);
+      const int32_t page = allocator.Lookup(h);
+      if (page < 0) break;
+      hashes->push_back(h);
+      pages->push_back(page);
+    }
+  }
+
+  // After a committed append of entry `e` to `q` (its slots at h_slots[tok0
+  // ..]): records the token ids with the pages and queues the sequence when
+  // pages were completed (FlushIndex hashes and indexes them).
+  void CommitTokens(Sequence& q, const StepEntry& e, int64_t tok0) {
+    TokenChain& c = q.chain;
+    if (!c.tracked || e.num_new_tokens == 0) return;
+    if (e.token_ids.empty()) {
+      if (c.queued) {  // pages completed while tracked (before this append) are still indexed
+        const int64_t len = q.length;
+        q.length -= e.num_new_tokens;
+        FlushIndex();
+        q.length = len;
+      }
+      c.Untrack();
+      return;
+    }
+    for (int32_t k = 0; k < e.num_new_tokens; ++k) page_tokens[h_slots[tok0 + k]] = e.token_ids[k];
+    const int64_t ps = geometry.page_size;
+    if (static_cast<int64_t>(c.hashes.size() + 1) * ps > q.length) return;  // no page completed
+    const size_t full = static_cast<size_t>(q.length / ps);
+    if (!Calibrated()) c.index_from = full;  // written under a pending layer's placeholder
+    if (!c.queued) {
+      c.queued = true;
+      unhashed.push_back(static_cast<uint32_t>(&q - seqs.data()));
+    }
+  }
+
+  // Hashes the completed pages of the queued sequences and indexes them (one
+  // kBlockStored event per run of consecutive newly indexed pages). Called
+  // before anything reads the index or frees pages, so the index is as if
+  // PrepareStep had done it.
+  void FlushIndex() {
+    const int ps = geometry.page_size;
+    for (uint32_t slot : unhashed) {
+      Sequence& q = seqs[slot];
+      TokenChain& c = q.chain;
+      if (!c.queued) continue;
+      c.queued = false;
+      if (!q.live || !c.tracked) continue;
+      const size_t first = c.hashes.size();
+      const size_t full = static_cast<size_t>(q.length / ps);
+      for (size_t j = first; j < full; ++j) {
+        c.hashes.push_back(HashPage(j == 0 ? nullptr : &c.hashes[j - 1], PageTokens(q.pages[j]),
+                                    c.extra_key, &hash_scratch));
+      }
+      size_t run = full;  // start of the current run of indexed pages; full: none
+      for (size_t j = std::max(first, c.index_from); j <= full; ++j) {
+        if (j < full && allocator.Register(q.pages[j], c.hashes[j])) {
+          if (run == full) run = j;
+          continue;
+        }
+        for (size_t k = run; k < j; ++k) {
+          events.Stored(c.hashes[k], k > 0 ? &c.hashes[k - 1] : nullptr, PageTokens(q.pages[k]),
+                        ps, c.extra_key, /*continues=*/k > run);
+        }
+        run = full;
+      }
+    }
+    unhashed.clear();
+  }
+
+  // The token ids recorded for a page (page_size of them).
+  absl::Span<const int32_t> PageTokens(int32_t page) const {
+    const int ps = geometry.page_size;
+    return absl::Span<const int32_t>(page_tokens.data() + static_cast<int64_t>(page) * ps, ps);
+  }
+
+  void ClearPrefixIndex() {
+    if (!prefix) return;
+    FlushIndex();  // their hashes are still needed; their index entries go now
+    allocator.ClearIndex();
+  }
 };
+
+// Undoes the copy-on-write claims of a step check on every exit.
+struct ClaimReset {
+  KVCacheState& s;
+  ~ClaimReset() {
+    for (int32_t p : s.cow_src) s.claim[p] = 0;
+  }
+};
+
+// Pass 1 of a step: checks the entries and counts the pages they need
+// (copies included); changes nothing but scratch (marks, claims, cow_src,
+// cow_entry, step_seqs). The caller holds a ClaimReset.
+absl::Status CheckStepEntries(KVCacheState& s, absl::Span<const StepEntry> entries,
+                              int64_t* need_out) {
+  const int S = s.options.max_seqs_per_step;
+  const int M = s.options.max_pages_per_seq;
+  const int ps = s.geometry.page_size;
+  const int64_t max_len = static_cast<int64_t>(M) * ps;
+  if (entries.size() > static_cast<size_t>(S)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "entries: expected at most max_seqs_per_step = ", S, " entries, got ", entries.size()));
+  }
+  const int n = static_cast<int>(entries.size());
+  const uint64_t stamp = ++s.stamp;
+  s.cow_src.clear();
+  s.cow_entry.clear();
+  int64_t tokens = 0;
+  int64_t need = 0;
+  for (int i = 0; i < n; ++i) {
+    const StepEntry& e = entries[i];
+    if (e.num_new_tokens < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("entries[", i, "].num_new_tokens: expected >= 0, got ", e.num_new_tokens));
+    }
+    if (!e.token_ids.empty() && e.token_ids.size() != static_cast<size_t>(e.num_new_tokens)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("entries[", i, "].token_ids: expected none or num_new_tokens = ",
+                       e.num_new_tokens, " ids, got ", e.token_ids.size()));
+    }
+    KVCacheState::Sequence* q = s.Find(e.seq);
+    if (q == nullptr) {
+      return KVCacheState::Unknown(absl::StrCat("entries[", i, "].seq").c_str(), e.seq);
+    }
+    if (q->mark == stamp) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "entries[", i, "].seq: expected each sequence at most once per step, got id ", e.seq,
+          " again"));
+    }
+    q->mark = stamp;
+    s.step_seqs[i] = q;
+    tokens += e.num_new_tokens;
+    const int64_t new_len = q->length + e.num_new_tokens;
+    if (new_len > max_len) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("entries[", i, "].num_new_tokens: expected at most ", max_len - q->length,
+                       " (max_pages_per_seq * page_size = ", max_len, " minus the length ",
+                       q->length, " of sequence ", e.seq, "), got ", e.num_new_tokens));
+    }
+    need += CeilDiv(new_len, ps) - static_cast<int64_t>(q->pages.size());
+    if (e.num_new_tokens > 0 && q->length % ps != 0) {
+      const int32_t last = q->pages.back();
+      if (s.allocator.RefCount(last) - s.claim[last] > 1) {  // still shared when we get to it
+        ++s.claim[last];
+        s.cow_src.push_back(last);
+        s.cow_entry.push_back(i);
+        ++need;
+      }
+    }
+  }
+  if (tokens > s.options.max_tokens_per_step) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "entries: expected at most max_tokens_per_step = ", s.options.max_tokens_per_step,
+        " new tokens in all, got ", tokens));
+  }
+  *need_out = need;
+  return absl::OkStatus();
+}
 
 }  // namespace internal
 
@@ -604,7 +804,15 @@ absl::StatusOr<KVCache> KVCache::Create(const KVCacheOptions& o) {
   }
   FP4KV_KV_RETURN_IF_ERROR(internal::CheckDeviceAvailable(o.device));
 
-  auto s = std::make_unique<KVCacheState>(static_cast<int32_t>(g.num_pages));
+  if (o.prefix_cache.max_pending_events < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "prefix_cache.max_pending_events: expected >= 0, got ", o.prefix_cache.max_pending_events));
+  }
+  auto s = std::make_unique<KVCacheState>(
+      static_cast<int32_t>(g.num_pages),
+      o.prefix_cache.enabled ? static_cast<size_t>(o.prefix_cache.max_pending_events) : 0);
+  s->prefix = o.prefix_cache.enabled;
+  if (s->prefix) s->page_tokens.assign(static_cast<size_t>(g.num_pages) * g.page_size, 0);
   s->options = o;
   s->options.geometry = g;
   s->options.memory_budget_bytes = o.memory_budget_bytes;
@@ -743,6 +951,7 @@ SequenceId KVCache::CreateSequence() {
   q.live = true;
   q.length = 0;
   q.pages.clear();
+  q.chain.Reset(s.prefix, {});
   ++q.epoch;
   ++s.live_sequences;
   q.id = s.next_id++;
@@ -753,12 +962,14 @@ SequenceId KVCache::CreateSequence() {
 absl::StatusOr<SequenceId> KVCache::ForkSequence(SequenceId parent) {
   FP4KV_KV_RETURN_IF_MOVED_FROM();
   KVCacheState& s = *state_;
+  s.FlushIndex();
   if (s.Find(parent) == nullptr) return KVCacheState::Unknown("parent", parent);
   const SequenceId child = CreateSequence();  // may move s.seqs: look the parent up again
   const KVCacheState::Sequence& p = *s.Find(parent);
   KVCacheState::Sequence& c = *s.Find(child);
   c.length = p.length;
   c.pages = p.pages;
+  c.chain = p.chain;
   for (int32_t page : c.pages) s.allocator.Retain(page);
   return child;
 }
@@ -766,6 +977,7 @@ absl::StatusOr<SequenceId> KVCache::ForkSequence(SequenceId parent) {
 absl::Status KVCache::Truncate(SequenceId seq, int64_t new_len) {
   FP4KV_KV_RETURN_IF_MOVED_FROM();
   KVCacheState& s = *state_;
+  s.FlushIndex();
   KVCacheState::Sequence* q = s.Find(seq);
   if (q == nullptr) return KVCacheState::Unknown("seq", seq);
   if (new_len < 0 || new_len > q->length) {
@@ -774,21 +986,26 @@ absl::Status KVCache::Truncate(SequenceId seq, int64_t new_len) {
   }
   const size_t keep = static_cast<size_t>(CeilDiv(new_len, s.geometry.page_size));
   if (keep < q->pages.size()) {
-    for (size_t j = keep; j < q->pages.size(); ++j) s.allocator.Release(q->pages[j]);
+    // Last page first: of pages that become cached, the deepest is evicted first.
+    for (size_t j = q->pages.size(); j-- > keep;) s.allocator.Release(q->pages[j]);
     q->pages.resize(keep);
     ++q->epoch;
   }
   q->length = new_len;
+  q->chain.Truncate(new_len, s.geometry.page_size);
   return absl::OkStatus();
 }
 
 absl::Status KVCache::ReleaseSequence(SequenceId seq) {
   FP4KV_KV_RETURN_IF_MOVED_FROM();
   KVCacheState& s = *state_;
+  s.FlushIndex();
   KVCacheState::Sequence* q = s.Find(seq);
   if (q == nullptr) return KVCacheState::Unknown("seq", seq);
-  for (int32_t page : q->pages) s.allocator.Release(page);
+  // Last page first: of pages that become cached, the deepest is evicted first.
+  for (size_t j = q->pages.size(); j-- > 0;) s.allocator.Release(q->pages[j]);
   q->pages.clear();  // keeps the capacity for the next sequence in this slot
+  q->chain.Reset(false, {});
   q->length = 0;
   q->live = false;
   q->id = 0;
@@ -878,10 +1095,10 @@ absl::StatusOr<SequenceId> KVCache::ImportSequence(absl::Span<const HalfPagedCac
     }
     params[l] = *p;
   }
-  if (n > s.allocator.free_count()) {
+  if (n > s.allocator.available_count()) {
     return absl::ResourceExhaustedError(absl::StrCat("ImportSequence: needs ", n,
                                                      " free pages, the pool has ",
-                                                     s.allocator.free_count()));
+                                                     s.allocator.available_count()));
   }
   internal::ScopedDevice scoped;
   int32_t* d_lists = lists.data();
@@ -929,6 +1146,43 @@ absl::StatusOr<SequenceId> KVCache::ImportSequence(absl::Span<const HalfPagedCac
     return absl::InternalError(absl::StrCat("ImportSequence: ", status.message()));
   }
   return id;
+}
+
+absl::StatusOr<PrefixSequence> KVCache::CreateSequenceFromPrefix(absl::Span<const int32_t> prompt,
+                                                                absl::string_view extra_key) {
+  FP4KV_KV_RETURN_IF_MOVED_FROM();
+  KVCacheState& s = *state_;
+  if (!s.prefix) {
+    return absl::FailedPreconditionError(
+        "CreateSequenceFromPrefix: expected a cache with prefix_cache.enabled, got one without");
+  }
+  s.FlushIndex();
+  s.MatchPages(prompt, extra_key, &s.match_hashes, &s.match_pages);
+  const SequenceId id = CreateSequence();
+  KVCacheState::Sequence& q = *s.Find(id);
+  const int64_t tokens = static_cast<int64_t>(s.match_pages.size()) * s.geometry.page_size;
+  for (int32_t page : s.match_pages) s.allocator.Retain(page);  // revives cached ones
+  q.pages.assign(s.match_pages.begin(), s.match_pages.end());
+  q.length = tokens;
+  q.chain.Reset(true, extra_key);
+  q.chain.hashes.assign(s.match_hashes.begin(), s.match_hashes.end());
+  ++s.prefix_queries;
+  s.prefix_query_tokens += static_cast<int64_t>(prompt.size());
+  s.prefix_hit_tokens += tokens;
+  return PrefixSequence{id, tokens};
+}
+
+PrefixMatch KVCache::MatchPrefix(absl::Span<const int32_t> prompt,
+                                 absl::string_view extra_key) const {
+  if (state_ == nullptr) return PrefixMatch();
+  KVCacheState& s = *state_;
+  s.FlushIndex();  // logically part of the earlier steps
+  s.MatchPages(prompt, extra_key, &s.match_hashes, &s.match_pages);
+  PrefixMatch m;
+  m.pages = static_cast<int64_t>(s.match_pages.size());
+  m.tokens = m.pages * s.geometry.page_size;
+  for (int32_t page : s.match_pages) m.pages_evictable += s.allocator.RefCount(page) == 0;
+  return m;
 }
 
 absl::StatusOr<int64_t> KVCache::SequenceLength(SequenceId seq) const {
@@ -1034,72 +1288,19 @@ absl::StatusOr<StepInfo> KVCache::PrepareStep(absl::Span<const StepEntry> entrie
   const int S = s.options.max_seqs_per_step;
   const int M = s.options.max_pages_per_seq;
   const int ps = s.geometry.page_size;
-  const int64_t max_len = static_cast<int64_t>(M) * ps;
-  if (entries.size() > static_cast<size_t>(S)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "entries: expected at most max_seqs_per_step = ", S, " entries, got ", entries.size()));
-  }
   const int n = static_cast<int>(entries.size());
 
   // Pass 1: check everything and count the pages; change nothing (claims and
   // marks are scratch).
-  const uint64_t stamp = ++s.stamp;
-  s.cow_src.clear();
-  s.cow_entry.clear();
-  struct ClaimReset {  // claims are undone on every exit
-    KVCacheState& s;
-    ~ClaimReset() {
-      for (int32_t p : s.cow_src) s.claim[p] = 0;
-    }
-  } claim_reset{s};
-  int64_t tokens = 0;
+  internal::ClaimReset claim_reset{s};
   int64_t need = 0;
-  for (int i = 0; i < n; ++i) {
-    const StepEntry& e = entries[i];
-    if (e.num_new_tokens < 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("entries[", i, "].num_new_tokens: expected >= 0, got ", e.num_new_tokens));
-    }
-    KVCacheState::Sequence* q = s.Find(e.seq);
-    if (q == nullptr) {
-      return KVCacheState::Unknown(absl::StrCat("entries[", i, "].seq").c_str(), e.seq);
-    }
-    if (q->mark == stamp) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "entries[", i, "].seq: expected each sequence at most once per step, got id ", e.seq,
-          " again"));
-    }
-    q->mark = stamp;
-    s.step_seqs[i] = q;
-    tokens += e.num_new_tokens;
-    const int64_t new_len = q->length + e.num_new_tokens;
-    if (new_len > max_len) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("entries[", i, "].num_new_tokens: expected at most ", max_len - q->length,
-                       " (max_pages_per_seq * page_size = ", max_len, " minus the length ",
-                       q->length, " of sequence ", e.seq, "), got ", e.num_new_tokens));
-    }
-    need += CeilDiv(new_len, ps) - static_cast<int64_t>(q->pages.size());
-    if (e.num_new_tokens > 0 && q->length % ps != 0) {
-      const int32_t last = q->pages.back();
-      if (s.allocator.RefCount(last) - s.claim[last] > 1) {  // still shared when we get to it
-        ++s.claim[last];
-        s.cow_src.push_back(last);
-        s.cow_entry.push_back(i);
-        ++need;
-      }
-    }
-  }
-  if (tokens > s.options.max_tokens_per_step) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "entries: expected at most max_tokens_per_step = ", s.options.max_tokens_per_step,
-        " new tokens in all, got ", tokens));
-  }
-  if (need > s.allocator.free_count()) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("PrepareStep: needs ", need, " free pages (", s.cow_src.size(),
-                     " of them copies of shared pages), the pool has ", s.allocator.free_count(),
-                     " of ", s.allocator.num_pages(), "; nothing changed"));
+  FP4KV_KV_RETURN_IF_ERROR(internal::CheckStepEntries(s, entries, &need));
+  if (need > s.allocator.available_count()) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "PrepareStep: needs ", need, " free pages (", s.cow_src.size(),
+        " of them copies of shared pages), the pool has ", s.allocator.free_count(), " free and ",
+        s.allocator.cached_count(), " evictable cached of ", s.allocator.num_pages(),
+        "; nothing changed"));
   }
 
   // The previous upload may still read the staging buffer.
@@ -1113,6 +1314,7 @@ absl::StatusOr<StepInfo> KVCache::PrepareStep(absl::Span<const StepEntry> entrie
   }
 
   // Copies on write first: undone if one cannot be enqueued.
+  const int64_t evictions_before = s.allocator.evictions();
   s.cow_dst.clear();
   for (size_t k = 0; k < s.cow_src.size(); ++k) {
     const int32_t dst = s.allocator.Allocate();
@@ -1121,13 +1323,18 @@ absl::StatusOr<StepInfo> KVCache::PrepareStep(absl::Span<const StepEntry> entrie
       for (int32_t p : s.cow_dst) s.allocator.Release(p);
       return st;
     }
+    if (s.prefix) {  // the page's token ids travel with its bytes
+      const absl::Span<const int32_t> ids = s.PageTokens(s.cow_src[k]);
+      std::copy(ids.begin(), ids.end(), s.page_tokens.begin() + int64_t{dst} * ps);
+    }
   }
 
   // Pass 2: commit. Nothing below fails until the upload.
   StepInfo info;
   info.num_seqs = n;
   info.pages_copied = static_cast<int64_t>(s.cow_dst.size());
-  const int32_t free_before = s.allocator.free_count() + static_cast<int32_t>(s.cow_dst.size());
+  const int32_t free_before =
+      s.allocator.available_count() + static_cast<int32_t>(s.cow_dst.size());
   int64_t tok = 0;
   int dirty_lo = S;
   int dirty_hi = -1;
@@ -1142,6 +1349,12 @@ absl::StatusOr<StepInfo> KVCache::PrepareStep(absl::Span<const StepEntry> entrie
     }
     const int64_t old_len = q.length;
     const int64_t new_len = old_len + entries[i].num_new_tokens;
+    // An indexed partial last page about to be written (after a truncation)
+    // leaves the index: its cached content is being overwritten.
+    if (q.chain.tail_maybe_indexed && new_len > old_len) {
+      if (old_len % ps != 0) s.allocator.Unregister(q.pages.back());
+      q.chain.tail_maybe_indexed = false;
+    }
     const size_t pages_after = static_cast<size_t>(CeilDiv(new_len, ps));
     while (q.pages.size() < pages_after) q.pages.push_back(s.allocator.Allocate());
     int64_t j = old_len / ps;
@@ -1154,6 +1367,7 @@ absl::StatusOr<StepInfo> KVCache::PrepareStep(absl::Span<const StepEntry> entrie
       }
     }
     q.length = new_len;
+    if (s.prefix) s.CommitTokens(q, entries[i], tok - (new_len - old_len));
     const int32_t count = static_cast<int32_t>(q.pages.size());
     s.h_seq_lens[i] = static_cast<int32_t>(new_len);
     s.h_token_indptr[i + 1] = static_cast<int32_t>(tok);
@@ -1181,7 +1395,8 @@ absl::StatusOr<StepInfo> KVCache::PrepareStep(absl::Span<const StepEntry> entrie
   info.num_tokens = tok;
   info.num_pages = s.h_kv_indptr[n];
   info.fp8_workspace_pages = 1 + info.num_pages;
-  info.pages_allocated = free_before - s.allocator.free_count();
+  info.pages_allocated = free_before - s.allocator.available_count();
+  info.pages_evicted = s.allocator.evictions() - evictions_before;
   s.step = info;
   ++s.step_serial;
 
@@ -1203,6 +1418,27 @@ absl::StatusOr<StepInfo> KVCache::PrepareStep(absl::Span<const StepEntry> entrie
   }
   return info;
 }
+
+absl::StatusOr<StepPlan> KVCache::PlanStep(absl::Span<const StepEntry> entries) const {
+  FP4KV_KV_RETURN_IF_MOVED_FROM();
+  KVCacheState& s = *state_;  // only scratch is written
+  internal::ClaimReset claim_reset{s};
+  int64_t need = 0;
+  FP4KV_KV_RETURN_IF_ERROR(internal::CheckStepEntries(s, entries, &need));
+  StepPlan p;
+  p.pages_needed = need;
+  p.pages_copied = static_cast<int64_t>(s.cow_src.size());
+  p.pages_free = s.allocator.free_count();
+  p.pages_evictable = s.allocator.cached_count();
+  p.fits = need <= s.allocator.available_count();
+  if (p.fits) {
+    p.pages_evicted = std::max<int64_t>(0, need - p.pages_free);
+    p.pages_left = s.allocator.available_count() - need;
+    p.tokens_left = p.pages_left * s.geometry.page_size;
+  }
+  return p;
+}
+
 
 namespace {
 // What the accessors of a moved-from cache return.
@@ -1476,6 +1712,64 @@ absl::Status CacheAttention::Run(int layer, const TensorView& q, const TensorVie
   return op_.Run(a, s.LayerCache(layer), workspace, workspace_bytes, stream);
 }
 
+// ------------------------------------------------------------ prefix cache
+KVEventBatch KVCache::TakeEvents() {
+  if (state_ == nullptr) return KVEventBatch();
+  state_->FlushIndex();
+  return state_->events.Take();
+}
+
+void KVCache::ResetPrefixCache() {
+  if (state_ != nullptr) state_->ClearPrefixIndex();
+}
+
+absl::Status KVCache::CheckInvariants() const {
+  FP4KV_KV_RETURN_IF_MOVED_FROM();
+  state_->FlushIndex();  // logically part of the earlier steps
+  const KVCacheState& s = *state_;
+  const int ps = s.geometry.page_size;
+  FP4KV_KV_RETURN_IF_ERROR(s.allocator.Validate());
+  std::vector<int32_t> refs(s.allocator.num_pages(), 0);
+  std::vector<uint8_t> scratch;
+  for (size_t slot = 0; slot < s.seqs.size(); ++slot) {
+    const KVCacheState::Sequence& q = s.seqs[slot];
+    if (!q.live) continue;
+    const SequenceId id = q.id;
+    if (static_cast<int64_t>(q.pages.size()) != CeilDiv(q.length, ps)) {
+      return absl::InternalError(absl::StrCat("sequence ", id, ": length ", q.length, " holds ",
+                                              q.pages.size(), " pages"));
+    }
+    for (int32_t page : q.pages) ++refs[page];
+    const internal::TokenChain& c = q.chain;
+    if (!c.tracked) continue;
+    if (static_cast<int64_t>(c.hashes.size()) != q.length / ps) {
+      return absl::InternalError(absl::StrCat("sequence ", id, ": length ", q.length, " tracks ",
+                                              c.hashes.size(), " page hashes"));
+    }
+    for (size_t j = 0; j < c.hashes.size(); ++j) {
+      const BlockHash h = internal::HashPage(
+          j == 0 ? nullptr : &c.hashes[j - 1], s.PageTokens(q.pages[j]), c.extra_key, &scratch);
+      if (h != c.hashes[j]) {
+        return absl::InternalError(absl::StrCat("sequence ", id, " page ", j, ": hash ",
+                                                c.hashes[j].ToHex(), ", its tokens hash to ",
+                                                h.ToHex()));
+      }
+      if (s.allocator.Indexed(q.pages[j]) && s.allocator.HashOf(q.pages[j]) != h) {
+        return absl::InternalError(absl::StrCat("sequence ", id, " page ", j, " (page ",
+                                                q.pages[j], ") is indexed under another hash"));
+      }
+    }
+  }
+  for (int32_t p = 0; p < s.allocator.num_pages(); ++p) {
+    if (refs[p] != s.allocator.RefCount(p)) {
+      return absl::InternalError(absl::StrCat("page ", p, ": reference count ",
+                                              s.allocator.RefCount(p), ", held by ", refs[p],
+                                              " sequences"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 // ------------------------------------------------------- scales and views
 absl::Status KVCache::UpdateGlobalScales(int layer, float k_scale, float v_scale, Stream stream,
                                          StoredTokens stored) {
@@ -1527,6 +1821,7 @@ absl::Status KVCache::UpdateGlobalScalesRange(int first, int count, const float*
   }
   internal::ScopedDevice scoped;
   if (s.cuda) FP4KV_KV_RETURN_IF_ERROR(scoped.Set(s.options.device));
+  s.ClearPrefixIndex();  // cached bytes are only valid under the old scales
   for (int i = 0; i < count; ++i) {
     if (reencode[i]) FP4KV_KV_RETURN_IF_ERROR(s.SaveOldScales(first + i, stream));
   }
@@ -1591,6 +1886,7 @@ absl::Status KVCache::CalibrateGlobalScales(int layer, const TensorView& k, cons
   FP4KV_KV_RETURN_IF_ERROR(s.CheckScaleChange(layer, stored, &reencode));
   internal::ScopedDevice scoped;
   if (s.cuda) FP4KV_KV_RETURN_IF_ERROR(scoped.Set(s.options.device));
+  s.ClearPrefixIndex();  // cached bytes are only valid under the old scales
   if (reencode) FP4KV_KV_RETURN_IF_ERROR(s.SaveOldScales(layer, stream));
   float* scales = s.d_scales + 4 * layer;
   FP4KV_KV_RETURN_IF_ERROR(calibrator.Run(k, nullptr, scales + 0, stream, scales + 2));
@@ -1696,12 +1992,23 @@ Device KVCache::device() const { return state_ ? state_->options.device : Device
 
 KVCacheStats KVCache::Stats() const {
   if (state_ == nullptr) return KVCacheStats();
+  state_->FlushIndex();  // logically part of the earlier steps
   const KVCacheState& s = *state_;
   const int ps = s.geometry.page_size;
   KVCacheStats st;
   st.pages_total = s.allocator.num_pages();
   st.pages_free = s.allocator.free_count();
   st.pages_used = s.allocator.used_count();
+  st.pages_cached = s.allocator.cached_count();
+  st.evictions = s.allocator.evictions();
+  st.prefix_queries = s.prefix_queries;
+  st.prefix_query_tokens = s.prefix_query_tokens;
+  st.prefix_hit_tokens = s.prefix_hit_tokens;
+  st.prefix_hit_rate = s.prefix_query_tokens > 0 ? static_cast<double>(s.prefix_hit_tokens) /
+                                                       static_cast<double>(s.prefix_query_tokens)
+                                                 : 0.0;
+  st.events_pending = static_cast<int64_t>(s.events.pending());
+  st.events_dropped = static_cast<int64_t>(s.events.dropped_total());
   st.num_sequences = s.live_sequences;
   st.pool_bytes = s.pool.total_bytes;
   st.bytes_per_token = s.geometry.BytesPerToken() * s.options.num_layers;
@@ -1714,6 +2021,7 @@ KVCacheStats KVCache::Stats() const {
   std::sort(st.sequence_lengths.begin(), st.sequence_lengths.end());
   for (int32_t p = 0; p < s.allocator.num_pages(); ++p) {
     if (s.allocator.RefCount(p) > 1) ++st.pages_shared;
+    if (s.allocator.Indexed(p)) ++st.pages_indexed;
   }
   // Partially filled last pages count their fill level, unless another
   // holder has the page full.

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "absl/strings/str_split.h"
+#include "absl/strings/string_view.h"
 #include "absl/strings/strip.h"
 #include "fp4kv/attention.h"
 #include "fp4kv/calibrate.h"
@@ -88,6 +89,30 @@ absl::Status KvCacheStep(fp4kv::KVCache& cache, const fp4kv::CacheAppender& appe
     if (!s.ok()) return s;
   }
   // end snippet
+  return absl::OkStatus();
+}
+
+// docs/kv_cache.md, "Prefix caching".
+absl::Status KvCachePrefix(fp4kv::KVCache& cache, const std::vector<int32_t>& prompt,
+                           absl::string_view extra_key, const int32_t& sampled_id,
+                           fp4kv::Stream stream, fp4kv::KVEventBatch* events_out) {
+  // snippet: docs/kv_cache.md
+  // At Create: o.prefix_cache.enabled = true;
+  //            o.prefix_cache.max_pending_events = 1 << 16;   // 0: no KV events
+  // Admission: share the longest cached prefix of the prompt, prefill the rest.
+  absl::StatusOr<fp4kv::PrefixSequence> s = cache.CreateSequenceFromPrefix(prompt, extra_key);
+  if (!s.ok()) return s.status();
+  const int64_t done = s->cached_tokens;  // whole pages, at most prompt.size() - 1
+  const int32_t n = static_cast<int32_t>(prompt.size() - done);
+  absl::StatusOr<fp4kv::StepInfo> prefill =  // token ids go with the step
+      cache.PrepareStep({{s->seq, n, {prompt.data() + done, static_cast<size_t>(n)}}}, stream);
+  if (!prefill.ok()) return prefill.status();
+  // ... the layers' appends; then each decode step passes the new token's id:
+  absl::StatusOr<fp4kv::StepInfo> decode = cache.PrepareStep({{s->seq, 1, {&sampled_id, 1}}}, stream);
+  if (!decode.ok()) return decode.status();
+  fp4kv::KVEventBatch events = cache.TakeEvents();  // for a KV-aware router
+  // end snippet
+  *events_out = std::move(events);
   return absl::OkStatus();
 }
 
@@ -251,6 +276,28 @@ TEST(DocSnippets, KvCacheStepRunsOnTheCpu) {
   for (int l = 0; l < 2; ++l) {
     for (int row = 0; row < 3; ++row) EXPECT_NE(ob[l][row * kQoHeads * kDim], 0xA5A5);
   }
+}
+
+// The second request with the same prompt reuses the first one's full pages.
+TEST(DocSnippets, KvCachePrefixRunsOnTheCpu) {
+  fp4kv::KVCacheOptions o = SmallCpuOptions();
+  o.prefix_cache.enabled = true;
+  o.prefix_cache.max_pending_events = 1 << 16;
+  o.max_tokens_per_step = 64;
+  // Pages are indexed once every layer's scales are set; the snippet leaves
+  // out the appends that would calibrate them.
+  o.k_global_scales = {0.01f, 0.01f};
+  o.v_global_scales = {0.01f, 0.01f};
+  absl::StatusOr<fp4kv::KVCache> cache = fp4kv::KVCache::Create(o);
+  ASSERT_TRUE(cache.ok()) << cache.status();
+  std::vector<int32_t> prompt(40);
+  for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = static_cast<int32_t>(1000 + 7 * i);
+  fp4kv::KVEventBatch first, second;
+  ASSERT_TRUE(fp4kv_doc_snippets::KvCachePrefix(*cache, prompt, "tenant-a", 5, nullptr, &first).ok());
+  EXPECT_FALSE(first.events.empty());
+  ASSERT_TRUE(fp4kv_doc_snippets::KvCachePrefix(*cache, prompt, "tenant-a", 6, nullptr, &second).ok());
+  EXPECT_EQ(cache->MatchPrefix(prompt, "tenant-a").tokens, 32);  // two full pages of 16
+  EXPECT_EQ(cache->MatchPrefix(prompt, "tenant-b").tokens, 0);   // another extra key
 }
 
 TEST(DocSnippets, RecipeNameAndCodeAreWhatTheDocSays) {

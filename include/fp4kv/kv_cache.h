@@ -47,10 +47,12 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 #include "fp4kv/attention.h"
 #include "fp4kv/format.h"
 #include "fp4kv/geometry.h"
+#include "fp4kv/kv_events.h"
 #include "fp4kv/ops.h"
 #include "fp4kv/tensor.h"
 
@@ -67,6 +69,15 @@ using SequenceId = uint64_t;
 struct StepEntry {
   SequenceId seq = 0;
   int32_t num_new_tokens = 0;
+  // With prefix caching: the ids of the new tokens (num_new_tokens of them),
+  // read during the call only. Pages the step completes are hashed and
+  // indexed by the next call that reads the index (CreateSequenceFromPrefix,
+  // MatchPrefix, Release, Truncate, Fork, TakeEvents, Stats, ...); a sequence
+  // sharing them must run its kernels after this step's appends, which stream
+  // order gives. Empty for a sequence that appends tokens:
+  // the sequence stops being tracked and its later pages are never cached.
+  // Ignored without prefix caching.
+  absl::Span<const int32_t> token_ids = {};
 };
 
 // What PrepareStep did; host values, valid until the next PrepareStep.
@@ -78,6 +89,7 @@ struct StepInfo {
   int64_t fp8_workspace_pages = 1;  // out pages the materializer writes: 1 + num_pages
   int64_t pages_allocated = 0;      // new pages taken from the pool (including copies)
   int64_t pages_copied = 0;         // shared partial pages copied on write
+  int64_t pages_evicted = 0;        // of pages_allocated, cached pages evicted
 };
 
 // Device views of the step buffers (on the cache's device, fixed addresses).
@@ -95,8 +107,8 @@ struct StepViews {
 
 struct KVCacheStats {
   int64_t pages_total = 0;
-  int64_t pages_free = 0;
-  int64_t pages_used = 0;    // pages_total - pages_free
+  int64_t pages_free = 0;    // on the free list
+  int64_t pages_used = 0;    // referenced by a sequence: pages_total - pages_free - pages_cached
   int64_t pages_shared = 0;  // used pages referenced by more than one sequence
   int64_t num_sequences = 0;
   int64_t tokens_stored = 0;    // sum of sequence lengths (shared prefixes counted per sequence)
@@ -105,6 +117,26 @@ struct KVCacheStats {
   double bytes_per_token = 0;   // all layers, K and V, data and scales
   int64_t pool_bytes = 0;       // bytes of all pools (data and scales, all layers)
   std::vector<std::pair<SequenceId, int64_t>> sequence_lengths;  // by id
+  // Prefix caching (all 0 when off).
+  int64_t pages_cached = 0;         // in the index, held by no sequence: evictable
+  int64_t pages_indexed = 0;        // in the index (cached or used)
+  int64_t evictions = 0;            // cached pages evicted for an allocation, ever
+  int64_t prefix_queries = 0;       // CreateSequenceFromPrefix calls
+  int64_t prefix_query_tokens = 0;  // prompt tokens they asked about
+  int64_t prefix_hit_tokens = 0;    // of those, tokens reused from the cache
+  double prefix_hit_rate = 0;       // prefix_hit_tokens / prefix_query_tokens (0 when none)
+  int64_t events_pending = 0;       // queued for TakeEvents
+  int64_t events_dropped = 0;       // lost to a full queue, ever
+};
+
+// Prefix caching (docs/kv_cache.md, "Prefix caching"): full pages of
+// sequences whose token ids are known are content-hashed and indexed; pages
+// of released or truncated sequences stay cached (evictable, least recently
+// used first) and are shared by later sequences with the same prefix.
+struct PrefixCacheOptions {
+  bool enabled = false;
+  // Bound of the KV event queue (TakeEvents); 0: no events are kept.
+  int64_t max_pending_events = 0;
 };
 
 struct KVCacheOptions {
@@ -138,6 +170,35 @@ struct KVCacheOptions {
   // (options() reports the value chosen). It sizes the step block tables
   // (max_seqs_per_step * max_pages_per_seq i32) and the FP8 workspace.
   int max_pages_per_seq = 0;
+  PrefixCacheOptions prefix_cache;  // off by default
+};
+
+// What MatchPrefix found: the longest cached prefix of whole pages.
+struct PrefixMatch {
+  int64_t tokens = 0;           // pages * page_size
+  int64_t pages = 0;
+  int64_t pages_evictable = 0;  // of them, cached pages that reuse takes off the LRU
+};
+
+// A sequence made by CreateSequenceFromPrefix.
+struct PrefixSequence {
+  SequenceId seq = 0;
+  int64_t cached_tokens = 0;  // its length: tokens reused; prefill the rest of the prompt
+};
+
+// What a step would do (KVCache::PlanStep), computed without changing
+// anything.
+struct StepPlan {
+  bool fits = false;            // PrepareStep would succeed (barring CUDA errors)
+  int64_t pages_needed = 0;     // new pages, copies included
+  int64_t pages_copied = 0;     // shared partial pages it would copy
+  int64_t pages_free = 0;       // free now
+  int64_t pages_evictable = 0;  // cached now
+  int64_t pages_evicted = 0;    // cached pages it would evict
+  // Pages, and tokens in whole pages, still available after the step (0
+  // when it does not fit): what further admissions can count on.
+  int64_t pages_left = 0;
+  int64_t tokens_left = 0;
 };
 
 class KVCache;
@@ -290,11 +351,13 @@ class CacheAttention {
   DecodeAttention op_;
 };
 
-// Invariants: every page is free (reference count 0) or referenced by the
-// sequences that hold it in their block tables, and by no other; a sequence of
-// length n holds exactly ceil(n / page_size) pages; pages are written only
-// through a sequence that is their sole owner (a shared partial last page is
-// copied first); pages_free + pages_used == pages_total.
+// Invariants: every page is free (reference count 0), cached (reference
+// count 0, in the prefix index, evictable) or referenced by the sequences
+// that hold it in their block tables, and by no other; a sequence of length
+// n holds exactly ceil(n / page_size) pages; pages are written only through
+// a sequence that is their sole owner and never while indexed (a shared
+// partial last page is copied first; an indexed one leaves the index);
+// pages_free + pages_cached + pages_used == pages_total.
 // A call that returns an error changes nothing (but see PrepareStep on CUDA
 // errors).
 //
@@ -318,8 +381,26 @@ class KVCache {
   ~KVCache();
 
   // ----------------------------------------------------------- sequences
-  // A new empty sequence.
+  // A new empty sequence (with prefix caching: tracked, with an empty extra
+  // key; its full pages are cached when its steps give token ids).
   SequenceId CreateSequence();
+  // With prefix caching: a new sequence that shares the longest cached
+  // prefix of `prompt` in whole pages (MatchPrefix) and has that length;
+  // the server prefills the rest of the prompt (at least its last token,
+  // whose logits it needs: a prompt is never matched in full). `extra_key`
+  // names what else determines the K/V of these tokens (adapter, multimodal
+  // content hash, a per-tenant salt): only pages stored under the same key
+  // match. Counts in Stats' prefix queries. FailedPrecondition when prefix
+  // caching is off.
+  absl::StatusOr<PrefixSequence> CreateSequenceFromPrefix(absl::Span<const int32_t> prompt,
+                                                          absl::string_view extra_key = {});
+  // How much of `prompt` CreateSequenceFromPrefix would reuse now: whole
+  // pages, at most (prompt.size() - 1) / page_size and max_pages_per_seq of
+  // them. Changes nothing (no recency, no stats; pages that earlier steps
+  // completed are indexed first, as if by those steps: docs/kv_cache.md).
+  // Zero when caching is off.
+  PrefixMatch MatchPrefix(absl::Span<const int32_t> prompt,
+                          absl::string_view extra_key = {}) const;
   // A child holding the parent's tokens: it shares every page of the parent
   // (reference counts go up; no data is copied now). A shared partially
   // filled last page is copied on the device when either side appends to it.
@@ -387,6 +468,10 @@ class KVCache {
   // stream is then unusable anyway).
   absl::StatusOr<StepInfo> PrepareStep(absl::Span<const StepEntry> entries,
                                        Stream stream = nullptr);
+  // What PrepareStep(entries) would do, changing nothing: the same argument
+  // errors (InvalidArgument, NotFound), else a plan whose `fits` says
+  // whether the free and evictable pages cover the step (copies included).
+  absl::StatusOr<StepPlan> PlanStep(absl::Span<const StepEntry> entries) const;
   const StepInfo& step() const;
   // Fixed-address device views of the step buffers (see StepViews).
   const StepViews& step_views() const;
@@ -418,6 +503,18 @@ class KVCache {
   int64_t Fp8WorkspacePagesAtCapacity() const;
   std::vector<int64_t> Fp8WorkspaceShape(int64_t pages) const;
 
+  // ------------------------------------------------------- prefix cache
+  // The queued KV events, oldest first, and how many were dropped since the
+  // previous call (PrefixCacheOptions::max_pending_events).
+  KVEventBatch TakeEvents();
+  // Empties the prefix index: cached pages become free, pages of live
+  // sequences stay theirs but are no longer shared by later sequences. One
+  // kAllBlocksCleared event. A no-op when prefix caching is off.
+  void ResetPrefixCache();
+  // Checks the invariants (class comment) and the prefix index in
+  // O(pages + tokens): for tests and debugging. Internal on a violation.
+  absl::Status CheckInvariants() const;
+
   // ------------------------------------------------------ scales and views
   // A stored byte means something only under the scale it was written with,
   // so a scale change of a layer that holds tokens (tokens of live sequences
@@ -427,6 +524,11 @@ class KVCache {
   // and its token count, and changes nothing; with StoredTokens::kReencode
   // the layer's pages (all of them, K and V) are requantized on the device
   // from the old scales to the new ones in the same call, on `stream`.
+  //
+  // Prefix caching: cached bytes are valid only under the scales they were
+  // written with, so every successful scale change (and re-encode) empties
+  // the prefix index (ResetPrefixCache). Pages are cached only while every
+  // layer's scales are calibrated.
   //
   // Sets layer `layer`'s global decode scales (positive, finite) and the FP8
   // decode scales derived from them (MinFp8Scale); the layer counts as

@@ -418,6 +418,8 @@ Snapshot TakeSnapshot(const KVCache& cache) {
   s.pages_shared = st.pages_shared;
   s.tokens_stored = st.tokens_stored;
   s.wasted = st.wasted_slots;
+  s.prefix = {st.pages_cached, st.pages_indexed, st.evictions, st.events_pending,
+              st.events_dropped};
   s.step = cache.step();
   auto copy = [](auto span, auto* out) { out->assign(span.begin(), span.end()); };
   copy(cache.host_slot_mapping(), &s.host_slots);
@@ -461,6 +463,7 @@ std::string DiffSnapshots(const Snapshot& a, const Snapshot& b) {
       a.wasted != b.wasted) {
     return "stats differ";
   }
+  if (a.prefix != b.prefix) return "prefix cache state differs";
   if (a.step.num_seqs != b.step.num_seqs || a.step.num_tokens != b.step.num_tokens ||
       a.step.max_seq_len != b.step.max_seq_len || a.step.num_pages != b.step.num_pages ||
       a.step.fp8_workspace_pages != b.step.fp8_workspace_pages ||

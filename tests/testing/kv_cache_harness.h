@@ -121,6 +121,8 @@ struct Snapshot {
   std::vector<std::vector<int32_t>> pages;
   std::vector<int32_t> ref_counts;
   int64_t pages_free = 0, pages_used = 0, pages_shared = 0, tokens_stored = 0, wasted = 0;
+  // Prefix caching: cached, indexed, evictions, events pending, events dropped.
+  std::vector<int64_t> prefix;
   StepInfo step;
   std::vector<int64_t> host_slots;
   std::vector<int32_t> host_lens, host_kv_indptr, host_token_indptr, host_tables;

@@ -1,0 +1,158 @@
+#include "src/page_pool.h"
+
+#include "absl/strings/str_cat.h"
+
+namespace fp4kv {
+namespace internal {
+
+PagePool::PagePool(int32_t num_pages, KVEventQueue* events)
+    : events_(events),
+      free_(num_pages),
+      ref_(num_pages, 0),
+      free_top_(num_pages),
+      prev_(num_pages, -1),
+      next_(num_pages, -1),
+      in_lru_(num_pages, 0),
+      indexed_(num_pages, 0),
+      hash_(num_pages) {
+  // The top of the stack is the end: page 0 is handed out first.
+  for (int32_t i = 0; i < num_pages; ++i) free_[i] = num_pages - 1 - i;
+  // Twice the most entries it can hold: erasures leave tombstones, and the
+  // headroom keeps their cleanup amortized O(1) (no rehash on the step path).
+  index_.reserve(2 * static_cast<size_t>(num_pages));
+}
+
+void PagePool::LruUnlink(int32_t p) {
+  const int32_t a = prev_[p], b = next_[p];
+  (a >= 0 ? next_[a] : head_) = b;
+  (b >= 0 ? prev_[b] : tail_) = a;
+  prev_[p] = next_[p] = -1;
+  in_lru_[p] = 0;
+  --lru_count_;
+}
+
+void PagePool::LruPushBack(int32_t p) {
+  prev_[p] = tail_;
+  next_[p] = -1;
+  (tail_ >= 0 ? next_[tail_] : head_) = p;
+  tail_ = p;
+  in_lru_[p] = 1;
+  ++lru_count_;
+}
+
+int32_t PagePool::Allocate() {
+  int32_t page;
+  if (free_top_ > 0) {
+    page = free_[--free_top_];
+  } else {
+    page = head_;
+    LruUnlink(page);
+    index_.erase(hash_[page]);
+    indexed_[page] = 0;
+    ++evictions_;
+    if (events_ != nullptr) events_->Removed(hash_[page]);
+  }
+  ref_[page] = 1;
+  return page;
+}
+
+void PagePool::Retain(int32_t page) {
+  if (ref_[page] == 0) LruUnlink(page);  // a cached page revived
+  ++ref_[page];
+}
+
+bool PagePool::Release(int32_t page) {
+  if (--ref_[page] != 0) return false;
+  if (indexed_[page]) {
+    LruPushBack(page);
+  } else {
+    free_[free_top_++] = page;
+  }
+  return true;
+}
+
+bool PagePool::Register(int32_t page, const BlockHash& hash) {
+  if (indexed_[page]) return false;
+  if (!index_.try_emplace(hash, page).second) return false;
+  indexed_[page] = 1;
+  hash_[page] = hash;
+  return true;
+}
+
+void PagePool::Unregister(int32_t page) {
+  if (!indexed_[page]) return;
+  index_.erase(hash_[page]);
+  indexed_[page] = 0;
+  if (events_ != nullptr) events_->Removed(hash_[page]);
+}
+
+void PagePool::ClearIndex() {
+  while (head_ >= 0) {
+    const int32_t p = head_;
+    LruUnlink(p);
+    free_[free_top_++] = p;
+  }
+  for (uint8_t& f : indexed_) f = 0;
+  index_.clear();  // keeps the table's capacity
+  if (events_ != nullptr) events_->AllCleared();
+}
+
+absl::Status PagePool::Validate() const {
+  const int32_t n = num_pages();
+  if (free_top_ < 0 || free_top_ > n) {
+    return absl::InternalError(absl::StrCat("free stack size ", free_top_, " outside [0, ", n, "]"));
+  }
+  std::vector<char> on_stack(ref_.size(), 0);
+  for (int32_t i = 0; i < free_top_; ++i) {
+    const int32_t p = free_[i];
+    if (p < 0 || p >= n) {
+      return absl::InternalError(absl::StrCat("free stack holds page ", p, " out of range"));
+    }
+    if (on_stack[p]) return absl::InternalError(absl::StrCat("page ", p, " is free twice"));
+    on_stack[p] = 1;
+    if (ref_[p] != 0 || indexed_[p] || in_lru_[p]) {
+      return absl::InternalError(absl::StrCat("free page ", p, " has reference count ", ref_[p],
+                                              ", indexed ", int{indexed_[p]}, ", in LRU ",
+                                              int{in_lru_[p]}));
+    }
+  }
+  int32_t walked = 0;
+  for (int32_t p = head_, prev = -1; p >= 0; prev = p, p = next_[p]) {
+    if (p >= n || !in_lru_[p] || prev_[p] != prev || ++walked > n) {
+      return absl::InternalError(absl::StrCat("LRU list broken at page ", p));
+    }
+    if (ref_[p] != 0 || !indexed_[p]) {
+      return absl::InternalError(absl::StrCat("cached page ", p, " has reference count ", ref_[p],
+                                              ", indexed ", int{indexed_[p]}));
+    }
+    if (next_[p] < 0 && tail_ != p) return absl::InternalError("LRU tail is not the last page");
+  }
+  if (walked != lru_count_) {
+    return absl::InternalError(
+        absl::StrCat("LRU holds ", walked, " pages, its count says ", lru_count_));
+  }
+  int32_t indexed = 0;
+  for (int32_t p = 0; p < n; ++p) {
+    if (!on_stack[p] && !in_lru_[p] && ref_[p] <= 0) {
+      return absl::InternalError(absl::StrCat("used page ", p, " has reference count ", ref_[p]));
+    }
+    if (in_lru_[p] && on_stack[p]) {
+      return absl::InternalError(absl::StrCat("page ", p, " is both free and cached"));
+    }
+    if (indexed_[p]) {
+      ++indexed;
+      auto it = index_.find(hash_[p]);
+      if (it == index_.end() || it->second != p) {
+        return absl::InternalError(absl::StrCat("indexed page ", p, " is not found by its hash"));
+      }
+    }
+  }
+  if (indexed != static_cast<int32_t>(index_.size())) {
+    return absl::InternalError(absl::StrCat("index holds ", index_.size(), " hashes, ", indexed,
+                                            " pages are indexed"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace internal
+}  // namespace fp4kv

@@ -1,0 +1,101 @@
+// Internal: the page pool of a KVCache — reference counts, the free stack,
+// the prefix index of content-hashed full pages, and the LRU of evictable
+// cached pages.
+//
+// Every page is in exactly one state:
+//   free    reference count 0, on the free stack, not indexed;
+//   cached  reference count 0, indexed, on the LRU list (evictable);
+//   used    reference count >= 1 (indexed or not), on neither.
+// free_count() + cached_count() + used_count() == num_pages(). An indexed
+// page's hash maps to it in the index and no two pages share a hash.
+// Allocate() takes a free page first, else evicts the least recently
+// released cached page (it leaves the index: a kBlockRemoved event). Every
+// operation but ClearIndex and Validate is O(1) amortized, and the index is
+// sized once so steps do not allocate. Not thread-safe.
+#ifndef FP4KV_SRC_PAGE_POOL_H_
+#define FP4KV_SRC_PAGE_POOL_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "fp4kv/kv_events.h"
+#include "src/kv_event_queue.h"
+#include "src/prefix_hash.h"
+
+namespace fp4kv {
+namespace internal {
+
+class PagePool {
+ public:
+  // Pages 0 .. num_pages-1, all free; Allocate() hands them out in
+  // increasing order first, then most recently freed first. `events` (may be
+  // null) receives the removals and clears; it must outlive the pool.
+  explicit PagePool(int32_t num_pages, KVEventQueue* events = nullptr);
+
+  int32_t num_pages() const { return static_cast<int32_t>(ref_.size()); }
+  int32_t free_count() const { return free_top_; }
+  int32_t cached_count() const { return lru_count_; }
+  int32_t used_count() const { return num_pages() - free_top_ - lru_count_; }
+  // Pages Allocate() can hand out now: free and cached.
+  int32_t available_count() const { return free_top_ + lru_count_; }
+  int64_t evictions() const { return evictions_; }
+
+  // Takes a free page, else evicts the least recently used cached page, and
+  // gives it reference count 1. Precondition: available_count() > 0 (callers
+  // count first: all-or-nothing steps).
+  int32_t Allocate();
+  // Adds a reference to a used page, or revives a cached one (it leaves the
+  // LRU with count 1). Precondition: the page is not free.
+  void Retain(int32_t page);
+  // Drops a reference. At 0 an indexed page becomes cached (most recently
+  // used end of the LRU) and any other goes back on the free stack. Returns
+  // true when the count reached 0. Precondition: the page is used.
+  bool Release(int32_t page);
+  int32_t RefCount(int32_t page) const { return ref_[page]; }
+
+  // --- prefix index
+  bool Indexed(int32_t page) const { return indexed_[page] != 0; }
+  const BlockHash& HashOf(int32_t page) const { return hash_[page]; }
+  // The page holding `hash`, or -1.
+  int32_t Lookup(const BlockHash& hash) const {
+    auto it = index_.find(hash);
+    return it == index_.end() ? -1 : it->second;
+  }
+  // Indexes a used, unindexed page under `hash`; false (nothing changes)
+  // when another page already holds that hash.
+  bool Register(int32_t page, const BlockHash& hash);
+  // Takes a used page out of the index (it is about to be overwritten): a
+  // kBlockRemoved event. No-op for an unindexed page.
+  void Unregister(int32_t page);
+  // Empties the index: cached pages become free, used pages stay used but
+  // unindexed. One kAllBlocksCleared event. O(num_pages).
+  void ClearIndex();
+
+  // Checks the invariants above in O(num_pages) (for tests).
+  absl::Status Validate() const;
+
+ private:
+  void LruUnlink(int32_t page);
+  void LruPushBack(int32_t page);
+
+  KVEventQueue* events_;
+  std::vector<int32_t> free_;  // stack; entries [0, free_top_) are free pages
+  std::vector<int32_t> ref_;   // reference count per page
+  int32_t free_top_ = 0;
+  // LRU of cached pages: a doubly linked list through prev_/next_ (-1 ends);
+  // head_ is the least recently used.
+  std::vector<int32_t> prev_, next_;
+  std::vector<uint8_t> in_lru_;
+  int32_t head_ = -1, tail_ = -1, lru_count_ = 0;
+  std::vector<uint8_t> indexed_;
+  std::vector<BlockHash> hash_;
+  absl::flat_hash_map<BlockHash, int32_t, BlockHashHasher> index_;
+  int64_t evictions_ = 0;
+};
+
+}  // namespace internal
+}  // namespace fp4kv
+
+#endif  // FP4KV_SRC_PAGE_POOL_H_
