@@ -54,9 +54,23 @@ absl::Status LaunchFor(const AttentionParams& p, Stream stream) {
                            static_cast<int>(smem)));
   kernel<<<grid, kernels::kAttnThreads, smem, stream>>>(a);
   FP4KV_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-  kernels::MergeAttentionKernel<D, kBf16>
-      <<<grid, kernels::kAttnThreads, sched_bytes, stream>>>(a);
-  return CudaStatus(cudaGetLastError(), "MergeAttentionKernel launch");
+  // The merge kernel may launch while the attention kernel runs (it derives
+  // its schedule, then waits in griddepcontrol.wait): only when its loaded
+  // code was built for sm_90+, where that wait exists.
+  auto* merge = &kernels::MergeAttentionKernel<D, kBf16>;
+  cudaFuncAttributes fa;
+  FP4KV_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&fa, merge));
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(grid);
+  cfg.blockDim = dim3(kernels::kAttnThreads);
+  cfg.dynamicSmemBytes = sched_bytes;
+  cfg.stream = stream;
+  cfg.attrs = attr;
+  cfg.numAttrs = fa.ptxVersion >= 90 ? 1 : 0;
+  return CudaStatus(cudaLaunchKernelEx(&cfg, merge, a), "MergeAttentionKernel launch");
 }
 
 template <int D>

@@ -49,6 +49,9 @@ inline constexpr int kAttnWarps = 4;
 inline constexpr int kAttnThreads = 32 * kAttnWarps;
 inline constexpr int kAttnTile = 16;  // tokens per tile; query rows per item
 inline constexpr int kAttnMinChunk = 64;
+// Online softmax: the running max of a row is raised only when a tile's
+// max exceeds it by more than this (log2 units); see the softmax step.
+inline constexpr float kAttnRescaleSlack = 8.0f;
 
 template <int D>
 struct AttnConfig {
@@ -76,7 +79,7 @@ inline int AttnRowsPerSlot(int group, int max_q_len) {
   return r < kAttnTile ? static_cast<int>(r) : kAttnTile;
 }
 
-// Partial slots the schedule can use: fewer than 2 * (0.8 * ctas + 1).
+// Partial slots the schedule can use: fewer than 2 * ctas.
 inline int64_t AttnSlots(int num_ctas) { return 2 * (static_cast<int64_t>(num_ctas) + 1); }
 
 inline size_t AttnScheduleBytes(int max_batch) {
@@ -163,28 +166,44 @@ __device__ __forceinline__ int BlockExclusiveScan(int v, int* tmp, int* total) {
 __device__ __forceinline__ int BuildAttnSchedule(const AttnLaunch& a, int* item_prefix,
                                                  int* slot_prefix) {
   __shared__ int tmp[kAttnWarps];
-  __shared__ long long wsum[kAttnWarps];
+  __shared__ long long wsum[kAttnWarps][2];
   const internal::AttentionParams& p = a.p;
   const int B = p.batch_size;
   const int per = (B + kAttnThreads - 1) / kAttnThreads;
   const int b0 = threadIdx.x * per;
   const int b1 = b0 + per < B ? b0 + per : B;
-  long long work = 0;
+  long long work = 0, groups = 0;
   for (int b = b0; b < b1; ++b) {
     const AttnRequest r = GetAttnRequest(p, b);
     work += static_cast<long long>(r.span) * r.mtiles;
+    groups += r.span > 0 ? r.mtiles : 0;
     item_prefix[b] = r.span;
     slot_prefix[b] = r.mtiles;
   }
   work *= p.num_kv_heads;
+  groups *= p.num_kv_heads;
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) work += __shfl_xor_sync(0xffffffffu, work, o);
-  if ((threadIdx.x & 31) == 0) wsum[threadIdx.x >> 5] = work;
+  for (int o = 16; o > 0; o >>= 1) {
+    work += __shfl_xor_sync(0xffffffffu, work, o);
+    groups += __shfl_xor_sync(0xffffffffu, groups, o);
+  }
+  if ((threadIdx.x & 31) == 0) {
+    wsum[threadIdx.x >> 5][0] = work;
+    wsum[threadIdx.x >> 5][1] = groups;
+  }
   __syncthreads();
-  long long total = 0;
+  long long total = 0, total_groups = 0;
 #pragma unroll
-  for (int w = 0; w < kAttnWarps; ++w) total += wsum[w];
-  const long long target = (static_cast<long long>(a.num_ctas) * 4) / 5 + 1;
+  for (int w = 0; w < kAttnWarps; ++w) {
+    total += wsum[w][0];
+    total_groups += wsum[w][1];
+  }
+  // Target chunk count: chunks of all groups number at most
+  // work / c + groups, so target = ctas - groups keeps them within one round
+  // of the grid; at least 0.8 ctas (many groups: few or no splits anyway).
+  // Partial slots stay below 2 * target <= 2 * ctas (AttnSlots).
+  long long target = (static_cast<long long>(a.num_ctas) * 4) / 5 + 1;
+  if (a.num_ctas - total_groups > target) target = a.num_ctas - total_groups;
   long long c = (total + target - 1) / target;
   if (c < kAttnMinChunk) c = kAttnMinChunk;
   if (c > (1 << 30)) c = 1 << 30;
@@ -314,6 +333,20 @@ __device__ __forceinline__ void Mma16816(float d[4], const uint32_t a[4], uint32
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// Programmatic dependent launch (sm_90+; no-ops before): the attention
+// kernel lets the merge kernel launch early, and the merge kernel waits for
+// the attention grid's completion (and its memory) before it reads partials.
+__device__ __forceinline__ void LaunchDependentGrids() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void WaitForPrerequisiteGrids() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ float Ex2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
@@ -396,6 +429,7 @@ __global__ void __launch_bounds__(kAttnThreads, AttnConfig<D>::kCtasPerSm)
   constexpr int kVWords = D / 64;     // code words per lane and V token
   extern __shared__ __align__(16) uint8_t smem[];
   const internal::AttentionParams& p = a.p;
+  LaunchDependentGrids();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   int* item_prefix = reinterpret_cast<int*>(smem + kAttnWarps * Cfg::kWarpBytes);
   int* slot_prefix = item_prefix + p.max_batch + 1;
@@ -695,9 +729,14 @@ __global__ void __launch_bounds__(kAttnThreads, AttnConfig<D>::kCtasPerSm)
         float mx = fmaxf(fmaxf(s[0][2 * r], s[0][2 * r + 1]), fmaxf(s[1][2 * r], s[1][2 * r + 1]));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float m_new = fmaxf(m_run[r], mx);
+        // Lazy rescale: the running max moves only when the tile's max
+        // exceeds it by more than kAttnRescaleSlack (log2 units), so P stays
+        // below 2^kAttnRescaleSlack (exact range in f16, no fp32 overflow)
+        // and O is rescaled on few tiles.
+        const float m_new =
+            mx - m_run[r] > kAttnRescaleSlack ? fmaxf(m_run[r], mx) : m_run[r];
         const float m_use = m_new == -INFINITY ? 0.0f : m_new;
-        alpha[r] = Ex2(m_run[r] - m_use);
+        alpha[r] = m_new == m_run[r] ? 1.0f : Ex2(m_run[r] - m_use);
         m_run[r] = m_new;
         float sum = 0.0f;
 #pragma unroll
@@ -888,6 +927,10 @@ __global__ void __launch_bounds__(kAttnThreads) MergeAttentionKernel(const AttnL
   int* item_prefix = reinterpret_cast<int*>(smem);
   int* slot_prefix = item_prefix + p.max_batch + 1;
   const int chunk_bound = BuildAttnSchedule(a, item_prefix, slot_prefix);
+  // Launched early (programmatic dependent launch): the schedule above reads
+  // only inputs; everything below waits for the attention grid. Every CTA
+  // waits, so the merge grid never completes before the attention grid.
+  WaitForPrerequisiteGrids();
   if (slot_prefix[p.batch_size] == 0) return;  // no request was split
   const int total_items = item_prefix[p.batch_size];
   const int tid = threadIdx.x;
