@@ -454,8 +454,88 @@ __global__ void __launch_bounds__(kAttnThreads, AttnConfig<D>::kCtasPerSm)
     const int w_t1 = min(it.t1, w_t0 + warp_tiles * kAttnTile);
     const int n_tiles = w_t0 < w_t1 ? (w_t1 - w_t0 + kAttnTile - 1) / kAttnTile : 0;
 
-    // ---- Copy pipeline state of this lane: token tau of every tile. The first
-    // stages are in flight while the Q tile is loaded below.
+    // ---- Q tile into shared memory (permuted; bf16 rows scaled by 2^kq).
+    int kq = 0;
+    {
+      const int r = lane >> 1, half = lane & 1;
+      const AttnRow row = GetAttnRow(p, it, r);
+      const uint16_t* src = nullptr;
+      if (row.valid) {
+        src = static_cast<const uint16_t*>(p.q) + (it.r.q_begin + row.qi) * p.q_row_stride +
+              static_cast<int64_t>(it.head * p.group + row.gi) * p.q_head_stride + half * (D / 2);
+      }
+      float mul = 1.0f;
+      if constexpr (kBf16) {
+        uint32_t amax = 0;
+        if (src != nullptr) {
+#pragma unroll 4
+          for (int i = 0; i < D / 16; ++i) {
+            const uint4 v = *reinterpret_cast<const uint4*>(src + 8 * i);
+            const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+              const uint32_t lo = (w[j] << 16) & 0x7fff0000u, hi = w[j] & 0x7fff0000u;
+              amax = max(amax, max(lo, hi));
+            }
+          }
+        }
+        amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+        if (amax != 0 && amax < 0x7f800000u) {
+          const int e = static_cast<int>(amax >> 23) - 127;
+          kq = 14 - e;
+          kq = kq < -126 ? -126 : (kq > 127 ? 127 : kq);
+          mul = __uint_as_float(static_cast<uint32_t>(kq + 127) << 23);
+        }
+      }
+      uint16_t* dst = qs + r * Cfg::kQStride;
+#pragma unroll 2
+      for (int i = 0; i < D / 16; ++i) {
+        uint4 v = make_uint4(0, 0, 0, 0);
+        if (src != nullptr) v = *reinterpret_cast<const uint4*>(src + 8 * i);
+        const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const uint32_t bits = (w[j / 2] >> (16 * (j % 2))) & 0xffffu;
+          uint16_t h;
+          if constexpr (kBf16) {
+            h = static_cast<uint16_t>(PackHalf2(__uint_as_float(bits << 16) * mul, 0.0f) &
+                                      0xffffu);
+          } else {
+            h = static_cast<uint16_t>(bits);
+          }
+          dst[QPermutedIndex<D>(half * (D / 2) + 8 * i + j)] = h;
+        }
+      }
+    }
+
+    // ---- Per-thread rows g and g + 8.
+    float lf[2];  // logit factor (natural units without soft cap: log2 units)
+    int row_lo[2], row_hi[2];
+    int lo_max = -(1 << 30), hi_min = 1 << 30;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const AttnRow row = GetAttnRow(p, it, g + 8 * i);
+      const int k = __shfl_sync(0xffffffffu, kq, 2 * (g + 8 * i));
+      const float f = p.sm_scale * gk * device::kHalfTileScale *
+                      __uint_as_float(static_cast<uint32_t>(127 - k) << 23);
+      lf[i] = soft_cap ? f : f * kLog2e;
+      row_lo[i] = -(1 << 30);
+      row_hi[i] = 1 << 30;
+      if (row.stored) {
+        row_hi[i] = row.pos;
+        if (p.window_left >= 0) row_lo[i] = row.pos - p.window_left;
+      }
+      lo_max = max(lo_max, row_lo[i]);
+      hi_min = min(hi_min, row_hi[i]);
+    }
+#pragma unroll
+    for (int o = 4; o < 32; o <<= 1) {
+      lo_max = max(lo_max, __shfl_xor_sync(0xffffffffu, lo_max, o));
+      hi_min = min(hi_min, __shfl_xor_sync(0xffffffffu, hi_min, o));
+    }
+    __syncwarp();
+
+    // ---- Copy pipeline state of this lane: token tau of every tile.
     const int tau = lane >> 1, hf = lane & 1;
     int pj = (w_t0 + tau) / p.page_size;
     int pe = (w_t0 + tau) - pj * p.page_size;
@@ -567,88 +647,6 @@ __global__ void __launch_bounds__(kAttnThreads, AttnConfig<D>::kCtasPerSm)
       if (s < n_tiles) issue(s, w_t0 + kAttnTile * s);
       CpAsyncCommit();
     }
-
-    // ---- Q tile into shared memory (permuted; bf16 rows scaled by 2^kq).
-    int kq = 0;
-    {
-      const int r = lane >> 1, half = lane & 1;
-      const AttnRow row = GetAttnRow(p, it, r);
-      const uint16_t* src = nullptr;
-      if (row.valid) {
-        src = static_cast<const uint16_t*>(p.q) + (it.r.q_begin + row.qi) * p.q_row_stride +
-              static_cast<int64_t>(it.head * p.group + row.gi) * p.q_head_stride + half * (D / 2);
-      }
-      float mul = 1.0f;
-      if constexpr (kBf16) {
-        uint32_t amax = 0;
-        if (src != nullptr) {
-#pragma unroll 4
-          for (int i = 0; i < D / 16; ++i) {
-            const uint4 v = *reinterpret_cast<const uint4*>(src + 8 * i);
-            const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-              const uint32_t lo = (w[j] << 16) & 0x7fff0000u, hi = w[j] & 0x7fff0000u;
-              amax = max(amax, max(lo, hi));
-            }
-          }
-        }
-        amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-        if (amax != 0 && amax < 0x7f800000u) {
-          const int e = static_cast<int>(amax >> 23) - 127;
-          kq = 14 - e;
-          kq = kq < -126 ? -126 : (kq > 127 ? 127 : kq);
-          mul = __uint_as_float(static_cast<uint32_t>(kq + 127) << 23);
-        }
-      }
-      uint16_t* dst = qs + r * Cfg::kQStride;
-#pragma unroll 2
-      for (int i = 0; i < D / 16; ++i) {
-        uint4 v = make_uint4(0, 0, 0, 0);
-        if (src != nullptr) v = *reinterpret_cast<const uint4*>(src + 8 * i);
-        const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          const uint32_t bits = (w[j / 2] >> (16 * (j % 2))) & 0xffffu;
-          uint16_t h;
-          if constexpr (kBf16) {
-            h = static_cast<uint16_t>(PackHalf2(__uint_as_float(bits << 16) * mul, 0.0f) &
-                                      0xffffu);
-          } else {
-            h = static_cast<uint16_t>(bits);
-          }
-          dst[QPermutedIndex<D>(half * (D / 2) + 8 * i + j)] = h;
-        }
-      }
-    }
-
-    // ---- Per-thread rows g and g + 8.
-    float lf[2];  // logit factor (natural units without soft cap: log2 units)
-    int row_lo[2], row_hi[2];
-    int lo_max = -(1 << 30), hi_min = 1 << 30;
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const AttnRow row = GetAttnRow(p, it, g + 8 * i);
-      const int k = __shfl_sync(0xffffffffu, kq, 2 * (g + 8 * i));
-      const float f = p.sm_scale * gk * device::kHalfTileScale *
-                      __uint_as_float(static_cast<uint32_t>(127 - k) << 23);
-      lf[i] = soft_cap ? f : f * kLog2e;
-      row_lo[i] = -(1 << 30);
-      row_hi[i] = 1 << 30;
-      if (row.stored) {
-        row_hi[i] = row.pos;
-        if (p.window_left >= 0) row_lo[i] = row.pos - p.window_left;
-      }
-      lo_max = max(lo_max, row_lo[i]);
-      hi_min = min(hi_min, row_hi[i]);
-    }
-#pragma unroll
-    for (int o = 4; o < 32; o <<= 1) {
-      lo_max = max(lo_max, __shfl_xor_sync(0xffffffffu, lo_max, o));
-      hi_min = min(hi_min, __shfl_xor_sync(0xffffffffu, hi_min, o));
-    }
-    __syncwarp();
-
     const uint32_t q_base = SmemAddr(qs);
     const int ld_row = (lane & 7) + ((lane >> 3) & 1) * 8;
     const int ld_col = (lane >> 4) * 8;
