@@ -36,7 +36,7 @@ absl::Status LaunchFor(const AttentionParams& p, Stream stream) {
            q->data_head % 16 == 0 && al(q->scales, q->scale_page, Cfg::kScaleBytes) &&
            q->scale_entry % Cfg::kScaleBytes == 0 && q->scale_head % Cfg::kScaleBytes == 0 &&
            q->data_entry >= 0 && q->scale_entry >= 0 && q->data_page >= 0 &&
-           q->scale_page >= 0 &&
+           q->scale_page >= 0 && q->data_page <= UINT32_MAX && q->scale_page <= UINT32_MAX &&
            (p.page_size - 1) * q->data_entry < INT32_MAX &&
            (p.page_size - 1) * q->scale_entry < INT32_MAX;
     }
@@ -48,7 +48,8 @@ absl::Status LaunchFor(const AttentionParams& p, Stream stream) {
   const int grid = a.num_ctas;
   const size_t sched_bytes = kernels::AttnScheduleBytes(p.max_batch);
   const size_t smem = static_cast<size_t>(kernels::kAttnWarps) * Cfg::kWarpBytes + sched_bytes;
-  auto* kernel = &kernels::DecodeAttentionKernel<D, kBf16>;
+  auto* kernel = p.soft_cap > 0.0f ? &kernels::DecodeAttentionKernel<D, kBf16, true>
+                                    : &kernels::DecodeAttentionKernel<D, kBf16, false>;
   FP4KV_CUDA_RETURN_IF_ERROR(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                            static_cast<int>(smem)));
