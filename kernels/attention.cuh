@@ -4,15 +4,19 @@
 // Launch: a persistent grid of num_sms * kCtasPerSm CTAs of 4 warps. Every
 // CTA derives the same schedule from seq_lens / q_indptr: request b's
 // attended key range [lo_b, L_b) is cut into splits_b chunks of at most C
-// tokens, C chosen so that all chunks of all requests give about 0.8 work
-// items per CTA. A work item is (request, KV head, 16-row query tile,
-// chunk) and runs on one CTA; CTA x takes items x, x + grid, ... Each warp
-// of the CTA takes a contiguous quarter of the chunk's 16-token tiles, and
-// the four (O, max, sum) are combined through shared memory at the end. A
-// request with one chunk writes its output directly; otherwise each chunk
-// writes an fp32 partial (unnormalized O, running max, sum) and
-// MergeAttentionKernel (same grid, same schedule) combines them. The grid
-// depends only on the options, so one captured graph serves every length.
+// tokens, C chosen so that all chunks of all requests number at most
+// max(0.8 ctas + 1, ctas - groups) + groups (one round of the grid when
+// there are few (request, head, query tile) groups). A work item is
+// (request, KV head, 16-row query tile, chunk) and runs on one CTA; CTA x
+// takes items x, x + grid, ... Each warp of the CTA takes a contiguous
+// quarter of the chunk's 16-token tiles, and the four (O, max, sum) are
+// combined through shared memory at the end. A request with one chunk
+// writes its output directly; otherwise each chunk writes an fp32 partial
+// (unnormalized O, running max, sum) and MergeAttentionKernel (same grid,
+// same schedule; on sm_90 launched early with programmatic dependent launch,
+// waiting for the attention grid before it reads partials) combines them.
+// The grid depends only on the options, so one captured graph serves every
+// length. A soft cap selects a separate instantiation (kSoftCap).
 //
 // One warp, its tiles: query rows r = qi * group + gi (padded to 16) in the
 // M dimension of mma.m16n8k16 (f16 in, f32 accumulate). Per 16-token tile,
@@ -23,7 +27,8 @@
 //   S = Q K^T : B fragments from page_reader's DecodeWordHalf2. The reduction
 //     index is permuted so that lane (g, c) decodes token g's bytes
 //     [c D/8, (c+1) D/8) (contiguous); Q is stored permuted the same way.
-//   online softmax in fp32 on the S fragment (log2 domain);
+//   online softmax in fp32 on the S fragment (log2 domain; a row's running
+//     max moves only when a tile exceeds it by kAttnRescaleSlack);
 //   O += P V   : the S accumulator, rounded to f16, is the A fragment; V's B
 //     fragment for lane (g, c) is "segment" g (dims [g D/8, (g+1) D/8)) of
 //     tokens 2c, 2c+1, 2c+8, 2c+9 (page_reader's DecodeWordPairHalf2), so
