@@ -57,7 +57,7 @@ struct PagePool {
 // ---------------------------------------------------------------------------
 // Code words to E4M3 bytes: the four low nibbles of `codes` (values 0,2,4,6)
 // and the four high nibbles (values 1,3,5,7), each as an E4M3 byte worth
-// e2m1 * 2^-6. Four integer instructions per word each.
+// e2m1 * 2^-6. Three to four integer instructions per word each.
 // ---------------------------------------------------------------------------
 // Low nibble n = s|mag per byte: n * 4 + (s << 3) * 12 = s << 7 | mag << 2
 // (no carries between bytes); two masks and two multiply-adds, which run on
