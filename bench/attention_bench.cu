@@ -230,13 +230,15 @@ BENCHMARK(BM_DeviceCopy)->UseManualTime()->Iterations(1)->Unit(benchmark::kMicro
 
 
 // Partial bytes (written + read) of the split-KV schedule the kernel derives
-// for equal lengths: mirrors kernels/attention.cuh (0.8 items per CTA, at
-// least 64 tokens a chunk, chunks rounded to 16); head dim 128.
+// for equal lengths: mirrors kernels/attention.cuh (target chunk count
+// max(0.8 ctas + 1, ctas - groups), at least 64 tokens a chunk, chunks
+// rounded to 16); head dim 128.
 double PartialBytes(int num_sms, int batch, int len, int kv_heads, int rows, int d) {
   const int64_t ctas = static_cast<int64_t>(num_sms) * kernels::AttnConfig<128>::kCtasPerSm;
   const int mtiles = (rows + 15) / 16;
   const int64_t total = static_cast<int64_t>(batch) * len * kv_heads * mtiles;
-  const int64_t target = ctas * 4 / 5 + 1;
+  const int64_t groups = static_cast<int64_t>(batch) * kv_heads * mtiles;
+  const int64_t target = std::max<int64_t>(ctas * 4 / 5 + 1, ctas - groups);
   int64_t c = std::max<int64_t>(64, (total + target - 1) / target);
   const int64_t s0 = (len + c - 1) / c;
   int64_t ch = (len + s0 - 1) / s0;

@@ -36,7 +36,7 @@ absl::Status LaunchFor(const AttentionParams& p, Stream stream) {
            q->data_head % 16 == 0 && al(q->scales, q->scale_page, Cfg::kScaleBytes) &&
            q->scale_entry % Cfg::kScaleBytes == 0 && q->scale_head % Cfg::kScaleBytes == 0 &&
            q->data_entry >= 0 && q->scale_entry >= 0 && q->data_page >= 0 &&
-           q->scale_page >= 0 &&
+           q->scale_page >= 0 && q->data_page <= UINT32_MAX && q->scale_page <= UINT32_MAX &&
            (p.page_size - 1) * q->data_entry < INT32_MAX &&
            (p.page_size - 1) * q->scale_entry < INT32_MAX;
     }
@@ -48,15 +48,30 @@ absl::Status LaunchFor(const AttentionParams& p, Stream stream) {
   const int grid = a.num_ctas;
   const size_t sched_bytes = kernels::AttnScheduleBytes(p.max_batch);
   const size_t smem = static_cast<size_t>(kernels::kAttnWarps) * Cfg::kWarpBytes + sched_bytes;
-  auto* kernel = &kernels::DecodeAttentionKernel<D, kBf16>;
+  auto* kernel = p.soft_cap > 0.0f ? &kernels::DecodeAttentionKernel<D, kBf16, true>
+                                    : &kernels::DecodeAttentionKernel<D, kBf16, false>;
   FP4KV_CUDA_RETURN_IF_ERROR(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                            static_cast<int>(smem)));
   kernel<<<grid, kernels::kAttnThreads, smem, stream>>>(a);
   FP4KV_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-  kernels::MergeAttentionKernel<D, kBf16>
-      <<<grid, kernels::kAttnThreads, sched_bytes, stream>>>(a);
-  return CudaStatus(cudaGetLastError(), "MergeAttentionKernel launch");
+  // The merge kernel may launch while the attention kernel runs (it derives
+  // its schedule, then waits in griddepcontrol.wait): only when its loaded
+  // code was built for sm_90+, where that wait exists.
+  auto* merge = &kernels::MergeAttentionKernel<D, kBf16>;
+  cudaFuncAttributes fa;
+  FP4KV_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&fa, merge));
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(grid);
+  cfg.blockDim = dim3(kernels::kAttnThreads);
+  cfg.dynamicSmemBytes = sched_bytes;
+  cfg.stream = stream;
+  cfg.attrs = attr;
+  cfg.numAttrs = fa.ptxVersion >= 90 ? 1 : 0;
+  return CudaStatus(cudaLaunchKernelEx(&cfg, merge, a), "MergeAttentionKernel launch");
 }
 
 template <int D>

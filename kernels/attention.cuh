@@ -4,15 +4,19 @@
 // Launch: a persistent grid of num_sms * kCtasPerSm CTAs of 4 warps. Every
 // CTA derives the same schedule from seq_lens / q_indptr: request b's
 // attended key range [lo_b, L_b) is cut into splits_b chunks of at most C
-// tokens, C chosen so that all chunks of all requests give about 0.8 work
-// items per CTA. A work item is (request, KV head, 16-row query tile,
-// chunk) and runs on one CTA; CTA x takes items x, x + grid, ... Each warp
-// of the CTA takes a contiguous quarter of the chunk's 16-token tiles, and
-// the four (O, max, sum) are combined through shared memory at the end. A
-// request with one chunk writes its output directly; otherwise each chunk
-// writes an fp32 partial (unnormalized O, running max, sum) and
-// MergeAttentionKernel (same grid, same schedule) combines them. The grid
-// depends only on the options, so one captured graph serves every length.
+// tokens, C chosen so that all chunks of all requests number at most
+// max(0.8 ctas + 1, ctas - groups) + groups (one round of the grid when
+// there are few (request, head, query tile) groups). A work item is
+// (request, KV head, 16-row query tile, chunk) and runs on one CTA; CTA x
+// takes items x, x + grid, ... Each warp of the CTA takes a contiguous
+// quarter of the chunk's 16-token tiles, and the four (O, max, sum) are
+// combined through shared memory at the end. A request with one chunk
+// writes its output directly; otherwise each chunk writes an fp32 partial
+// (unnormalized O, running max, sum) and MergeAttentionKernel (same grid,
+// same schedule; on sm_90 launched early with programmatic dependent launch,
+// waiting for the attention grid before it reads partials) combines them.
+// The grid depends only on the options, so one captured graph serves every
+// length. A soft cap selects a separate instantiation (kSoftCap).
 //
 // One warp, its tiles: query rows r = qi * group + gi (padded to 16) in the
 // M dimension of mma.m16n8k16 (f16 in, f32 accumulate). Per 16-token tile,
@@ -23,7 +27,8 @@
 //   S = Q K^T : B fragments from page_reader's DecodeWordHalf2. The reduction
 //     index is permuted so that lane (g, c) decodes token g's bytes
 //     [c D/8, (c+1) D/8) (contiguous); Q is stored permuted the same way.
-//   online softmax in fp32 on the S fragment (log2 domain);
+//   online softmax in fp32 on the S fragment (log2 domain; a row's running
+//     max moves only when a tile exceeds it by kAttnRescaleSlack);
 //   O += P V   : the S accumulator, rounded to f16, is the A fragment; V's B
 //     fragment for lane (g, c) is "segment" g (dims [g D/8, (g+1) D/8)) of
 //     tokens 2c, 2c+1, 2c+8, 2c+9 (page_reader's DecodeWordPairHalf2), so
@@ -49,6 +54,9 @@ inline constexpr int kAttnWarps = 4;
 inline constexpr int kAttnThreads = 32 * kAttnWarps;
 inline constexpr int kAttnTile = 16;  // tokens per tile; query rows per item
 inline constexpr int kAttnMinChunk = 64;
+// Online softmax: the running max of a row is raised only when a tile's
+// max exceeds it by more than this (log2 units); see the softmax step.
+inline constexpr float kAttnRescaleSlack = 8.0f;
 
 template <int D>
 struct AttnConfig {
@@ -76,7 +84,7 @@ inline int AttnRowsPerSlot(int group, int max_q_len) {
   return r < kAttnTile ? static_cast<int>(r) : kAttnTile;
 }
 
-// Partial slots the schedule can use: fewer than 2 * (0.8 * ctas + 1).
+// Partial slots the schedule can use: fewer than 2 * ctas.
 inline int64_t AttnSlots(int num_ctas) { return 2 * (static_cast<int64_t>(num_ctas) + 1); }
 
 inline size_t AttnScheduleBytes(int max_batch) {
@@ -90,7 +98,8 @@ struct AttnLaunch {
   int page_q16 = 0, page_r16 = 0;  // 16 = q16 * page_size + r16
   // Set when a 16-aligned tile always lies in one page (page_size % 16 == 0)
   // and the pools allow 16-byte code copies, scale rows of kScaleBytes
-  // aligned, 32-bit page indices and 32-bit entry offsets within a page.
+  // aligned, 32-bit page indices, page strides and entry offsets within a
+  // page.
   bool fast_copy = false;
   float* ws_o = nullptr;   // [AttnSlots(num_ctas), rows_per_slot, D] unnormalized partial outputs
   float* ws_ml = nullptr;  // [AttnSlots(num_ctas), rows_per_slot, 2] running max (log2), sum
@@ -163,28 +172,44 @@ __device__ __forceinline__ int BlockExclusiveScan(int v, int* tmp, int* total) {
 __device__ __forceinline__ int BuildAttnSchedule(const AttnLaunch& a, int* item_prefix,
                                                  int* slot_prefix) {
   __shared__ int tmp[kAttnWarps];
-  __shared__ long long wsum[kAttnWarps];
+  __shared__ long long wsum[kAttnWarps][2];
   const internal::AttentionParams& p = a.p;
   const int B = p.batch_size;
   const int per = (B + kAttnThreads - 1) / kAttnThreads;
   const int b0 = threadIdx.x * per;
   const int b1 = b0 + per < B ? b0 + per : B;
-  long long work = 0;
+  long long work = 0, groups = 0;
   for (int b = b0; b < b1; ++b) {
     const AttnRequest r = GetAttnRequest(p, b);
     work += static_cast<long long>(r.span) * r.mtiles;
+    groups += r.span > 0 ? r.mtiles : 0;
     item_prefix[b] = r.span;
     slot_prefix[b] = r.mtiles;
   }
   work *= p.num_kv_heads;
+  groups *= p.num_kv_heads;
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) work += __shfl_xor_sync(0xffffffffu, work, o);
-  if ((threadIdx.x & 31) == 0) wsum[threadIdx.x >> 5] = work;
+  for (int o = 16; o > 0; o >>= 1) {
+    work += __shfl_xor_sync(0xffffffffu, work, o);
+    groups += __shfl_xor_sync(0xffffffffu, groups, o);
+  }
+  if ((threadIdx.x & 31) == 0) {
+    wsum[threadIdx.x >> 5][0] = work;
+    wsum[threadIdx.x >> 5][1] = groups;
+  }
   __syncthreads();
-  long long total = 0;
+  long long total = 0, total_groups = 0;
 #pragma unroll
-  for (int w = 0; w < kAttnWarps; ++w) total += wsum[w];
-  const long long target = (static_cast<long long>(a.num_ctas) * 4) / 5 + 1;
+  for (int w = 0; w < kAttnWarps; ++w) {
+    total += wsum[w][0];
+    total_groups += wsum[w][1];
+  }
+  // Target chunk count: chunks of all groups number at most
+  // work / c + groups, so target = ctas - groups keeps them within one round
+  // of the grid; at least 0.8 ctas (many groups: few or no splits anyway).
+  // Partial slots stay below 2 * target <= 2 * ctas (AttnSlots).
+  long long target = (static_cast<long long>(a.num_ctas) * 4) / 5 + 1;
+  if (a.num_ctas - total_groups > target) target = a.num_ctas - total_groups;
   long long c = (total + target - 1) / target;
   if (c < kAttnMinChunk) c = kAttnMinChunk;
   if (c > (1 << 30)) c = 1 << 30;
@@ -215,6 +240,34 @@ __device__ __forceinline__ int BuildAttnSchedule(const AttnLaunch& a, int* item_
   }
   __syncthreads();
   return chunk_bound;
+}
+
+// Copy sources of one item for the lanes of one half (fast copy path), kept
+// in shared memory and read back every tile: cheaper than the registers to
+// keep them or the instructions to recompute them.
+struct AttnCopyBase {
+  const uint8_t* k;  // K codes at (page 0, entry 0, the item's head) + the half's bytes
+  const uint8_t* v;  // V codes, likewise
+  const uint8_t* s;  // block scales: K for half 0, V for half 1
+  uint32_t s_page, s_entry;  // that scale pool's strides (bytes)
+};
+
+// Reloads an AttnCopyBase at a shared address on every call (volatile: the
+// compiler may neither keep it in registers nor hoist it out of a loop).
+__device__ __forceinline__ AttnCopyBase LoadCopyBase(uint32_t addr) {
+  unsigned long long k, v, s;
+  uint32_t sp, se;
+  asm volatile("ld.shared.v2.u64 {%0, %1}, [%2];\n" : "=l"(k), "=l"(v) : "r"(addr));
+  asm volatile("ld.shared.u64 %0, [%3 + 16];\n ld.shared.v2.u32 {%1, %2}, [%3 + 24];\n"
+               : "=l"(s), "=r"(sp), "=r"(se)
+               : "r"(addr));
+  AttnCopyBase b;
+  b.k = reinterpret_cast<const uint8_t*>(k);
+  b.v = reinterpret_cast<const uint8_t*>(v);
+  b.s = reinterpret_cast<const uint8_t*>(s);
+  b.s_page = sp;
+  b.s_entry = se;
+  return b;
 }
 
 // One work item, resolved.
@@ -314,6 +367,33 @@ __device__ __forceinline__ void Mma16816(float d[4], const uint32_t a[4], uint32
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// Programmatic dependent launch (sm_90+; no-ops before): the attention
+// kernel lets the merge kernel launch early, and the merge kernel waits for
+// the attention grid's completion (and its memory) before it reads partials.
+__device__ __forceinline__ void LaunchDependentGrids() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void WaitForPrerequisiteGrids() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
+// {lo, lo} and {hi, hi} of an f16x2 (usually folded into the consumer's
+// operand selection).
+__device__ __forceinline__ uint32_t DupLowHalf(uint32_t x) {
+  uint32_t d;
+  asm("{\n .reg .b16 l, h;\n mov.b32 {l, h}, %1;\n mov.b32 %0, {l, l};\n}" : "=r"(d) : "r"(x));
+  return d;
+}
+__device__ __forceinline__ uint32_t DupHighHalf(uint32_t x) {
+  uint32_t d;
+  asm("{\n .reg .b16 l, h;\n mov.b32 {l, h}, %1;\n mov.b32 %0, {h, h};\n}" : "=r"(d) : "r"(x));
+  return d;
+}
+
 __device__ __forceinline__ float Ex2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
@@ -386,7 +466,9 @@ __device__ __forceinline__ bool FinishRow(float m, float l, const float* sinks, 
 // ---------------------------------------------------------------------------
 // The attention kernel.
 // ---------------------------------------------------------------------------
-template <int D, bool kBf16>
+// kSoftCap: options.logits_soft_cap > 0 (a separate instantiation keeps the
+// tanh path out of the common kernel's registers).
+template <int D, bool kBf16, bool kSoftCap>
 __global__ void __launch_bounds__(kAttnThreads, AttnConfig<D>::kCtasPerSm)
     DecodeAttentionKernel(const AttnLaunch a) {
   using Cfg = AttnConfig<D>;
@@ -396,6 +478,7 @@ __global__ void __launch_bounds__(kAttnThreads, AttnConfig<D>::kCtasPerSm)
   constexpr int kVWords = D / 64;     // code words per lane and V token
   extern __shared__ __align__(16) uint8_t smem[];
   const internal::AttentionParams& p = a.p;
+  LaunchDependentGrids();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   int* item_prefix = reinterpret_cast<int*>(smem + kAttnWarps * Cfg::kWarpBytes);
   int* slot_prefix = item_prefix + p.max_batch + 1;
@@ -408,9 +491,9 @@ __global__ void __launch_bounds__(kAttnThreads, AttnConfig<D>::kCtasPerSm)
   const int g = lane >> 2, c = lane & 3;
   const float gk = p.k_scale.Get();
   const float gv = p.v_scale.Get();
-  const bool soft_cap = p.soft_cap > 0.0f;
 
   __shared__ float2 ml_sm[kAttnWarps][kAttnTile];
+  __shared__ AttnCopyBase copy_base[2];  // per item, lanes of half 0 and 1
   for (int item = blockIdx.x; item < total_items; item += gridDim.x) {
     const AttnItem it = ResolveAttnItem(a, item, chunk_bound, item_prefix, slot_prefix);
     // This warp's tiles: a quarter of the item's, contiguous.
@@ -475,24 +558,29 @@ __global__ void __launch_bounds__(kAttnThreads, AttnConfig<D>::kCtasPerSm)
     }
 
     // ---- Per-thread rows g and g + 8.
-    float lf[2];  // logit factor (natural units without soft cap: log2 units)
-    int row_lo[2], row_hi[2];
+    float lf[2];  // logit factor: to log2 units, or to x / cap with a soft cap
+    // Keys [*lo, *hi] that row g + 8 i may attend (recomputed on the rare
+    // tiles that need a mask rather than kept in registers).
+    const auto row_bounds = [&](int i, int* lo, int* hi) {
+      const AttnRow row = GetAttnRow(p, it, g + 8 * i);
+      *lo = -(1 << 30);
+      *hi = 1 << 30;
+      if (row.stored) {
+        *hi = row.pos;
+        if (p.window_left >= 0) *lo = row.pos - p.window_left;
+      }
+    };
     int lo_max = -(1 << 30), hi_min = 1 << 30;
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-      const AttnRow row = GetAttnRow(p, it, g + 8 * i);
       const int k = __shfl_sync(0xffffffffu, kq, 2 * (g + 8 * i));
       const float f = p.sm_scale * gk * device::kHalfTileScale *
                       __uint_as_float(static_cast<uint32_t>(127 - k) << 23);
-      lf[i] = soft_cap ? f : f * kLog2e;
-      row_lo[i] = -(1 << 30);
-      row_hi[i] = 1 << 30;
-      if (row.stored) {
-        row_hi[i] = row.pos;
-        if (p.window_left >= 0) row_lo[i] = row.pos - p.window_left;
-      }
-      lo_max = max(lo_max, row_lo[i]);
-      hi_min = min(hi_min, row_hi[i]);
+      lf[i] = kSoftCap ? f / p.soft_cap : f * kLog2e;
+      int lo, hi;
+      row_bounds(i, &lo, &hi);
+      lo_max = max(lo_max, lo);
+      hi_min = min(hi_min, hi);
     }
 #pragma unroll
     for (int o = 4; o < 32; o <<= 1) {
@@ -513,23 +601,32 @@ __global__ void __launch_bounds__(kAttnThreads, AttnConfig<D>::kCtasPerSm)
     const int64_t s_page = hf == 0 ? p.k.scale_page : p.v.scale_page;
     const int64_t s_entry = hf == 0 ? p.k.scale_entry : p.v.scale_entry;
 
-    // Fast path (a.fast_copy, tiles aligned to 16): one table entry per tile,
-    // 32-bit page index and entry offsets; fj / fe: the tile's page and entry.
+    // Fast path (a.fast_copy, tiles aligned to 16): one table entry per tile
+    // (all lanes' tokens lie in page pj), 32-bit page index and entry offsets.
     const bool fast = a.fast_copy && (w_t0 % kAttnTile) == 0;
-    int fj = w_t0 / p.page_size;
-    int fe = w_t0 - fj * p.page_size;
+    // 32-bit page strides (a.fast_copy guarantees that they fit): one wide
+    // multiply-add per pool and tile.
     const uint32_t k_entry = static_cast<uint32_t>(p.k.data_entry);
     const uint32_t v_entry = static_cast<uint32_t>(p.v.data_entry);
     const uint32_t s_entry32 = static_cast<uint32_t>(s_entry);
+    const uint32_t k_page32 = static_cast<uint32_t>(p.k.data_page);
+    const uint32_t v_page32 = static_cast<uint32_t>(p.v.data_page);
+    const uint32_t s_page32 = static_cast<uint32_t>(s_page);
+    if (threadIdx.x < 2) {
+      copy_base[threadIdx.x] = AttnCopyBase{kd, vd, sd, s_page32, s_entry32};
+    }
+    __syncthreads();
+    const uint32_t copy_base_addr = SmemAddr(&copy_base[hf]);
     auto issue_fast = [&](int stage, int tile_start) {
       uint8_t* st = stages + stage * Cfg::kStageBytes;
-      const int64_t pg = internal::TableEntry(p.block_tables, p.tables_i64, table_row + fj);
+      const AttnCopyBase cb = LoadCopyBase(copy_base_addr);
+      const int64_t pg = internal::TableEntry(p.block_tables, p.tables_i64, table_row + pj);
       const bool valid = tile_start + tau < w_t1 && pg >= 0 && pg < p.num_pages;
-      const uint64_t page = valid ? static_cast<uint32_t>(pg) : 0u;
-      const uint32_t e = static_cast<uint32_t>(fe + tau);
-      const uint8_t* ksrc = kd + page * static_cast<uint64_t>(p.k.data_page) + e * k_entry;
-      const uint8_t* vsrc = vd + page * static_cast<uint64_t>(p.v.data_page) + e * v_entry;
-      const uint8_t* ssrc = sd + page * static_cast<uint64_t>(s_page) + e * s_entry32;
+      const uint32_t page = valid ? static_cast<uint32_t>(pg) : 0u;
+      const uint32_t e = static_cast<uint32_t>(pe);
+      const uint8_t* ksrc = cb.k + (static_cast<uint64_t>(page) * k_page32 + e * k_entry);
+      const uint8_t* vsrc = cb.v + (static_cast<uint64_t>(page) * v_page32 + e * v_entry);
+      const uint8_t* ssrc = cb.s + (static_cast<uint64_t>(page) * cb.s_page + e * cb.s_entry);
       const uint32_t kdst = SmemAddr(st + Cfg::kKcOff + tau * Cfg::kRowBytes + hf * (D / 4));
       const uint32_t vdst =
           SmemAddr(st + Cfg::kVcOff + VSlot(tau) * Cfg::kRowBytes + hf * (D / 4));
@@ -543,10 +640,10 @@ __global__ void __launch_bounds__(kAttnThreads, AttnConfig<D>::kCtasPerSm)
       CpAsync<Cfg::kScaleBytes>(SmemAddr(sdst), ssrc, valid);
       const uint32_t ballot = __ballot_sync(0xffffffffu, valid);
       if (lane == 0) *reinterpret_cast<uint32_t*>(st + Cfg::kMaskOff) = ballot;
-      fe += kAttnTile;
-      if (fe == p.page_size) {
-        fe = 0;
-        ++fj;
+      pe += kAttnTile;
+      if (pe >= p.page_size) {
+        pe -= p.page_size;
+        ++pj;
       }
     };
     auto issue = [&](int stage, int tile_start) {
@@ -654,6 +751,18 @@ __global__ void __launch_bounds__(kAttnThreads, AttnConfig<D>::kCtasPerSm)
           ksb[nt] = *reinterpret_cast<const uint32_t*>(srow);
         }
       }
+      // Block scale multipliers, two blocks per conversion: kmul[nt][q] holds
+      // blocks 2q and 2q + 1 (one block for D = 64: twice).
+      constexpr int kScalePairs = D >= 128 ? D / 128 : 1;
+      uint32_t kmul[2][kScalePairs];
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+        for (int q = 0; q < kScalePairs; ++q) {
+          const uint32_t two = D >= 128 ? (ksb[nt] >> (16 * q)) & 0xffffu : ksb[nt] * 0x0101u;
+          kmul[nt][q] = device::ScalePairMultiplier(two);
+        }
+      }
 #pragma unroll
       for (int w = 0; w < kKWords; ++w) {
         uint32_t qa[2][4];
@@ -661,8 +770,8 @@ __global__ void __launch_bounds__(kAttnThreads, AttnConfig<D>::kCtasPerSm)
         LdMatrixX4(q_lane + (2 * w + 1) * 32, qa[1]);
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt) {
-          const uint32_t sbyte = (ksb[nt] >> (8 * (w / 2))) & 0xffu;
-          const uint32_t mul = device::ScalePairMultiplier(sbyte * 0x0101u);
+          const uint32_t pair = kmul[nt][w / 4 < kScalePairs ? w / 4 : 0];
+          const uint32_t mul = (w / 2) % 2 == 0 ? DupLowHalf(pair) : DupHighHalf(pair);
           uint32_t b[4];
           device::DecodeWordHalf2(kw[nt][w], mul, b);
           Mma16816(s[nt], qa[0], b[0], b[2]);
@@ -673,20 +782,31 @@ __global__ void __launch_bounds__(kAttnThreads, AttnConfig<D>::kCtasPerSm)
       // ---- Online softmax (log2 units).
       const bool full = ballot == 0xffffffffu && tile_start >= lo_max &&
                         tile_start + kAttnTile - 1 <= hi_min;
+      // Scale and soft cap (its own instantiation), then the mask: one
+      // warp-uniform branch per tile.
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           float x = s[nt][e] * lf[e >> 1];
-          if (soft_cap) x = p.soft_cap * tanhf(x / p.soft_cap) * kLog2e;
-          if (!full) {
+          if constexpr (kSoftCap) x = tanhf(x) * p.soft_cap * kLog2e;
+          s[nt][e] = x;
+        }
+      }
+      if (!full) {
+        int row_lo[2], row_hi[2];
+        row_bounds(0, &row_lo[0], &row_hi[0]);
+        row_bounds(1, &row_lo[1], &row_hi[1]);
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
             const int tt = 8 * nt + 2 * c + (e & 1);
             const int t = tile_start + tt;
             const bool ok = ((ballot >> (2 * tt)) & 1u) && t >= row_lo[e >> 1] &&
                             t <= row_hi[e >> 1];
-            if (!ok) x = -INFINITY;
+            if (!ok) s[nt][e] = -INFINITY;
           }
-          s[nt][e] = x;
         }
       }
       float alpha[2];
@@ -695,9 +815,14 @@ __global__ void __launch_bounds__(kAttnThreads, AttnConfig<D>::kCtasPerSm)
         float mx = fmaxf(fmaxf(s[0][2 * r], s[0][2 * r + 1]), fmaxf(s[1][2 * r], s[1][2 * r + 1]));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float m_new = fmaxf(m_run[r], mx);
+        // Lazy rescale: the running max moves only when the tile's max
+        // exceeds it by more than kAttnRescaleSlack (log2 units), so P stays
+        // below 2^kAttnRescaleSlack (exact range in f16, no fp32 overflow)
+        // and O is rescaled on few tiles.
+        const float m_new =
+            mx - m_run[r] > kAttnRescaleSlack ? fmaxf(m_run[r], mx) : m_run[r];
         const float m_use = m_new == -INFINITY ? 0.0f : m_new;
-        alpha[r] = Ex2(m_run[r] - m_use);
+        alpha[r] = m_new == m_run[r] ? 1.0f : Ex2(m_run[r] - m_use);
         m_run[r] = m_new;
         float sum = 0.0f;
 #pragma unroll
@@ -888,6 +1013,10 @@ __global__ void __launch_bounds__(kAttnThreads) MergeAttentionKernel(const AttnL
   int* item_prefix = reinterpret_cast<int*>(smem);
   int* slot_prefix = item_prefix + p.max_batch + 1;
   const int chunk_bound = BuildAttnSchedule(a, item_prefix, slot_prefix);
+  // Launched early (programmatic dependent launch): the schedule above reads
+  // only inputs; everything below waits for the attention grid. Every CTA
+  // waits, so the merge grid never completes before the attention grid.
+  WaitForPrerequisiteGrids();
   if (slot_prefix[p.batch_size] == 0) return;  // no request was split
   const int total_items = item_prefix[p.batch_size];
   const int tid = threadIdx.x;
