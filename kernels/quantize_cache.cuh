@@ -25,10 +25,6 @@
 namespace fp4kv {
 namespace kernels {
 
-// Rows a thread keeps in flight: every load of a group is issued before any
-// of its rows is quantized.
-inline constexpr int kQuantizeCacheUnroll = 4;
-
 struct QuantizeCacheLaunch {
   internal::QuantizeCacheParams p;
   int64_t row_begin = 0;  // first row of this launch
@@ -140,18 +136,18 @@ FP4KV_HD void QuantizeCacheThread(const QuantizeCacheLaunch& a, uint32_t cta_x, 
   const QuantScale qs = MakeQuantScale(c.is_v ? p.v_scale.Get() : p.k_scale.Get());
   int64_t row0;
   const uint32_t n = CtaRows(a, cta_x, &row0);
-  for (uint32_t r0 = 0; r0 < n; r0 += kQuantizeCacheUnroll) {
-    uint32_t w[kQuantizeCacheUnroll][8];
-    int64_t dst[kQuantizeCacheUnroll] = {}, entry[kQuantizeCacheUnroll] = {};
-    bool ok[kQuantizeCacheUnroll];
+  for (uint32_t r0 = 0; r0 < n; r0 += kAppendUnroll) {
+    uint32_t w[kAppendUnroll][8];
+    int64_t dst[kAppendUnroll] = {}, entry[kAppendUnroll] = {};
+    bool ok[kAppendUnroll];
     FP4KV_UNROLL
-    for (int u = 0; u < kQuantizeCacheUnroll; ++u) {
+    for (int u = 0; u < kAppendUnroll; ++u) {
       int64_t src = 0;
       ok[u] = r0 + u < n && ResolveCacheSlot(p, a.page_div, row0 + r0 + u, &src, &entry[u], &dst[u]);
       if (ok[u]) LoadBlock(c.src + src * c.src_page + entry[u] * c.src_entry, w[u]);
     }
     FP4KV_UNROLL
-    for (int u = 0; u < kQuantizeCacheUnroll; ++u) {
+    for (int u = 0; u < kAppendUnroll; ++u) {
       if (!ok[u]) continue;
       uint32_t packed[2];
       const uint8_t sb = QuantizeBlockFast<kBf16, kVariant>(w[u], qs, p.recipe, packed);
