@@ -26,7 +26,7 @@ using testing::FirstDifference;
 
 // Rows per CTA to emulate: the launch's own choice, then odd and large
 // overrides (partial unroll groups, long row loops).
-constexpr uint32_t kRowsPerCta[] = {0, 3, 8};
+constexpr uint32_t kRowsPerCta[] = {0, 3, 8, 32};
 
 // Calls f(cta_x, cta_y, tid) for every thread of a tiled grid.
 template <typename F>
