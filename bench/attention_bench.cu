@@ -205,18 +205,7 @@ struct DeviceCache {
                                d),
         g.layout);
   }
-  double Bytes(int64_t tokens) const {
-    return static_cast<double>(tokens) * g.num_kv_heads * (g.head_dim_k + g.head_dim_v) *
-           (0.5 + 1.0 / 16);
-  }
 };
-
-std::vector<int64_t> Permutation(int64_t n, uint64_t seed) {
-  std::vector<int64_t> p(n);
-  std::iota(p.begin(), p.end(), 0);
-  std::shuffle(p.begin(), p.end(), std::mt19937_64(seed));
-  return p;
-}
 
 // ------------------------------------------------------------------ copy
 void BM_DeviceCopy(benchmark::State& state) {
