@@ -1,0 +1,203 @@
+// Shared pieces of the GPU benchmarks: GPU presence, checked CUDA calls,
+// owned device memory with random fills, the median time of a launch by CUDA
+// events, the device-to-device copy every case is compared with, counters,
+// and a paged NVFP4 cache on the device.
+#ifndef FP4KV_BENCH_BENCH_UTIL_CUH_
+#define FP4KV_BENCH_BENCH_UTIL_CUH_
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "benchmark/benchmark.h"
+#include "fp4kv/format.h"
+#include "fp4kv/geometry.h"
+#include "fp4kv/tensor.h"
+
+namespace fp4kv {
+namespace bench {
+
+inline constexpr int kDefaultTimedRuns = 25;
+inline constexpr int kWarmupRuns = 3;
+
+inline bool HaveGpu(benchmark::State& state) {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {
+    (void)cudaGetLastError();
+    state.SkipWithError("no CUDA device");
+    return false;
+  }
+  return true;
+}
+
+#define BENCH_CHECK(state, cond, what) \
+  do {                                 \
+    if (!(cond)) {                     \
+      (state).SkipWithError(what);     \
+      return;                          \
+    }                                  \
+  } while (0)
+
+#define BENCH_CUDA(state, call) BENCH_CHECK(state, (call) == cudaSuccess, #call " failed")
+
+// Device memory owned for the length of one benchmark.
+class DeviceMem {
+ public:
+  DeviceMem() = default;
+  DeviceMem(const DeviceMem&) = delete;
+  DeviceMem& operator=(const DeviceMem&) = delete;
+  ~DeviceMem() {
+    if (ptr_ != nullptr) (void)cudaFree(ptr_);
+  }
+  bool Alloc(size_t bytes) {
+    bytes_ = bytes;
+    return cudaMalloc(&ptr_, bytes == 0 ? 16 : bytes) == cudaSuccess;
+  }
+  template <typename T = uint8_t>
+  T* get() const {
+    return static_cast<T*>(ptr_);
+  }
+  size_t bytes() const { return bytes_; }
+  template <typename T>
+  bool Upload(const std::vector<T>& v) {
+    return cudaMemcpy(ptr_, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice) == cudaSuccess;
+  }
+
+ private:
+  void* ptr_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+__device__ uint64_t Mix(uint64_t x) {
+  x ^= x >> 33;
+  x *= 0xff51afd7ed558ccdull;
+  x ^= x >> 33;
+  x *= 0xc4ceb9fe1a85ec53ull;
+  return x ^ (x >> 33);
+}
+
+// Random f16/bf16 values: magnitudes over 2^-8..2^4 per 16-value block, signs
+// random, never zero.
+__global__ void FillHalvesKernel(uint16_t* p, size_t n, uint64_t seed, bool bf16) {
+  for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < n;
+       i += size_t{gridDim.x} * blockDim.x) {
+    const uint64_t h = Mix(seed ^ (i * 0x9e3779b97f4a7c15ull));
+    const int octave = static_cast<int>(Mix(seed + i / 16) % 13) - 8;
+    const float m = 1.0f + static_cast<float>(h & 0xffff) / 65536.0f;
+    float x = ldexpf(m, octave - static_cast<int>((h >> 16) & 3));
+    if ((h >> 20) & 1) x = -x;
+    p[i] = bf16 ? FloatToBf16Bits(x) : FloatToHalfBits(x);
+  }
+}
+
+// Random bytes; with `scales` in [1, 0x7e] (finite, nonzero block scales).
+__global__ void FillBytesKernel(uint8_t* p, size_t n, uint64_t seed, bool scales) {
+  for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < n;
+       i += size_t{gridDim.x} * blockDim.x) {
+    const uint64_t h = Mix(seed ^ (i * 0x9e3779b97f4a7c15ull));
+    p[i] = scales ? static_cast<uint8_t>(1 + h % 0x7e) : static_cast<uint8_t>(h);
+  }
+}
+
+inline bool FillHalves(DeviceMem& m, uint64_t seed, bool bf16) {
+  FillHalvesKernel<<<1024, 256>>>(m.get<uint16_t>(), m.bytes() / 2, seed, bf16);
+  return cudaDeviceSynchronize() == cudaSuccess;
+}
+
+inline bool FillBytes(DeviceMem& m, uint64_t seed, bool scales) {
+  FillBytesKernel<<<1024, 256>>>(m.get(), m.bytes(), seed, scales);
+  return cudaDeviceSynchronize() == cudaSuccess;
+}
+
+// Median milliseconds of one launch() on stream s.
+template <typename F>
+double MedianMs(cudaStream_t s, F&& launch, int timed_runs = kDefaultTimedRuns) {
+  cudaEvent_t start, stop;
+  (void)cudaEventCreate(&start);
+  (void)cudaEventCreate(&stop);
+  for (int i = 0; i < kWarmupRuns; ++i) launch();
+  std::vector<double> ms;
+  for (int r = 0; r < timed_runs; ++r) {
+    (void)cudaEventRecord(start, s);
+    launch();
+    (void)cudaEventRecord(stop, s);
+    (void)cudaEventSynchronize(stop);
+    float t = 0;
+    (void)cudaEventElapsedTime(&t, start, stop);
+    ms.push_back(static_cast<double>(t));
+  }
+  (void)cudaEventDestroy(start);
+  (void)cudaEventDestroy(stop);
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
+
+// GB/s of a 2 GiB device-to-device copy (bytes = read + write), measured
+// once per process; 0 when it could not be measured.
+inline double CopyGBps() {
+  static const double gbps = [] {
+    constexpr size_t kBytes = size_t{2} << 30;
+    DeviceMem a, b;
+    if (!a.Alloc(kBytes) || !b.Alloc(kBytes)) return 0.0;
+    (void)cudaMemset(a.get(), 0x5a, kBytes);
+    cudaStream_t s;
+    if (cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) != cudaSuccess) return 0.0;
+    const double ms = MedianMs(
+        s, [&] { (void)cudaMemcpyAsync(b.get(), a.get(), kBytes, cudaMemcpyDeviceToDevice, s); });
+    (void)cudaStreamDestroy(s);
+    return 2.0 * kBytes / (ms * 1e-3) / 1e9;
+  }();
+  return gbps;
+}
+
+inline void Report(benchmark::State& state, double ms, double bytes) {
+  state.SetIterationTime(ms * 1e-3);
+  const double gbps = bytes / (ms * 1e-3) / 1e9;
+  state.counters["bytes"] = bytes;
+  state.counters["GBps"] = gbps;
+  state.counters["median_us"] = ms * 1e3;
+  const double copy = CopyGBps();
+  state.counters["pct_of_copy"] = copy > 0 ? 100.0 * gbps / copy : 0.0;
+}
+
+// A paged cache in device memory (tuple form), random content.
+struct DeviceCache {
+  CacheGeometry g;
+  DeviceMem k_data, v_data, k_scales, v_scales;
+
+  bool Init(const CacheGeometry& geometry, uint64_t seed) {
+    g = geometry;
+    const size_t rows = static_cast<size_t>(g.num_pages) * g.page_size * g.num_kv_heads;
+    return k_data.Alloc(rows * g.head_dim_k / 2) && v_data.Alloc(rows * g.head_dim_v / 2) &&
+           k_scales.Alloc(rows * g.head_dim_k / 16) && v_scales.Alloc(rows * g.head_dim_v / 16) &&
+           FillBytes(k_data, seed, false) && FillBytes(v_data, seed + 1, false) &&
+           FillBytes(k_scales, seed + 2, true) && FillBytes(v_scales, seed + 3, true);
+  }
+  PagedCache View() const {
+    const Device d = Device::Cuda(0);
+    const int64_t a = g.layout == Layout::kNHD ? g.page_size : g.num_kv_heads;
+    const int64_t b = g.layout == Layout::kNHD ? g.num_kv_heads : g.page_size;
+    return PagedCache::FromTuple(
+        TensorView::Contiguous(k_data.get(), DType::kU8, {g.num_pages, a, b, g.head_dim_k / 2}, d),
+        TensorView::Contiguous(v_data.get(), DType::kU8, {g.num_pages, a, b, g.head_dim_v / 2}, d),
+        TensorView::Contiguous(k_scales.get(), DType::kE4M3, {g.num_pages, a, b, g.head_dim_k / 16},
+                               d),
+        TensorView::Contiguous(v_scales.get(), DType::kE4M3, {g.num_pages, a, b, g.head_dim_v / 16},
+                               d),
+        g.layout);
+  }
+  double Bytes(int64_t tokens) const {
+    return static_cast<double>(tokens) * g.num_kv_heads * (g.head_dim_k + g.head_dim_v) *
+           (0.5 + 1.0 / 16);
+  }
+};
+
+}  // namespace bench
+}  // namespace fp4kv
+
+#endif  // FP4KV_BENCH_BENCH_UTIL_CUH_
