@@ -25,6 +25,7 @@
 #include <random>
 #include <vector>
 
+#include "bench/host_stats.h"
 #include "benchmark/benchmark.h"
 #include "fp4kv/kv_cache.h"
 #include "src/page_pool.h"
@@ -49,17 +50,8 @@ bool HaveGpu() {
   return n > 0;
 }
 
-double Median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
-double Percentile(std::vector<double> v, double q) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  return v[std::min(v.size() - 1, static_cast<size_t>(q * v.size()))];
-}
+using bench::Median;
+using bench::Percentile;
 
 // A cache whose `seqs` sequences hold random contexts in [kMinContext,
 // kMaxContext] (prefilled in chunks through PrepareStep only: the pool bytes

@@ -23,6 +23,7 @@
 #include <random>
 #include <vector>
 
+#include "bench/host_stats.h"
 #include "benchmark/benchmark.h"
 #include "fp4kv/kv_cache.h"
 #include "src/page_pool.h"
@@ -42,17 +43,8 @@ std::vector<int32_t> RandomTokens(int n, uint32_t seed) {
   return t;
 }
 
-double Median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
-double Percentile(std::vector<double> v, double q) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  return v[std::min(v.size() - 1, static_cast<size_t>(q * v.size()))];
-}
+using bench::Median;
+using bench::Percentile;
 
 absl::StatusOr<KVCache> MakeCache(int64_t pages, int max_pages_per_seq, int max_seqs,
                                   int max_tokens, bool prefix) {

@@ -24,13 +24,6 @@ using internal::CheckInnerContiguous;
 using internal::CheckShape;
 using internal::kAny;
 
-#define FP4KV_RETURN_IF_ERROR(expr)           \
-  do {                                        \
-    if (absl::Status s_ = (expr); !s_.ok()) { \
-      return s_;                              \
-    }                                         \
-  } while (0)
-
 namespace {
 
 // Workspace alignment Run() requires on CUDA.
