@@ -9,6 +9,16 @@ namespace fp4kv {
 
 const char* LayoutName(Layout l) { return l == Layout::kNHD ? "NHD" : "HND"; }
 
+const char* KeyFormatName(KeyFormat f) {
+  switch (f) {
+    case KeyFormat::kNvfp4:
+      return "NVFP4";
+    case KeyFormat::kFp8:
+      return "FP8";
+  }
+  return "unknown";
+}
+
 absl::Status CacheGeometry::Validate() const {
   if (num_kv_heads <= 0) {
     return absl::InvalidArgumentError(
@@ -34,6 +44,10 @@ absl::Status CacheGeometry::Validate() const {
     return absl::InvalidArgumentError(absl::StrCat(
         "geometry.layout: expected NHD or HND, got ", static_cast<int>(layout)));
   }
+  if (key_format != KeyFormat::kNvfp4 && key_format != KeyFormat::kFp8) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "geometry.key_format: expected NVFP4 or FP8, got ", static_cast<int>(key_format)));
+  }
   return absl::OkStatus();
 }
 
@@ -53,6 +67,11 @@ absl::StatusOr<PagedCache> PagedCache::FromStacked(const TensorView& data, const
 }
 
 absl::StatusOr<CacheGeometry> PagedCache::Geometry() const {
+  const bool fp8_keys = key_format == KeyFormat::kFp8;
+  if (key_format != KeyFormat::kNvfp4 && !fp8_keys) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "cache.key_format: expected NVFP4 or FP8, got ", static_cast<int>(key_format)));
+  }
   const struct {
     const TensorView& t;
     const char* name;
@@ -61,17 +80,19 @@ absl::StatusOr<CacheGeometry> PagedCache::Geometry() const {
                {k_scales, "cache.k_scales"},
                {v_scales, "cache.v_scales"}};
   for (const auto& v : views) {
+    if (fp8_keys && &v.t == &k_scales) continue;  // absent; CheckCache says so if given
     if (absl::Status s = internal::CheckGiven(v.t, v.name); !s.ok()) return s;
     if (absl::Status s = internal::CheckRank(v.t, v.name, 4); !s.ok()) return s;
   }
   CacheGeometry g;
   g.layout = layout;
+  g.key_format = key_format;
   g.num_pages = k_data.shape[0];
   const int e = layout == Layout::kNHD ? 1 : 2;
   const int h = layout == Layout::kNHD ? 2 : 1;
   g.page_size = static_cast<int>(k_data.shape[e]);
   g.num_kv_heads = static_cast<int>(k_data.shape[h]);
-  g.head_dim_k = static_cast<int>(k_data.shape[3] * 2);
+  g.head_dim_k = static_cast<int>(fp8_keys ? k_data.shape[3] : k_data.shape[3] * 2);
   g.head_dim_v = static_cast<int>(v_data.shape[3] * 2);
   if (absl::Status s = g.Validate(); !s.ok()) return s;
   internal::PoolPtrs k, v;

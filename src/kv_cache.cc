@@ -720,6 +720,7 @@ absl::StatusOr<KVCache> KVCache::Create(const KVCacheOptions& o) {
     CacheGeometry probe = g;
     probe.num_pages = 1;
     FP4KV_KV_RETURN_IF_ERROR(probe.Validate());
+    FP4KV_KV_RETURN_IF_ERROR(internal::RefuseFp8Keys(probe, "KVCache"));
   }
   internal::PoolLayout one_page;
   {

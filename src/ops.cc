@@ -54,6 +54,7 @@ absl::Status NotCreated(const char* what) {
 
 absl::Status CheckCommonOptions(const CacheGeometry& g, const Device& device) {
   FP4KV_RETURN_IF_ERROR(g.Validate());
+  FP4KV_RETURN_IF_ERROR(internal::RefuseFp8Keys(g, "this op"));
   return internal::CheckDeviceAvailable(device);
 }
 
@@ -253,6 +254,7 @@ absl::Status Dequantizer::Run(const DequantArgs& a, const PagedCache& cache, Str
 absl::StatusOr<Materializer> Materializer::Create(const Options& o) {
   FP4KV_RETURN_IF_ERROR(CheckTableDType(o.table_dtype, "options.table_dtype"));
   FP4KV_RETURN_IF_ERROR(o.geometry.Validate());
+  FP4KV_RETURN_IF_ERROR(internal::RefuseFp8Keys(o.geometry, "Materializer"));
   if (o.geometry.head_dim_k != o.geometry.head_dim_v) {
     return absl::InvalidArgumentError(
         absl::StrCat("geometry.head_dim_v: expected equal to head_dim_k (", o.geometry.head_dim_k,

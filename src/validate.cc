@@ -182,37 +182,56 @@ absl::Status CheckFloatDType(DType t, const char* name) {
 
 namespace {
 
+// fp8: a pool of FP8 key rows (head_dim bytes, E4M3 or u8) with no scales;
+// `scales` must then be absent (an empty view).
 absl::Status CheckPool(const TensorView& data, const TensorView& scales, const char* data_name,
-                       const char* scale_name, const CacheGeometry& g, int head_dim,
+                       const char* scale_name, const CacheGeometry& g, int head_dim, bool fp8,
                        const Device& device, PoolPtrs* out) {
   const int64_t rows_a = g.layout == Layout::kNHD ? g.page_size : g.num_kv_heads;
   const int64_t rows_b = g.layout == Layout::kNHD ? g.num_kv_heads : g.page_size;
+  const int64_t data_inner = fp8 ? head_dim : head_dim / 2;
+  if (fp8 && (scales.data != nullptr || scales.ndim != 0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        scale_name, ": expected no view (FP8 keys have no block scales), got shape ",
+        scales.ShapeString()));
+  }
   for (const auto& [t, name, inner] :
-       {std::tuple<const TensorView&, const char*, int64_t>{data, data_name, head_dim / 2},
+       {std::tuple<const TensorView&, const char*, int64_t>{data, data_name, data_inner},
         std::tuple<const TensorView&, const char*, int64_t>{scales, scale_name, head_dim / kBlockSize}}) {
+    if (fp8 && &t == &scales) continue;
     if (absl::Status s = CheckGiven(t, name); !s.ok()) return s;
     if (absl::Status s = CheckShape(t, name, {g.num_pages, rows_a, rows_b, inner}); !s.ok()) return s;
     if (absl::Status s = CheckInnerContiguous(t, name); !s.ok()) return s;
     if (absl::Status s = CheckDevice(t, name, device); !s.ok()) return s;
   }
-  if (absl::Status s = CheckDType(data, data_name, {DType::kU8}); !s.ok()) return s;
-  if (absl::Status s = CheckDType(scales, scale_name, {DType::kE4M3, DType::kU8}); !s.ok()) return s;
-  if (absl::Status s = CheckAligned(data, data_name, 8); !s.ok()) return s;
+  if (fp8) {
+    if (absl::Status s = CheckDType(data, data_name, {DType::kE4M3, DType::kU8}); !s.ok()) return s;
+  } else {
+    if (absl::Status s = CheckDType(data, data_name, {DType::kU8}); !s.ok()) return s;
+    if (absl::Status s = CheckDType(scales, scale_name, {DType::kE4M3, DType::kU8}); !s.ok()) return s;
+  }
+  if (absl::Status s = CheckAligned(data, data_name, fp8 ? 16 : 8); !s.ok()) return s;
   const int a = g.layout == Layout::kNHD ? 1 : 2;  // entry dim
   const int h = g.layout == Layout::kNHD ? 2 : 1;  // head dim
   out->data = static_cast<uint8_t*>(data.data);
-  out->scales = static_cast<uint8_t*>(scales.data);
+  out->scales = fp8 ? nullptr : static_cast<uint8_t*>(scales.data);
   out->data_page = data.strides[0];
   out->data_entry = data.strides[a];
   out->data_head = data.strides[h];
-  out->scale_page = scales.strides[0];
-  out->scale_entry = scales.strides[a];
-  out->scale_head = scales.strides[h];
+  out->scale_page = fp8 ? 0 : scales.strides[0];
+  out->scale_entry = fp8 ? 0 : scales.strides[a];
+  out->scale_head = fp8 ? 0 : scales.strides[h];
   out->head_dim = head_dim;
   return absl::OkStatus();
 }
 
 }  // namespace
+
+absl::Status RefuseFp8Keys(const CacheGeometry& g, const char* what) {
+  if (!g.fp8_keys()) return absl::OkStatus();
+  return absl::UnimplementedError(
+      absl::StrCat("geometry.key_format: ", what, " expected NVFP4 keys, got FP8"));
+}
 
 absl::Status CheckCache(const PagedCache& cache, const CacheGeometry& g, const Device& device,
                         PoolPtrs* k, PoolPtrs* v) {
@@ -220,13 +239,18 @@ absl::Status CheckCache(const PagedCache& cache, const CacheGeometry& g, const D
     return absl::InvalidArgumentError(absl::StrCat("cache.layout: expected ", LayoutName(g.layout),
                                                    ", got ", LayoutName(cache.layout)));
   }
+  if (cache.key_format != g.key_format) {
+    return absl::InvalidArgumentError(absl::StrCat("cache.key_format: expected ",
+                                                   KeyFormatName(g.key_format), ", got ",
+                                                   KeyFormatName(cache.key_format)));
+  }
   if (absl::Status s = CheckPool(cache.k_data, cache.k_scales, "cache.k_data", "cache.k_scales", g,
-                                 g.head_dim_k, device, k);
+                                 g.head_dim_k, g.fp8_keys(), device, k);
       !s.ok()) {
     return s;
   }
   return CheckPool(cache.v_data, cache.v_scales, "cache.v_data", "cache.v_scales", g, g.head_dim_v,
-                   device, v);
+                   /*fp8=*/false, device, v);
 }
 
 }  // namespace internal

@@ -888,6 +888,79 @@ TEST(Fp8Materialize, ValueIsE4m3OfProductLikeToolkit) {
   EXPECT_EQ(mismatches, 0);
 }
 
+// FP8 keys: the encode is one fp32 product with the reciprocal, then the
+// toolkit's saturating E4M3 conversion; the decode is one fp32 product.
+TEST(Fp8Keys, EncodeAndDecodeAreOneRoundingEach) {
+  std::mt19937 rng(41);
+  std::uniform_real_distribution<float> e(-20.0f, 20.0f);
+  std::normal_distribution<float> x(0.0f, 1.0f);
+  int64_t mismatches = 0;
+  for (int n = 0; n < 200; ++n) {
+    const float g = std::exp2(e(rng));
+    const float r = Fp8KeyEncodeMultiplier(g);
+    ASSERT_EQ(r, static_cast<float>(1.0 / static_cast<double>(g)));
+    for (int i = 0; i < 256; ++i) {
+      const float v = x(rng) * g * 300.0f;
+      const uint8_t want = ToolkitE4m3(static_cast<float>(static_cast<double>(v) * r));
+      const uint8_t got = QuantizeFp8Key(v, r);
+      if (got != want && ++mismatches <= 8) {
+        ADD_FAILURE() << "x " << v << " g " << g << ": ours " << Hex(got) << ", toolkit "
+                      << Hex(want);
+      }
+    }
+    for (int c = 0; c < 256; ++c) {
+      if ((c & 0x7f) == 0x7f) continue;
+      const double want = static_cast<double>(E4m3Decode(static_cast<uint8_t>(c))) * g;
+      EXPECT_EQ(DequantFp8Key(static_cast<uint8_t>(c), g), static_cast<float>(want));
+    }
+  }
+  EXPECT_EQ(mismatches, 0);
+  // Saturation, zeros, NaN and a subnormal scale (clamped reciprocal).
+  EXPECT_EQ(QuantizeFp8Key(1e30f, 1.0f), 0x7e);
+  EXPECT_EQ(QuantizeFp8Key(-1e30f, 1.0f), 0xfe);
+  EXPECT_EQ(QuantizeFp8Key(std::nanf(""), 1.0f), 0x7f);
+  const float tiny = BitsFloat(0x00000100u);
+  EXPECT_EQ(Fp8KeyEncodeMultiplier(tiny), BitsFloat(0x7f7fffffu));
+  EXPECT_EQ(QuantizeFp8Key(0.0f, Fp8KeyEncodeMultiplier(tiny)), 0x00);
+  EXPECT_EQ(QuantizeFp8Key(1e-30f, Fp8KeyEncodeMultiplier(tiny)), 0x7e);
+}
+
+TEST(Fp8Keys, ScaleMapsAmaxToTheTopOfE4m3) {
+  for (float amax : {1e-3f, 0.5f, 3.0f, 448.0f, 1e6f, 3e37f}) {
+    const float g = MakeFp8KeyScale(amax);
+    EXPECT_EQ(g, static_cast<float>(static_cast<double>(amax) / 448.0)) << amax;
+    EXPECT_TRUE(IsValidGlobalScale(g));
+    EXPECT_EQ(QuantizeFp8Key(amax, Fp8KeyEncodeMultiplier(g)), 0x7e) << amax;
+  }
+  EXPECT_EQ(MakeFp8KeyScale(0.0f), MakeFp8KeyScale(1.0f));
+  EXPECT_EQ(MakeFp8KeyScale(-2.0f), MakeFp8KeyScale(1.0f));
+  EXPECT_EQ(MakeFp8KeyScale(std::nanf("")), MakeFp8KeyScale(1.0f));
+  EXPECT_EQ(MakeFp8KeyScale(1e-44f), BitsFloat(0x00800000u));
+  EXPECT_EQ(MakeFp8KeyScale(INFINITY), MaxGlobalScale());
+  EXPECT_TRUE(std::isfinite(448.0f * MaxGlobalScale()));
+}
+
+TEST(Fp8Keys, MaterializeCopiesUnderEqualScalesAndReencodesOtherwise) {
+  std::mt19937 rng(42);
+  std::uniform_real_distribution<float> e(-6.0f, 6.0f);
+  for (int c = 0; c < 256; ++c) {
+    EXPECT_EQ(MaterializeFp8KeyValue(static_cast<uint8_t>(c), 1.0f), c);  // NaN codes too
+  }
+  for (int n = 0; n < 50; ++n) {
+    const float g = std::exp2(e(rng)), f = std::exp2(e(rng));
+    const float m = Fp8MaterializeMultiplier(g, f);
+    if (m == 1.0f) continue;
+    for (int c = 0; c < 256; ++c) {
+      if ((c & 0x7f) == 0x7f) continue;
+      const float v = E4m3Decode(static_cast<uint8_t>(c));
+      EXPECT_EQ(MaterializeFp8KeyValue(static_cast<uint8_t>(c), m),
+                ToolkitE4m3(static_cast<float>(static_cast<double>(v) * m)));
+    }
+  }
+  EXPECT_EQ(MinFp8ScaleForFp8Keys(0.25f), 0.25f);
+  EXPECT_EQ(Fp8MaterializeMultiplier(0.25f, MinFp8ScaleForFp8Keys(0.25f)), 1.0f);
+}
+
 TEST(Fp8Materialize, MinFp8ScaleIsTheSmallestNonSaturatingScale) {
   std::mt19937 rng(15);
   // Every valid g: up to MaxGlobalScale() (about 2^116.6); subnormal g too.

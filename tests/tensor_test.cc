@@ -413,6 +413,71 @@ TEST(PagedCache, TupleGeometryOffsetsMatchContiguousPools) {
   }
 }
 
+// FP8 keys: K rows of Dk bytes without scales, V as NVFP4; the geometry
+// derives Dk from the key data and sizes rows and pages accordingly.
+TEST(PagedCache, Fp8KeyTupleGeometry) {
+  for (Layout layout : {Layout::kNHD, Layout::kHND}) {
+    const int64_t P = 3, S = 4, H = 2, Dk = 32, Dv = 48;
+    const int64_t a = layout == Layout::kNHD ? S : H, b = layout == Layout::kNHD ? H : S;
+    alignas(16) static uint8_t kd[3 * 4 * 2 * 32];
+    std::vector<uint8_t> vd(P * S * H * Dv / 2), vs(P * S * H * Dv / 16);
+    const TensorView k = TensorView::Contiguous(kd, DType::kE4M3, {P, a, b, Dk});
+    const TensorView v = TensorView::Contiguous(vd.data(), DType::kU8, {P, a, b, Dv / 2});
+    const TensorView vsc = TensorView::Contiguous(vs.data(), DType::kE4M3, {P, a, b, Dv / 16});
+    const PagedCache cache = PagedCache::Fp8Keys(k, v, vsc, layout);
+    EXPECT_EQ(cache.key_format, KeyFormat::kFp8);
+    absl::StatusOr<CacheGeometry> g = cache.Geometry();
+    ASSERT_TRUE(g.ok()) << g.status();
+    EXPECT_EQ(g->key_format, KeyFormat::kFp8);
+    EXPECT_TRUE(g->fp8_keys());
+    EXPECT_EQ(g->head_dim_k, Dk);
+    EXPECT_EQ(g->head_dim_v, Dv);
+    EXPECT_EQ(g->DataRowBytes(false), Dk);
+    EXPECT_EQ(g->ScaleRowBytes(false), 0);
+    EXPECT_EQ(g->DataRowBytes(true), Dv / 2);
+    EXPECT_EQ(g->ScaleRowBytes(true), Dv / 16);
+    for (int64_t pg = 0; pg < P; ++pg) {
+      for (int64_t e = 0; e < S; ++e) {
+        for (int64_t h = 0; h < H; ++h) {
+          const int64_t i = layout == Layout::kNHD ? e : h, j = layout == Layout::kNHD ? h : e;
+          EXPECT_EQ(g->DataOffset(pg, e, h, false),
+                    ByteDiff(kd, ElementAddress(cache.k_data, {pg, i, j, 0})));
+        }
+      }
+    }
+    EXPECT_EQ(g->PageBytes(), S * H * (32 + 24 + 3));
+    EXPECT_DOUBLE_EQ(g->BytesPerToken(), H * (32 + 24 + 3));
+
+    // Key scales given for FP8 keys, NVFP4-sized key rows, a key format the
+    // geometry does not match: each refused, naming the view.
+    PagedCache with_scales = cache;
+    with_scales.k_scales = vsc;
+    absl::StatusOr<CacheGeometry> bad = with_scales.Geometry();
+    ASSERT_FALSE(bad.ok());
+    EXPECT_NE(bad.status().message().find("cache.k_scales"), std::string::npos) << bad.status();
+    PagedCache odd = cache;
+    odd.key_format = static_cast<KeyFormat>(7);
+    bad = odd.Geometry();
+    ASSERT_FALSE(bad.ok());
+    EXPECT_NE(bad.status().message().find("cache.key_format"), std::string::npos) << bad.status();
+    const PagedCache nvfp4_keys_as_fp8 = PagedCache::Fp8Keys(
+        TensorView::Contiguous(kd, DType::kU8, {P, a, b, Dk / 2}), v, vsc, layout);
+    absl::StatusOr<CacheGeometry> half = nvfp4_keys_as_fp8.Geometry();
+    ASSERT_TRUE(half.ok()) << half.status();  // a valid FP8 cache of head dim Dk / 2
+    EXPECT_EQ(half->head_dim_k, Dk / 2);
+  }
+  CacheGeometry g;
+  g.num_kv_heads = 1;
+  g.head_dim_k = g.head_dim_v = 16;
+  g.page_size = 1;
+  g.num_pages = 1;
+  g.key_format = static_cast<KeyFormat>(2);
+  absl::Status s = g.Validate();
+  EXPECT_NE(s.message().find("geometry.key_format"), std::string::npos) << s;
+  EXPECT_STREQ(KeyFormatName(KeyFormat::kFp8), "FP8");
+  EXPECT_STREQ(KeyFormatName(KeyFormat::kNvfp4), "NVFP4");
+}
+
 // The placement example of docs/format.md: elements 16..31 (block 1) of
 // head 3 of the token in entry 5 of page 7, H = 8, D = 128, page_size 16.
 TEST(PagedCache, WorkedPlacementOfFormatDoc) {

@@ -421,6 +421,54 @@ FP4KV_HD uint8_t MaterializeFp8Value(uint8_t code, float s, float multiplier) {
   return E4m3Encode(MulRn(MulRn(E2m1Decode(code), s), multiplier));
 }
 
+// ---------------------------------------------------------------------------
+// FP8 keys (KeyFormat::kFp8, docs/format.md "FP8 key pages"): one E4M3 byte
+// per key value under the layer's key global scale g_k.
+//   decode:  value = fl(e4m3(code) * g_k)
+//   encode:  code  = E4m3Encode(fl(x * r)),  r = fl(1 / g_k) computed once
+//            per layer (Fp8KeyEncodeMultiplier); saturates at +-448, NaN ->
+//            0x7f, like every E4M3 encode here.
+// A key global scale is sized so that amax lands on the top of the E4M3
+// range: g_k = amax / 448 (MakeFp8KeyScale), with the same edge rules as
+// MakeGlobalScale. Valid key scales are the valid global scales
+// (IsValidGlobalScale), so 448 * g_k is finite.
+// ---------------------------------------------------------------------------
+FP4KV_HD float Fp8KeyEncodeMultiplier(float g_k) {
+  float r = DivRn(1.0f, g_k);
+  // A subnormal g_k would make r infinite and 0 * r NaN: clamp so that zeros
+  // stay zero and everything else saturates.
+  if (FloatBits(r) == 0x7f800000u) r = BitsFloat(0x7f7fffffu);
+  return r;
+}
+
+FP4KV_HD uint8_t QuantizeFp8Key(float x, float encode_multiplier) {
+  return E4m3Encode(MulRn(x, encode_multiplier));
+}
+
+FP4KV_HD float DequantFp8Key(uint8_t code, float g_k) { return MulRn(E4m3Decode(code), g_k); }
+
+FP4KV_HD float MakeFp8KeyScale(float amax) {
+  const float kFltMax = BitsFloat(0x7f7fffffu);
+  const float kFltMin = BitsFloat(0x00800000u);
+  float a = amax;
+  if (!(a > 0.0f)) a = 1.0f;  // zero, negative, NaN: as MakeGlobalScale
+  if (a > kFltMax) a = kFltMax;
+  const float g = DivRn(a, kE4m3Max);
+  if (g > MaxGlobalScale()) return MaxGlobalScale();
+  return g < kFltMin ? kFltMin : g;
+}
+
+// FP8 materialization of an FP8 key byte to output decode scale f:
+// multiplier m = fl(g_k / f) (Fp8MaterializeMultiplier); m == 1 copies the
+// byte unchanged (NaN codes included), any other m re-encodes
+// E4m3Encode(fl(e4m3(code) * m)). The smallest f that cannot saturate is g_k
+// itself (MinFp8ScaleForFp8Keys), so by default key pages are copied.
+FP4KV_HD uint8_t MaterializeFp8KeyValue(uint8_t code, float multiplier) {
+  return multiplier == 1.0f ? code : E4m3Encode(MulRn(E4m3Decode(code), multiplier));
+}
+
+FP4KV_HD float MinFp8ScaleForFp8Keys(float g_k) { return g_k; }
+
 }  // namespace fp4kv
 
 #endif  // FP4KV_FORMAT_H_
