@@ -102,7 +102,8 @@ absl::Status LaunchAdoptScales(const AdoptScalesParams& p, Stream stream) {
 absl::Status LaunchPageCopy(const PageCopyParams& p, Stream stream) {
   const int64_t units = p.num_pages * 4 * p.num_layers;
   if (units <= 0) return absl::OkStatus();
-  const int64_t ctas = units < kMaxCtas ? units : kMaxCtas;
+  const int64_t cap = p.max_ctas > 0 ? p.max_ctas : kMaxCtas;
+  const int64_t ctas = units < cap ? units : cap;
   PageCopyKernel<<<static_cast<unsigned>(ctas), kCopyThreads, 0,
                    reinterpret_cast<cudaStream_t>(stream)>>>(p);
   return CudaStatus(cudaGetLastError(), "PageCopyKernel launch");

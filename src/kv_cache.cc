@@ -39,6 +39,8 @@ constexpr int64_t kRegionAlign = 256;  // every pool region and step buffer
 constexpr int64_t kHostAlign = 256;    // as cudaMalloc: regions stay 256-byte aligned
 // Longest sequence of the default max_pages_per_seq (KVCacheOptions).
 constexpr int64_t kDefaultMaxSeqTokens = 32768;
+// CTAs of a page copy to or from host memory (PCIe-bound; see PageCopyParams).
+constexpr int kHostCopyCtas = 512;
 
 int64_t RoundUp(int64_t x, int64_t a) { return (x + a - 1) / a * a; }
 
@@ -605,6 +607,7 @@ class KVCacheState {
     p.dst_ids = dst;
     p.num_pages = n;
     p.num_layers = options.num_layers;
+    p.max_ctas = kHostCopyCtas;
     return p;
   }
   PageCopyParams PoolToHost(const int32_t* pages, const int32_t* host, int64_t n) const {
@@ -2709,8 +2712,9 @@ absl::Status KVCache::ExportSequence(SequenceId seq, void* dst, int64_t dst_byte
       int32_t* ids = reinterpret_cast<int32_t*>(s.d_step + s.step_layout.xfer_ids);
       FP4KV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(ids, q->pages.data(), 4 * static_cast<size_t>(n),
                                                  cudaMemcpyHostToDevice, cs));
-      FP4KV_KV_RETURN_IF_ERROR(internal::LaunchPageCopy(
-          internal::PoolToImage(s, h, const_cast<uint8_t*>(dev), ids, n), stream));
+      internal::PageCopyParams p = internal::PoolToImage(s, h, const_cast<uint8_t*>(dev), ids, n);
+      if (kind == internal::MemKind::kPinned) p.max_ctas = internal::kHostCopyCtas;
+      FP4KV_KV_RETURN_IF_ERROR(internal::LaunchPageCopy(p, stream));
     }
   }
   s.bytes_exported += h.image_bytes;
@@ -3014,7 +3018,9 @@ absl::StatusOr<SequenceId> KVCache::CommitImport(ImportReservation reservation, 
       if (host_image && kind == internal::MemKind::kPageable) {
         run(internal::PageableCopy(s, h, const_cast<uint8_t*>(in), q.pages, false, cs));
       } else {
-        run(internal::LaunchPageCopy(internal::ImageToPool(s, h, dev, ids, n), stream));
+        internal::PageCopyParams p = internal::ImageToPool(s, h, dev, ids, n);
+        if (kind == internal::MemKind::kPinned) p.max_ctas = internal::kHostCopyCtas;
+        run(internal::LaunchPageCopy(p, stream));
       }
     }
     if (requantize && st.ok()) run(internal::LaunchRequantizePages(rp, stream));
