@@ -266,6 +266,40 @@ TEST_P(SwapTest, SwappedSequencesAreRefusedAndFailuresChangeNothing) {
   EXPECT_EQ(plain.Stats().host_pages_total, 0);
 }
 
+// Prefix caching: a swapped-out sequence's indexed pages stay cached (its
+// references dropped), are reused by a new sequence with the same prompt,
+// and the swapped sequence comes back intact (untracked).
+TEST_P(SwapTest, PrefixCachedPagesStayIndexedWhileTheirSequenceIsOut) {
+  KVCacheOptions o = SwapOptions(device_, 24, 24);
+  o.prefix_cache.enabled = true;
+  KVCache cache = MakeCache(o);
+  Model m(&cache, stream_, 9);
+  std::vector<int32_t> prompt(13);
+  for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = static_cast<int32_t>(3 * i + 1);
+  const SequenceId a = cache.CreateSequence();
+  m.tokens()[a];
+  {
+    StepEntry e{a, 13};
+    e.token_ids = prompt;
+    ASSERT_TRUE(m.Step({e}).ok());
+  }
+  EXPECT_EQ(cache.MatchPrefix(prompt).tokens, 12);
+  ASSERT_TRUE(cache.SwapOut(a, stream_).ok());
+  ASSERT_TRUE(cache.SynchronizeSwaps().ok());
+  KVCacheStats st = cache.Stats();
+  EXPECT_EQ(st.pages_cached, 3);  // the 3 full pages: indexed, held by nobody
+  EXPECT_TRUE(cache.CheckInvariants().ok()) << cache.CheckInvariants();
+  absl::StatusOr<PrefixSequence> b = cache.CreateSequenceFromPrefix(prompt);
+  ASSERT_TRUE(b.ok());
+  EXPECT_EQ(b->cached_tokens, 12);
+  m.tokens()[b->seq] =
+      std::vector<Token>(m.tokens()[a].begin(), m.tokens()[a].begin() + 12);
+  ASSERT_TRUE(cache.SwapIn(a, stream_).ok());
+  ASSERT_TRUE(m.Step({{a, 1}, {b->seq, 1}}).ok());
+  EXPECT_EQ(m.CheckResident(), "");
+  EXPECT_TRUE(cache.CheckInvariants().ok()) << cache.CheckInvariants();
+}
+
 TEST_P(SwapTest, HostTierOptionsAreValidated) {
   KVCacheOptions o = SwapOptions(device_, 8, 0);
   o.host_tier.host_pages = -1;
