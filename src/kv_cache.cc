@@ -709,6 +709,25 @@ class KVCacheState {
     return absl::OkStatus();
   }
 
+  // The device pages unfinished SwapOut copies will release that become
+  // free (*to_free) or cached (*to_cached, indexed): those held only there.
+  void PendingReleases(int64_t* to_free, int64_t* to_cached) const {
+    *to_free = *to_cached = 0;
+    auto count = [&](const std::vector<int32_t>& pages) {
+      for (int32_t page : pages) {
+        if (allocator.RefCount(page) != 1) continue;
+        ++*(allocator.Indexed(page) ? to_cached : to_free);
+      }
+    };
+    for (const SwapOutCopy& c : outs) {
+      count(c.orphan);
+      if (c.seq != 0) {
+        const Sequence* q = Find(c.seq);
+        if (q != nullptr && q->swapped) count(q->pages);
+      }
+    }
+  }
+
   int64_t PagesSwapPending() const {
     int64_t n = 0;
     for (const SwapOutCopy& c : outs) {
@@ -1826,10 +1845,16 @@ absl::StatusOr<StepPlan> KVCache::PlanStep(absl::Span<const StepEntry> entries) 
   p.pages_copied = static_cast<int64_t>(s.cow_src.size());
   p.pages_free = s.allocator.free_count();
   p.pages_evictable = s.allocator.cached_count();
-  p.fits = need <= s.allocator.available_count();
+  int64_t pending_free = 0, pending_cached = 0;
+  s.PendingReleases(&pending_free, &pending_cached);
+  p.pages_swap_pending = pending_free + pending_cached;
+  const int64_t available = s.allocator.available_count();
+  p.fits = need <= available + p.pages_swap_pending;
   if (p.fits) {
-    p.pages_evicted = std::max<int64_t>(0, need - p.pages_free);
-    p.pages_left = s.allocator.available_count() - need;
+    // PrepareStep waits for the copies only when the pages available now do not suffice.
+    const int64_t free = need <= available ? p.pages_free : p.pages_free + pending_free;
+    p.pages_evicted = std::max<int64_t>(0, need - free);
+    p.pages_left = available + p.pages_swap_pending - need;
     p.tokens_left = p.pages_left * s.geometry.page_size;
   }
   return p;

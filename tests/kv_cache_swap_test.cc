@@ -250,6 +250,21 @@ TEST_P(SwapTest, SwappedSequencesAreRefusedAndFailuresChangeNothing) {
   m.tokens().erase(d);
   ASSERT_TRUE(cache.SwapIn(a, stream_).ok());
   EXPECT_EQ(m.CheckResident(), "");
+  // Right after a SwapOut (its copy possibly in flight), a step needing its
+  // pages is planned to fit and runs (PrepareStep waits for the copy).
+  {
+    const SequenceId e = m.Create();
+    ASSERT_TRUE(cache.SwapOut(a, stream_).ok());
+    absl::StatusOr<StepPlan> plan = cache.PlanStep({{e, 3 * 4}});  // 3 pages; 0 free before
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    EXPECT_TRUE(plan->fits);
+    EXPECT_EQ(plan->pages_left, 0);
+    ASSERT_TRUE(m.Step({{e, 3 * 4}}).ok());
+    ASSERT_TRUE(cache.ReleaseSequence(e).ok());
+    m.tokens().erase(e);
+    ASSERT_TRUE(cache.SwapIn(a, stream_).ok());
+    EXPECT_EQ(m.CheckResident(), "");
+  }
   // Releasing a swapped-out sequence frees its host pages.
   ASSERT_TRUE(cache.SwapOut(c, stream_).ok());
   EXPECT_EQ(cache.Stats().host_pages_used, 4);

@@ -223,6 +223,9 @@ struct StepPlan {
   int64_t pages_free = 0;       // free now
   int64_t pages_evictable = 0;  // cached now
   int64_t pages_evicted = 0;    // cached pages it would evict
+  // Device pages of unfinished SwapOut copies that become free or cached
+  // once the copies are done (PrepareStep waits for them when it needs them).
+  int64_t pages_swap_pending = 0;
   // Pages, and tokens in whole pages, still available after the step (0
   // when it does not fit): what further admissions can count on.
   int64_t pages_left = 0;
