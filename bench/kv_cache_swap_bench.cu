@@ -1,5 +1,8 @@
 // Sequence export/import and host-tier swap bandwidth, and a decode loop
-// with a swap in flight (CUDA only; prints a table, no arguments).
+// with a swap in flight (CUDA only). Prints markdown tables; with
+// --benchmark_out=PATH also writes the rows as Google Benchmark-style JSON
+// ({"benchmarks": [{"name", "median_us", "GBps", "pct_of_copy"}]}, what
+// scripts/gpu_check.sh reads; other arguments are ignored).
 //
 // Cache: 32 layers, 8 KV heads, head_dim 128 (K and V), page 16, NHD. One
 // sequence of 1 GiB of pages (1820 pages of 576 KiB: every layer's K/V data
@@ -26,6 +29,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <string>
 #include <vector>
 
 #include "bench/bench_util.cuh"
@@ -81,16 +85,41 @@ double Median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
+struct JsonRow {
+  std::string name;
+  double us, gbps, pct;
+};
+std::vector<JsonRow>& JsonRows() {
+  static std::vector<JsonRow> rows;
+  return rows;
+}
+
 void Row(const char* name, double bytes, double ms, double base_gbps, const char* base) {
   const double gbps = bytes / (ms * 1e-3) / 1e9;
+  JsonRows().push_back({name, ms * 1e3, gbps, 100.0 * gbps / base_gbps});
   std::printf("| %-44s | %8.3f | %7.2f | %6.1f%% of %s |\n", name, ms, gbps,
               100.0 * gbps / base_gbps, base);
 }
 
-int Main() {
+void WriteJson(const char* path) {
+  FILE* f = std::fopen(path, "w");
+  if (f == nullptr) return;
+  std::fprintf(f, "{\"benchmarks\": [");
+  for (size_t i = 0; i < JsonRows().size(); ++i) {
+    const JsonRow& r = JsonRows()[i];
+    std::fprintf(f, "%s\n  {\"name\": \"%s\", \"median_us\": %.3f, \"GBps\": %.3f, "
+                 "\"pct_of_copy\": %.2f}",
+                 i == 0 ? "" : ",", r.name.c_str(), r.us, r.gbps, r.pct);
+  }
+  std::fprintf(f, "\n]}\n");
+  std::fclose(f);
+}
+
+int Main(const char* json_out) {
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {
     std::printf("kv_cache_swap_bench: no CUDA device, nothing measured\n");
+    if (json_out != nullptr) WriteJson(json_out);
     return 0;
   }
   cudaDeviceProp prop{};
@@ -325,6 +354,10 @@ int Main() {
   std::printf("| SwapIn of 1 GiB in flight | %.4f | %.1f%% | %.2f |\n", with_in,
               100.0 * with_in / alone, in_total);
   std::printf("| alone (again) | %.4f | %.1f%% | - |\n", alone2, 100.0 * alone2 / alone);
+  JsonRows().push_back({"decode step alone", alone * 1e3, 0, 0});
+  JsonRows().push_back({"decode step, SwapOut in flight", with_out * 1e3, 0, 0});
+  JsonRows().push_back({"decode step, SwapIn in flight", with_in * 1e3, 0, 0});
+  if (json_out != nullptr) WriteJson(json_out);
   const KVCacheStats st = cache.Stats();
   std::printf("\nStats: host_pages_total %lld, bytes_swapped_out %lld, bytes_swapped_in %lld, "
               "bytes_exported %lld, bytes_imported %lld\n",
@@ -349,4 +382,11 @@ int Main() {
 }  // namespace
 }  // namespace fp4kv
 
-int main() { return fp4kv::Main(); }
+int main(int argc, char** argv) {
+  const char* json_out = nullptr;
+  const std::string flag = "--benchmark_out=";
+  for (int i = 1; i < argc; ++i) {
+    if (std::string(argv[i]).rfind(flag, 0) == 0) json_out = argv[i] + flag.size();
+  }
+  return fp4kv::Main(json_out);
+}
