@@ -19,11 +19,13 @@ namespace {
 
 constexpr int kLayers = 2, kHeads = 2, kDim = 64, kPage = 16;
 
-KVCacheOptions Options(bool given_scales, Device device = Device::Cpu()) {
+KVCacheOptions Options(bool given_scales, Device device = Device::Cpu(),
+                       KeyFormat key_format = KeyFormat::kNvfp4) {
   KVCacheOptions o;
   o.device = device;
   o.num_layers = kLayers;
   o.geometry = CacheGeometry{kHeads, kDim, kDim, kPage, 32, Layout::kNHD};
+  o.geometry.key_format = key_format;
   o.max_pages_per_seq = 8;
   o.max_tokens_per_step = 128;
   if (given_scales) {
@@ -77,12 +79,13 @@ std::vector<uint8_t> TokenBytes(const KVCache& c, SequenceId seq, int l, int64_t
 }
 
 TEST(KVCacheImport, EqualsAppendingTheSameRows) {
+  for (const KeyFormat kf : {KeyFormat::kNvfp4, KeyFormat::kFp8})
   for (bool given : {false, true}) {
     const Source src(11);
     const std::vector<int32_t> pages = {4, 1, 5, 0};
     const int64_t length = 3 * kPage + 5;
-    auto imported = KVCache::Create(Options(given));
-    auto appended = KVCache::Create(Options(given));
+    auto imported = KVCache::Create(Options(given, Device::Cpu(), kf));
+    auto appended = KVCache::Create(Options(given, Device::Cpu(), kf));
     ASSERT_TRUE(imported.ok() && appended.ok());
     // A sequence first, so the imported pages are not the first ones.
     (void)imported->CreateSequence();
@@ -112,7 +115,8 @@ TEST(KVCacheImport, EqualsAppendingTheSameRows) {
       }
       for (int64_t t = 0; t < length; ++t) {
         ASSERT_EQ(TokenBytes(*imported, *id, l, t), TokenBytes(*appended, seq, l, t))
-            << "layer " << l << " token " << t << " given " << given;
+            << "layer " << l << " token " << t << " given " << given << " "
+            << KeyFormatName(kf);
       }
       // The other sequence's step tokens count once its append ran (it did not).
       EXPECT_EQ(*imported->LayerTokens(l), length);
@@ -180,6 +184,7 @@ TEST(KVCacheImport, RefusedImportChangesNothing) {
 TEST(KVCacheImportGpu, EqualsAppendingTheSameRows) {
   FP4KV_SKIP_WITHOUT_GPU();
   const Device dev = Device::Cuda(0);
+  for (const KeyFormat kf : {KeyFormat::kNvfp4, KeyFormat::kFp8})
   for (bool given : {false, true}) {
     const Source src(23);
     std::vector<testing::Buffer> dsrc;
@@ -195,8 +200,8 @@ TEST(KVCacheImportGpu, EqualsAppendingTheSameRows) {
     }
     const std::vector<int32_t> pages = {2, 5, 0};
     const int64_t length = 2 * kPage + 9;
-    auto imported = KVCache::Create(Options(given, dev));
-    auto appended = KVCache::Create(Options(given, dev));
+    auto imported = KVCache::Create(Options(given, dev, kf));
+    auto appended = KVCache::Create(Options(given, dev, kf));
     ASSERT_TRUE(imported.ok() && appended.ok());
     (void)imported->CreateSequence();
     auto id = imported->ImportSequence(views, pages, length);
@@ -225,7 +230,11 @@ TEST(KVCacheImportGpu, EqualsAppendingTheSameRows) {
         const int32_t pa = (*imported->SequencePages(*id))[t / kPage];
         const int32_t pb = (*appended->SequencePages(seq))[t / kPage];
         for (int kind = 0; kind < 4; ++kind) {
-          const int64_t n = (kind % 2 == 0 ? kDim / 2 : kDim / kBlockSize);
+          const int64_t n = kind == 0 ? g.DataRowBytes(false)
+                            : kind == 1 ? g.ScaleRowBytes(false)
+                            : kind == 2 ? g.DataRowBytes(true)
+                                        : g.ScaleRowBytes(true);
+          if (n == 0) continue;  // FP8 keys: no key scales
           for (int h = 0; h < kHeads; ++h) {
             const uint8_t* ra = testing::PoolRow(a, g, l, kind, pa, t % kPage, h);
             const uint8_t* rb = testing::PoolRow(b, g, l, kind, pb, t % kPage, h);

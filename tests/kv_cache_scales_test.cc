@@ -400,6 +400,81 @@ TEST_P(ScalesTest, ReencodeRequantizesTheLayersPagesInOneCall) {
   EXPECT_LT(ve0, 0.2);
 }
 
+// FP8 keys (K8V4): the first append sizes g_k = MakeFp8KeyScale(headroom *
+// amax) with the key FP8 scale g_k (copied pages), values as usual; the
+// counters count clipped 16-value key groups; a re-encode rewrites the key
+// bytes by the FP8 key rule; CalibrateGlobalScales refuses and changes nothing.
+TEST_P(ScalesTest, Fp8KeysCalibrateCountAndReencode) {
+  KVCacheOptions o = DefaultOptions(device());
+  o.geometry.key_format = KeyFormat::kFp8;
+  o.count_scale_events = true;
+  KVCache c = MustCreate(o);
+  Sequence s(&c);
+  const std::vector<uint16_t> k1 = GaussianRows(40, 1.0, 31), v1 = GaussianRows(40, 0.3, 32);
+  ASSERT_TRUE(s.Append(k1, v1).ok());
+  LayerScales sc = MustRead(c, 0);
+  EXPECT_TRUE(sc.k_calibrated && sc.v_calibrated);
+  EXPECT_EQ(sc.k, MakeFp8KeyScale(MulRn(Amax(k1), 4.0f)));
+  EXPECT_EQ(sc.k_fp8, sc.k);
+  EXPECT_EQ(sc.v, MakeGlobalScale(MulRn(Amax(v1), 4.0f), o.recipe));
+  EXPECT_EQ(sc.v_fp8, MinFp8ScaleFor(sc.v));
+  double ke = 0, ve = 0;
+  s.Errors(0, &ke, &ve);
+  EXPECT_LT(ke, 0.04) << "FP8 keys";
+  EXPECT_GT(ke, 0.0);
+  EXPECT_LT(ve, 0.15) << "NVFP4 values";
+  absl::StatusOr<ScaleEventCounts> ev = c.ReadScaleEvents(0);
+  ASSERT_TRUE(ev.ok()) << ev.status();
+  EXPECT_EQ(ev->k_saturated + ev->k_underflow, 0u);
+  // Keys 10x the first amax: groups of 16 with a value past 448 * g_k count.
+  std::vector<uint16_t> huge = GaussianRows(24, 1.0, 33);
+  const float factor = 10.0f * Amax(k1) / Amax(huge);
+  for (uint16_t& b : huge) b = FloatToBf16Bits(Bf16BitsToFloat(b) * factor);
+  ASSERT_TRUE(s.Append(huge, std::vector<uint16_t>(v1.begin(), v1.begin() + huge.size())).ok());
+  const float r = Fp8KeyEncodeMultiplier(sc.k);
+  uint64_t want = 0;
+  for (size_t blk = 0; blk < huge.size() / kBlockSize; ++blk) {
+    float x[kBlockSize];
+    for (int i = 0; i < kBlockSize; ++i) x[i] = Bf16BitsToFloat(huge[blk * kBlockSize + i]);
+    want += ClassifyFp8KeyBlock(BlockAmax(x), r) == ScaleEvent::kSaturated;
+  }
+  ASSERT_GT(want, 0u);
+  ev = c.ReadScaleEvents(0);
+  ASSERT_TRUE(ev.ok());
+  EXPECT_EQ(ev->k_saturated, want);
+  EXPECT_EQ(ev->k_underflow, 0u);
+  // Re-encode layer 1 under a new key scale.
+  const LayerScales old = MustRead(c, 1);
+  const testing::PoolCopy before = testing::DownloadPools(c);
+  ASSERT_TRUE(before.regions[5].empty());  // layer 1 has no key scales
+  const float nk = old.k * 2.5f;
+  ASSERT_TRUE(c.UpdateGlobalScales(1, nk, old.v, nullptr, StoredTokens::kReencode).ok());
+  if (device().is_cuda()) {
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  }
+  const testing::PoolCopy after = testing::DownloadPools(c);
+  for (int kind = 0; kind < 4; ++kind) EXPECT_EQ(after.regions[kind], before.regions[kind]);
+  std::vector<uint8_t> keys = before.regions[4];
+  const float nr = Fp8KeyEncodeMultiplier(nk);
+  for (uint8_t& b : keys) b = QuantizeFp8Key(DequantFp8Key(b, old.k), nr);
+  EXPECT_EQ(after.regions[4], keys);
+  EXPECT_EQ(after.regions[6], before.regions[6]);  // V data: same scale, same blocks
+  sc = MustRead(c, 1);
+  EXPECT_EQ(sc.k, nk);
+  EXPECT_EQ(sc.k_fp8, nk);
+  // CalibrateGlobalScales: Unimplemented for FP8 keys, nothing changed.
+  absl::StatusOr<Calibrator> cal =
+      Calibrator::Create({1 << 16, DType::kBF16, device(), o.recipe});
+  ASSERT_TRUE(cal.ok()) << cal.status();
+  const testing::Buffer kb(device(), 64 * 2), vb(device(), 64 * 2);
+  const absl::Status st = c.CalibrateGlobalScales(0, kb.View(DType::kBF16, {64}),
+                                                  vb.View(DType::kBF16, {64}), *cal, nullptr,
+                                                  StoredTokens::kReencode);
+  EXPECT_EQ(st.code(), absl::StatusCode::kUnimplemented) << st;
+  EXPECT_EQ(MustRead(c, 0).k, MustRead(c, 0).k_fp8);
+  EXPECT_EQ(testing::DownloadPools(c).regions, after.regions);
+}
+
 TEST_P(ScalesTest, BadHeadroomAndCountersOffAreRejected) {
   for (float h : {0.5f, 0.0f, -2.0f, std::nanf(""), INFINITY}) {
     KVCacheOptions o = DefaultOptions(device());
