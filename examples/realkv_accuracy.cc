@@ -161,8 +161,9 @@ bool RoundTrip(fp4kv::KeyFormat key_format, const fp4kv::Recipe& recipe, float h
     return false;
   }
   const std::vector<int64_t> shape = {kTokens, kKvHeads, kDim};
-  absl::Status s = app->Run(0, TensorView::Contiguous(const_cast<uint16_t*>(k.data()), DType::kBF16, shape),
-                            TensorView::Contiguous(const_cast<uint16_t*>(v.data()), DType::kBF16, shape));
+  absl::Status s =
+      app->Run(0, TensorView::Contiguous(const_cast<uint16_t*>(k.data()), DType::kBF16, shape),
+               TensorView::Contiguous(const_cast<uint16_t*>(v.data()), DType::kBF16, shape));
   k_out->assign(k.size(), 0);
   v_out->assign(v.size(), 0);
   if (s.ok()) {
@@ -209,7 +210,8 @@ int main(int argc, char** argv) {
   std::vector<Layer> layers(4);
   for (int i = 0; i < 4; ++i) {
     if (!LoadLayer(dir, kLayers[i], &layers[i])) {
-      std::fprintf(stderr, "realkv_accuracy: cannot read layer %d from %s\n", kLayers[i], dir.c_str());
+      std::fprintf(stderr, "realkv_accuracy: cannot read layer %d from %s\n", kLayers[i],
+                   dir.c_str());
       return 1;
     }
   }
@@ -226,15 +228,18 @@ int main(int argc, char** argv) {
       refs.push_back(Attention(ToDouble(l.q, true), ToDouble(l.k, true), ToDouble(l.v, true)));
     }
     for (const Treatment& t : treatments) {
-      const double bytes = t.fp8_values ? 1.0 : t.key_format == fp4kv::KeyFormat::kFp8 ? 0.78125 : 0.5625;
+      const double bytes = t.fp8_values                             ? 1.0
+                           : t.key_format == fp4kv::KeyFormat::kFp8 ? 0.78125
+                                                                    : 0.5625;
       std::printf("| %s | %.4g |", t.name, bytes);
       for (size_t i = 0; i < layers.size(); ++i) {
         const Layer& l = layers[i];
         std::vector<uint16_t> k, v, vk, unused;
         if (!RoundTrip(t.key_format, t.recipe, headroom, l.k, l.v, &k, &v)) return 1;
-        if (t.fp8_values && !RoundTrip(t.key_format, t.recipe, headroom, l.v, l.v, &vk, &unused)) return 1;
-        const std::vector<double> o =
-            Attention(ToDouble(l.q, true), ToDouble(k, false), ToDouble(t.fp8_values ? vk : v, false));
+        if (t.fp8_values && !RoundTrip(t.key_format, t.recipe, headroom, l.v, l.v, &vk, &unused))
+          return 1;
+        const std::vector<double> o = Attention(ToDouble(l.q, true), ToDouble(k, false),
+                                                ToDouble(t.fp8_values ? vk : v, false));
         const Error e = Compare(refs[i], o);
         std::printf(" %.4f (%.4f) |", e.rel_rms, e.worst_head);
       }

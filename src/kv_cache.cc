@@ -873,8 +873,8 @@ absl::StatusOr<KVCache> KVCache::Create(const KVCacheOptions& o) {
   for (int l = 0; l < L; ++l) {
     const float k = o.k_global_scales.empty() ? 1.0f : o.k_global_scales[l];
     const float v = o.v_global_scales.empty() ? 1.0f : o.v_global_scales[l];
-    absl::StatusOr<float> kf = g.fp8_keys() ? absl::StatusOr<float>(MinFp8ScaleForFp8Keys(k))
-                                            : MinFp8Scale(k);
+    absl::StatusOr<float> kf =
+        g.fp8_keys() ? absl::StatusOr<float>(MinFp8ScaleForFp8Keys(k)) : MinFp8Scale(k);
     absl::StatusOr<float> vf = MinFp8Scale(v);
     if (!kf.ok()) return kf.status();
     if (!vf.ok()) return vf.status();

@@ -236,7 +236,8 @@ FP4KV_HD void FinishCacheScales(const QuantizeCacheParams& p, const float (&amax
     const float a = MulRn(amax[kv], p.headroom);
     const float g = fp8 ? MakeFp8KeyScale(a) : MakeGlobalScale(a, p.recipe);
     *p.scale_out[kv] = g;
-    if (p.fp8_out[kv] != nullptr) *p.fp8_out[kv] = fp8 ? MinFp8ScaleForFp8Keys(g) : MinFp8ScaleFor(g);
+    if (p.fp8_out[kv] != nullptr)
+      *p.fp8_out[kv] = fp8 ? MinFp8ScaleForFp8Keys(g) : MinFp8ScaleFor(g);
     if (p.flags != nullptr) {
       p.flags[kv] = 1;
       if (p.host_flags != nullptr) p.host_flags[kv] = 1;

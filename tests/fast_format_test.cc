@@ -507,10 +507,12 @@ TEST(Fp8KeyBlock, QuantizeMatchesQuantizeFp8Key) {
         }
         uint32_t w[8];
         for (int j = 0; j < 8; ++j) w[j] = h[2 * j] | (static_cast<uint32_t>(h[2 * j + 1]) << 16);
-        const U32x4 got = bf ? QuantizeFp8KeyBlockFast<true>(w, r) : QuantizeFp8KeyBlockFast<false>(w, r);
+        const U32x4 got =
+            bf ? QuantizeFp8KeyBlockFast<true>(w, r) : QuantizeFp8KeyBlockFast<false>(w, r);
         for (int i = 0; i < 16; ++i) {
           const float x = bf ? Bf16BitsToFloat(h[i]) : HalfBitsToFloat(h[i]);
-          ASSERT_EQ(ByteOf(got, i), QuantizeFp8Key(x, r)) << "bf16=" << bf << " g=" << g << " i=" << i;
+          ASSERT_EQ(ByteOf(got, i), QuantizeFp8Key(x, r))
+              << "bf16=" << bf << " g=" << g << " i=" << i;
         }
       }
     }
@@ -518,8 +520,16 @@ TEST(Fp8KeyBlock, QuantizeMatchesQuantizeFp8Key) {
 }
 
 TEST(Fp8KeyBlock, DequantizeMatchesDequantFp8KeyForEveryCode) {
-  const float gs[] = {1.0f, 0.37f,  1e-30f, 1e30f, 3.4e38f, 1e-40f, 0.0f,
-                      -0.0f, -2.0f, std::numeric_limits<float>::infinity(),
+  const float gs[] = {1.0f,
+                      0.37f,
+                      1e-30f,
+                      1e30f,
+                      3.4e38f,
+                      1e-40f,
+                      0.0f,
+                      -0.0f,
+                      -2.0f,
+                      std::numeric_limits<float>::infinity(),
                       std::numeric_limits<float>::quiet_NaN()};
   for (bool bf : {false, true}) {
     for (float g : gs) {
@@ -545,8 +555,9 @@ TEST(Fp8KeyBlock, DequantizeMatchesDequantFp8KeyForEveryCode) {
 }
 
 TEST(Fp8KeyBlock, MaterializeMatchesMaterializeFp8KeyValueForEveryCode) {
-  const float ms[] = {1.0f, 0.5f, 2.0f, 1.0f / 3.0f, 1e-20f, 1e20f, 0.0f, 1e-40f, 3.4e38f,
-                      std::numeric_limits<float>::infinity(), -0.0f, -2.0f};
+  const float ms[] = {1.0f,  0.5f, 2.0f,   1.0f / 3.0f, 1e-20f,
+                      1e20f, 0.0f, 1e-40f, 3.4e38f,     std::numeric_limits<float>::infinity(),
+                      -0.0f, -2.0f};
   for (float m : ms) {
     for (int base = 0; base < 256; base += 16) {
       for (int rot = 0; rot < 16; ++rot) {
@@ -554,7 +565,8 @@ TEST(Fp8KeyBlock, MaterializeMatchesMaterializeFp8KeyValueForEveryCode) {
         for (int i = 0; i < 16; ++i) b[i] = static_cast<uint8_t>(base + (i + rot) % 16);
         const U32x4 got = MaterializeFp8KeyBlockFast(BytesOf(b), m);
         for (int i = 0; i < 16; ++i) {
-          ASSERT_EQ(ByteOf(got, i), MaterializeFp8KeyValue(b[i], m)) << "m=" << m << " code=" << int(b[i]);
+          ASSERT_EQ(ByteOf(got, i), MaterializeFp8KeyValue(b[i], m))
+              << "m=" << m << " code=" << int(b[i]);
         }
       }
     }

@@ -530,8 +530,8 @@ const FuzzConfig kConfigs[] = {
     {"hnd_ps3_dk32_dv16", 3, 3, 32, 16, 3, Layout::kHND, 36, Recipe::FourOverSix(), 5, 16, 14, 8.0f,
      6.0f},
     // FP8 keys (K8V4), materializable, HND.
-    {"hnd_ps4_d64_k8", 2, 2, 64, 64, 4, Layout::kHND, 40, Recipe::Standard(), 6, 24, 12, 1.0f,
-     2.5f, KeyFormat::kFp8},
+    {"hnd_ps4_d64_k8", 2, 2, 64, 64, 4, Layout::kHND, 40, Recipe::Standard(), 6, 24, 12, 1.0f, 2.5f,
+     KeyFormat::kFp8},
 };
 
 KVCache MakeCache(const FuzzConfig& c, Device device) {

@@ -464,13 +464,12 @@ TEST_P(ScalesTest, Fp8KeysCalibrateCountAndReencode) {
   EXPECT_EQ(sc.k, nk);
   EXPECT_EQ(sc.k_fp8, nk);
   // CalibrateGlobalScales: Unimplemented for FP8 keys, nothing changed.
-  absl::StatusOr<Calibrator> cal =
-      Calibrator::Create({1 << 16, DType::kBF16, device(), o.recipe});
+  absl::StatusOr<Calibrator> cal = Calibrator::Create({1 << 16, DType::kBF16, device(), o.recipe});
   ASSERT_TRUE(cal.ok()) << cal.status();
   const testing::Buffer kb(device(), 64 * 2), vb(device(), 64 * 2);
-  const absl::Status st = c.CalibrateGlobalScales(0, kb.View(DType::kBF16, {64}),
-                                                  vb.View(DType::kBF16, {64}), *cal, nullptr,
-                                                  StoredTokens::kReencode);
+  const absl::Status st =
+      c.CalibrateGlobalScales(0, kb.View(DType::kBF16, {64}), vb.View(DType::kBF16, {64}), *cal,
+                              nullptr, StoredTokens::kReencode);
   EXPECT_EQ(st.code(), absl::StatusCode::kUnimplemented) << st;
   EXPECT_EQ(MustRead(c, 0).k, MustRead(c, 0).k_fp8);
   EXPECT_EQ(testing::DownloadPools(c).regions, after.regions);
@@ -503,7 +502,8 @@ TEST(KVCacheScalesRealKv, Fp8KeysBeatNvfp4KeysInAttention) {
                     .ok());
     k_out->assign(k.size(), 0);
     v_out->assign(v.size(), 0);
-    ASSERT_TRUE(c.ReadSequence(0, seq, TensorView::Contiguous(k_out->data(), DType::kF16, {T, H, D}),
+    ASSERT_TRUE(c.ReadSequence(0, seq,
+                               TensorView::Contiguous(k_out->data(), DType::kF16, {T, H, D}),
                                TensorView::Contiguous(v_out->data(), DType::kF16, {T, H, D}))
                     .ok());
   };

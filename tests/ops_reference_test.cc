@@ -611,7 +611,7 @@ TEST(ReferenceOps, Fp8KeysThroughEveryOp) {
     // within E4M3's half step of the input; V as in the NVFP4-key cache.
     std::vector<int32_t> table(perm, perm + P), len = {static_cast<int32_t>(n - 5)};
     std::vector<uint16_t> k_out(n * H * D, 0xA5A5), v_out(n * H * D, 0xA5A5), v4_out = v_out,
-                          k4_out = k_out;
+                                                                              k4_out = k_out;
     const TensorView bt = TensorView::Contiguous(table.data(), DType::kI32, {1, P});
     ASSERT_TRUE(DequantizePaged(hc.cache(), bt, I32(len),
                                 TensorView::Contiguous(k_out.data(), DType::kBF16, {1, n, H, D}),
@@ -650,12 +650,13 @@ TEST(ReferenceOps, Fp8KeysThroughEveryOp) {
       std::vector<uint8_t> out((P + 1) * 2 * H * S * D, kPoison);
       std::vector<int32_t> fp8_table(P, -1);
       const float kf = gk * factor;
-      ASSERT_TRUE(MaterializeFp8(hc.cache(), bt, I32(len_all), I32(indptr),
-                                 TensorView::Contiguous(out.data(), DType::kE4M3, {P + 1, 2, H, S, D}),
-                                 TensorView::Contiguous(fp8_table.data(), DType::kI32, {1, P}),
-                                 GlobalScale::Value(gk), GlobalScale::Value(kGv),
-                                 GlobalScale::Value(kf), GlobalScale::Value(MinFp8ScaleFor(kGv)))
-                      .ok());
+      ASSERT_TRUE(
+          MaterializeFp8(hc.cache(), bt, I32(len_all), I32(indptr),
+                         TensorView::Contiguous(out.data(), DType::kE4M3, {P + 1, 2, H, S, D}),
+                         TensorView::Contiguous(fp8_table.data(), DType::kI32, {1, P}),
+                         GlobalScale::Value(gk), GlobalScale::Value(kGv), GlobalScale::Value(kf),
+                         GlobalScale::Value(MinFp8ScaleFor(kGv)))
+              .ok());
       const float m = Fp8MaterializeMultiplier(gk, kf);
       for (int j = 0; j < P; ++j) {
         ASSERT_EQ(fp8_table[j], j + 1);
@@ -682,13 +683,13 @@ TEST(ReferenceOps, Fp8KeysThroughEveryOp) {
         std::copy_n(&rows.v[(i * H + h) * D], D, &src_v[dst]);
       }
     }
-    const std::vector<int64_t> shape = nhd ? std::vector<int64_t>{P, S, H, D}
-                                           : std::vector<int64_t>{P, H, S, D};
+    const std::vector<int64_t> shape =
+        nhd ? std::vector<int64_t>{P, S, H, D} : std::vector<int64_t>{P, H, S, D};
     const HalfPagedCache src{TensorView::Contiguous(src_k.data(), DType::kBF16, shape),
                              TensorView::Contiguous(src_v.data(), DType::kBF16, shape), layout};
     HostCache hq(g, false, kPoison);
-    ASSERT_TRUE(QuantizePagedCache(src, hq.cache(), GlobalScale::Value(gk),
-                                   GlobalScale::Value(kGv), nullptr, nullptr, Recipe())
+    ASSERT_TRUE(QuantizePagedCache(src, hq.cache(), GlobalScale::Value(gk), GlobalScale::Value(kGv),
+                                   nullptr, nullptr, Recipe())
                     .ok());
     EXPECT_EQ(hq.Snapshot(), hc.Snapshot());
     HostCache hs(g, false, kPoison);

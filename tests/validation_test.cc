@@ -332,16 +332,16 @@ TEST(Validation, Fp8KeyCacheRules) {
                         f.cache, nullptr);
        },
        "cache.k_data"},
-      {"k_data_bf16", [](Fixture& f) { f.cache.k_data.dtype = DType::kBF16; }, Slot, "cache.k_data"},
+      {"k_data_bf16", [](Fixture& f) { f.cache.k_data.dtype = DType::kBF16; }, Slot,
+       "cache.k_data"},
       {"k_data_misaligned", [](Fixture& f) { f.cache.k_data = Misalign(f.cache.k_data, 8); }, Slot,
        "cache.k_data"},
       {"labelled_nvfp4", [](Fixture& f) { f.cache.key_format = KeyFormat::kNvfp4; }, Slot,
        "cache.k_scales"},
-      {"nvfp4_op_fp8_cache",
-       [](Fixture&) {},
+      {"nvfp4_op_fp8_cache", [](Fixture&) {},
        [](Fixture& f) {
-         absl::StatusOr<Appender> op =
-             Appender::Create({Geo(), DType::kBF16, AppendIndexing::kSlot, Recipe(), Device::Cpu()});
+         absl::StatusOr<Appender> op = Appender::Create(
+             {Geo(), DType::kBF16, AppendIndexing::kSlot, Recipe(), Device::Cpu()});
          if (!op.ok()) return op.status();
          AppendArgs a;
          a.key = f.key;

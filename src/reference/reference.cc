@@ -71,7 +71,8 @@ void QuantizeFp8KeyRow(const void* src, DType dtype, int64_t src_offset, int hea
 
 void DequantizeFp8KeyRow(const uint8_t* data, int head_dim, float g, void* dst, DType dtype,
                          int64_t dst_offset) {
-  for (int i = 0; i < head_dim; ++i) StoreFloat(dst, dtype, dst_offset + i, DequantFp8Key(data[i], g));
+  for (int i = 0; i < head_dim; ++i)
+    StoreFloat(dst, dtype, dst_offset + i, DequantFp8Key(data[i], g));
 }
 
 // Dequantizes one pool row into [head_dim] f16/bf16 values.
@@ -126,8 +127,8 @@ void ReferenceDequantize(const DequantParams& p) {
       for (int h = 0; h < p.num_heads; ++h) {
         const int64_t k_dst = b * p.k_out_batch + t * p.k_out_token + h * p.k_out_head;
         if (p.fp8_keys) {
-          DequantizeFp8KeyRow(p.k.data + p.k.DataOffset(page, entry, h), p.k.head_dim, gk,
-                              p.k_out, p.output_dtype, k_dst);
+          DequantizeFp8KeyRow(p.k.data + p.k.DataOffset(page, entry, h), p.k.head_dim, gk, p.k_out,
+                              p.output_dtype, k_dst);
         } else {
           DequantizeRow(p.k.data + p.k.DataOffset(page, entry, h),
                         p.k.scales + p.k.ScaleOffset(page, entry, h), p.k.head_dim, gk, p.k_out,
@@ -174,7 +175,8 @@ void ReferenceMaterialize(const MaterializeParams& p) {
             }
             const uint8_t* data = pool.data + pool.DataOffset(src, e, h);
             if (kv == 0 && p.fp8_keys) {
-              for (int i = 0; i < p.head_dim; ++i) dst[i] = MaterializeFp8KeyValue(data[i], mult[0]);
+              for (int i = 0; i < p.head_dim; ++i)
+                dst[i] = MaterializeFp8KeyValue(data[i], mult[0]);
               continue;
             }
             const uint8_t* scales = pool.scales + pool.ScaleOffset(src, e, h);

@@ -342,12 +342,12 @@ Appender::Options AppendCase::Options(Device device) const {
 
 // ----------------------------------------------------------------- dequant
 std::string DequantSpec::Name() const {
-  return absl::StrCat(
-      "h", num_heads, "_k", head_dim_k, "_v", head_dim_v, "_s", page_size, "_", LayoutTag(layout),
-      stacked ? "_stacked" : "_tuple", dtype == DType::kBF16 ? "_bf16" : "_f16",
-      table_dtype == DType::kI64 ? "_i64" : "_i32", "_b", batch, "_len", max_seq_len, "_mp",
-      max_pages, pointer_scales ? "_ptr" : "", padded_output ? "_pad" : "",
-      key_format == KeyFormat::kFp8 ? "_k8" : "");
+  return absl::StrCat("h", num_heads, "_k", head_dim_k, "_v", head_dim_v, "_s", page_size, "_",
+                      LayoutTag(layout), stacked ? "_stacked" : "_tuple",
+                      dtype == DType::kBF16 ? "_bf16" : "_f16",
+                      table_dtype == DType::kI64 ? "_i64" : "_i32", "_b", batch, "_len",
+                      max_seq_len, "_mp", max_pages, pointer_scales ? "_ptr" : "",
+                      padded_output ? "_pad" : "", key_format == KeyFormat::kFp8 ? "_k8" : "");
 }
 
 DequantCase MakeDequantCase(const DequantSpec& spec, uint64_t seed) {

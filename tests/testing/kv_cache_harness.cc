@@ -312,10 +312,10 @@ std::string CheckMaterialized(const KVCache& cache, int layer, const std::vector
             if (kv == 0 && g.fp8_keys()) {  // FP8 key bytes re-scaled (or copied)
               for (int i = 0; i < D; ++i) {
                 const uint8_t want =
-                    t < len ? MaterializeFp8KeyValue(
-                                  rows[b][t]->expected[f.ExpectedOffset(layer, 0) + h * D + i],
-                                  mult[0])
-                            : 0;
+                    t < len
+                        ? MaterializeFp8KeyValue(
+                              rows[b][t]->expected[f.ExpectedOffset(layer, 0) + h * D + i], mult[0])
+                        : 0;
                 if (got[i] != want) {
                   os << "row " << b << " token " << t << " K head " << h << " elem " << i
                      << ": fp8 byte " << int(got[i]) << ", want " << int(want);
@@ -393,8 +393,8 @@ std::string CheckDequantized(const KVCache& cache, int layer, const std::vector<
               const float dq = Bf16BitsToFloat(got[i]);
               // E4M3: relative step 1/8 (normal codes), absolute 2^-9 * g_k
               // below; plus bf16 rounding; saturation at 448 * g_k.
-              const float bound = std::fabs(x) / 15 + gs * 0.002f +
-                                  std::max(0.0f, std::fabs(x) - 448.0f * gs);
+              const float bound =
+                  std::fabs(x) / 15 + gs * 0.002f + std::max(0.0f, std::fabs(x) - 448.0f * gs);
               if (got[i] != want || !(std::fabs(x - dq) <= bound)) {
                 os << "K row " << b << " token " << t << " head " << h << " elem " << i
                    << ": dequantized " << dq << " (bits " << got[i] << ", reference " << want
