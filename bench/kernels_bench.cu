@@ -56,11 +56,51 @@ void BM_DeviceCopy(benchmark::State& state) {
 }
 BENCHMARK(BM_DeviceCopy)->UseManualTime()->Iterations(1)->Unit(benchmark::kMicrosecond);
 
+// A device cache of either key format: DeviceCache (bench_util.cuh) for
+// NVFP4 keys; FP8 keys (K8V4) get Dk-byte E4M3 key rows, no key scales.
+// Key bytes are finite positive codes (no NaN), so dequantize and
+// materialize time their fast paths.
+struct BenchCache {
+  CacheGeometry g;
+  DeviceCache nvfp4;
+  DeviceMem k_bytes;
+
+  bool Init(const CacheGeometry& geometry, bool fp8_keys, uint64_t seed) {
+    g = geometry;
+    g.key_format = fp8_keys ? KeyFormat::kFp8 : KeyFormat::kNvfp4;
+    nvfp4.g = g;
+    if (!fp8_keys) return nvfp4.Init(g, seed);
+    const size_t rows = static_cast<size_t>(g.num_pages) * g.page_size * g.num_kv_heads;
+    return k_bytes.Alloc(rows * g.head_dim_k) && FillBytes(k_bytes, seed + 4, true) &&
+           nvfp4.v_data.Alloc(rows * g.head_dim_v / 2) &&
+           nvfp4.v_scales.Alloc(rows * g.head_dim_v / 16) &&
+           FillBytes(nvfp4.v_data, seed + 1, false) && FillBytes(nvfp4.v_scales, seed + 3, true);
+  }
+  PagedCache View() const {
+    if (!g.fp8_keys()) return nvfp4.View();
+    const Device d = Device::Cuda(0);
+    const int64_t a = g.layout == Layout::kNHD ? g.page_size : g.num_kv_heads;
+    const int64_t b = g.layout == Layout::kNHD ? g.num_kv_heads : g.page_size;
+    return PagedCache::Fp8Keys(
+        TensorView::Contiguous(k_bytes.get(), DType::kE4M3, {g.num_pages, a, b, g.head_dim_k}, d),
+        TensorView::Contiguous(nvfp4.v_data.get(), DType::kU8,
+                               {g.num_pages, a, b, g.head_dim_v / 2}, d),
+        TensorView::Contiguous(nvfp4.v_scales.get(), DType::kE4M3,
+                               {g.num_pages, a, b, g.head_dim_v / 16}, d),
+        g.layout);
+  }
+  // Cache bytes of `tokens` tokens (K and V, data and scales).
+  double Bytes(int64_t tokens) const {
+    return static_cast<double>(tokens) * static_cast<double>(g.PageBytes()) / g.page_size;
+  }
+};
+
 // ---------------------------------------------------------------- append
 // args: rows, layout (0 NHD, 1 HND), recipe (0 standard, 1 4over6 MAE,
 // 2 4over6 MSE, 3 4over6 MAE fast_math; all e4m3_max 256), indexing (0 slot,
 // 1 paged), scattered (1: rows
-// land on random pages, one per row; 0: consecutive tokens of shuffled pages)
+// land on random pages, one per row; 0: consecutive tokens of shuffled pages),
+// k8 (1: FP8 keys, NVFP4 values)
 void BM_Append(benchmark::State& state) {
   if (!HaveGpu(state)) return;
   const int64_t rows = state.range(0);
@@ -73,8 +113,9 @@ void BM_Append(benchmark::State& state) {
   const bool scattered = state.range(4) == 1;
   constexpr int H = 8, D = 128, S = 16;
   const int64_t pages = scattered ? 32768 : (rows + S - 1) / S + 64;
-  DeviceCache cache;
-  BENCH_CHECK(state, cache.Init(CacheGeometry{H, D, D, S, pages, layout}, 1), "cache");
+  BenchCache cache;
+  BENCH_CHECK(state, cache.Init(CacheGeometry{H, D, D, S, pages, layout}, state.range(5) == 1, 1),
+              "cache");
   DeviceMem key, value, slots, bidx, pos, kv_indices, kv_indptr, last;
   BENCH_CHECK(state, key.Alloc(rows * H * D * 2) && value.Alloc(rows * H * D * 2), "alloc");
   BENCH_CHECK(state, FillHalves(key, 2, true) && FillHalves(value, 3, true), "fill");
@@ -154,16 +195,20 @@ void BM_Append(benchmark::State& state) {
   (void)cudaStreamDestroy(s);
 }
 BENCHMARK(BM_Append)
-    ->ArgNames({"rows", "hnd", "recipe", "paged", "scattered"})
-    ->Args({65536, 0, 0, 0, 0})
-    ->Args({65536, 1, 0, 0, 0})
-    ->Args({65536, 0, 0, 1, 0})
-    ->Args({65536, 1, 0, 1, 0})
-    ->Args({65536, 0, 1, 0, 0})
-    ->Args({65536, 0, 2, 0, 0})
-    ->Args({65536, 0, 3, 0, 0})
-    ->Args({128, 0, 0, 0, 1})
-    ->Args({128, 0, 0, 1, 1})
+    ->ArgNames({"rows", "hnd", "recipe", "paged", "scattered", "k8"})
+    ->Args({65536, 0, 0, 0, 0, 0})
+    ->Args({65536, 1, 0, 0, 0, 0})
+    ->Args({65536, 0, 0, 1, 0, 0})
+    ->Args({65536, 1, 0, 1, 0, 0})
+    ->Args({65536, 0, 1, 0, 0, 0})
+    ->Args({65536, 0, 2, 0, 0, 0})
+    ->Args({65536, 0, 3, 0, 0, 0})
+    ->Args({128, 0, 0, 0, 1, 0})
+    ->Args({128, 0, 0, 1, 1, 0})
+    ->Args({65536, 0, 0, 0, 0, 1})
+    ->Args({65536, 1, 0, 0, 0, 1})
+    ->Args({65536, 0, 0, 1, 0, 1})
+    ->Args({128, 0, 0, 0, 1, 1})
     ->UseManualTime()
     ->Iterations(1)
     ->Unit(benchmark::kMicrosecond);
@@ -261,14 +306,16 @@ BENCHMARK(BM_LaunchHostCost<416>)
     ->ReportAggregatesOnly(true);
 
 // ------------------------------------------------------------ dequantize
-// args: batch, tokens per request
+// args: batch, tokens per request, k8 (1: FP8 keys)
 void BM_Dequantize(benchmark::State& state) {
   if (!HaveGpu(state)) return;
   const int64_t batch = state.range(0), len = state.range(1);
   constexpr int H = 8, D = 128, S = 16;
   const int64_t per_req = len / S, pages = batch * per_req;
-  DeviceCache cache;
-  BENCH_CHECK(state, cache.Init(CacheGeometry{H, D, D, S, pages, Layout::kNHD}, 9), "cache");
+  BenchCache cache;
+  BENCH_CHECK(state,
+              cache.Init(CacheGeometry{H, D, D, S, pages, Layout::kNHD}, state.range(2) == 1, 9),
+              "cache");
   const std::vector<int64_t> perm = Permutation(pages, 10);
   std::vector<int32_t> table(perm.begin(), perm.end()), lens(batch, static_cast<int32_t>(len));
   DeviceMem tables, seq, k_out, v_out;
@@ -298,21 +345,27 @@ void BM_Dequantize(benchmark::State& state) {
   (void)cudaStreamDestroy(s);
 }
 BENCHMARK(BM_Dequantize)
-    ->ArgNames({"batch", "len"})
-    ->Args({16, 4096})
-    ->Args({128, 1024})
+    ->ArgNames({"batch", "len", "k8"})
+    ->Args({16, 4096, 0})
+    ->Args({128, 1024, 0})
+    ->Args({16, 4096, 1})
+    ->Args({128, 1024, 1})
     ->UseManualTime()
     ->Iterations(1)
     ->Unit(benchmark::kMicrosecond);
 
 // ----------------------------------------------------------- materialize
+// args: batch, tokens per request, k8 (1: FP8 keys, key pages copied: the
+// key FP8 scale is g_k; 2: FP8 keys re-scaled to twice g_k)
 void BM_Materialize(benchmark::State& state) {
   if (!HaveGpu(state)) return;
   const int64_t batch = state.range(0), len = state.range(1);
   constexpr int H = 8, D = 128, S = 16;
   const int64_t per_req = len / S, pages = batch * per_req;
-  DeviceCache cache;
-  BENCH_CHECK(state, cache.Init(CacheGeometry{H, D, D, S, pages, Layout::kNHD}, 11), "cache");
+  BenchCache cache;
+  BENCH_CHECK(state,
+              cache.Init(CacheGeometry{H, D, D, S, pages, Layout::kNHD}, state.range(2) != 0, 11),
+              "cache");
   const std::vector<int64_t> perm = Permutation(pages, 12);
   std::vector<int32_t> table(perm.begin(), perm.end()), lens(batch, static_cast<int32_t>(len));
   std::vector<int32_t> indptr(batch + 1);
@@ -330,6 +383,7 @@ void BM_Materialize(benchmark::State& state) {
   BENCH_CHECK(state, op.ok(), "Materializer::Create");
   const float g = 0.05f;
   const float fp8 = MinFp8Scale(g).value();
+  const float k_fp8 = state.range(2) == 0 ? fp8 : state.range(2) == 1 ? g : 2 * g;
   const MaterializeArgs a{
       TensorView::Contiguous(tables.get(), DType::kI32, {batch, per_req}, d),
       TensorView::Contiguous(seq.get(), DType::kI32, {batch}, d),
@@ -338,7 +392,7 @@ void BM_Materialize(benchmark::State& state) {
       TensorView::Contiguous(fp8_tables.get(), DType::kI32, {batch, per_req}, d),
       GlobalScale::Value(g),
       GlobalScale::Value(g),
-      GlobalScale::Value(fp8),
+      GlobalScale::Value(k_fp8),
       GlobalScale::Value(fp8)};
   const PagedCache view = cache.View();
   cudaStream_t s;
@@ -352,9 +406,11 @@ void BM_Materialize(benchmark::State& state) {
   (void)cudaStreamDestroy(s);
 }
 BENCHMARK(BM_Materialize)
-    ->ArgNames({"batch", "len"})
-    ->Args({16, 4096})
-    ->Args({256, 2048})
+    ->ArgNames({"batch", "len", "k8"})
+    ->Args({16, 4096, 0})
+    ->Args({256, 2048, 0})
+    ->Args({16, 4096, 1})
+    ->Args({16, 4096, 2})
     ->UseManualTime()
     ->Iterations(1)
     ->Unit(benchmark::kMicrosecond);

@@ -9,20 +9,22 @@
 //     no prefix index); pages/s.
 //   BM_CacheAllocateRelease/<n>: the same through the cache: a sequence, a
 //     step reserving n pages, ReleaseSequence; pages/s.
-//   BM_DecodeStepGraph/<seqs>/<attention>: CUDA only. A model-shaped cache
+//   BM_DecodeStepGraph/<seqs>/<attention>/<k8>: CUDA only. A model-shaped cache
 //     (32 layers, 8 KV heads, head_dim 128, page 16); the decode step of
 //     every layer captured once as a CUDA graph: append + materialize
 //     (attention 0: what an FP8 attention kernel would then read) or append +
 //     decode attention straight from the NVFP4 pages (attention 1; 32 query
 //     heads, bf16). Reports the replay's device time (median of CUDA events)
 //     next to the sum of the same kernels' times measured one by one, and the
-//     PrepareStep host time.
+//     PrepareStep host time. k8 1: the cache keeps FP8 keys (K8V4, NVFP4
+//     values); skipped with the status when the attention op refuses them.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "bench/host_stats.h"
@@ -213,6 +215,7 @@ void BM_DecodeStepGraph(benchmark::State& state) {
   }
   const int seqs = static_cast<int>(state.range(0));
   const bool attend = state.range(1) != 0;
+  const bool fp8_keys = state.range(2) != 0;
   constexpr int kLayers = 32, kHeads = 8, kDim = 128, kQoHeads = 32;
   cudaStream_t cs;
   if (cudaStreamCreateWithFlags(&cs, cudaStreamNonBlocking) != cudaSuccess) {
@@ -223,6 +226,7 @@ void BM_DecodeStepGraph(benchmark::State& state) {
   CacheGeometry g;
   g.num_kv_heads = kHeads;
   g.head_dim_k = g.head_dim_v = kDim;
+  g.key_format = fp8_keys ? KeyFormat::kFp8 : KeyFormat::kNvfp4;
   const int max_steps = 64 + static_cast<int>(state.max_iterations);
   DecodeSetup s = MakeDecodeSetup(g, kLayers, seqs, max_steps, Device::Cuda(0), stream);
   if (!s.cache.ok()) {
@@ -235,8 +239,10 @@ void BM_DecodeStepGraph(benchmark::State& state) {
   CacheAttentionOptions ao;
   ao.num_qo_heads = kQoHeads;
   absl::StatusOr<CacheAttention> att = c.attention(ao);
-  if (!app.ok() || !mat.ok() || !att.ok()) {
-    state.SkipWithError("op objects");
+  if (!app.ok() || !mat.ok() || (attend && !att.ok())) {
+    state.SkipWithError(
+        (attend && !att.ok() ? att.status().ToString() : std::string("op objects")).c_str());
+    (void)cudaStreamDestroy(cs);
     return;
   }
   const int64_t T = c.options().max_tokens_per_step;
@@ -244,7 +250,7 @@ void BM_DecodeStepGraph(benchmark::State& state) {
   const int64_t ws_page = 2LL * kHeads * kPageSize * kDim;
   void *d_k = nullptr, *d_v = nullptr, *d_ws = nullptr, *d_q = nullptr, *d_out = nullptr;
   const int64_t q_bytes = int64_t{seqs} * kQoHeads * kDim * 2;
-  const int64_t attn_ws_bytes = att->WorkspaceBytes();
+  const int64_t attn_ws_bytes = att.ok() ? att->WorkspaceBytes() : 0;
   bool ok = cudaMalloc(&d_k, T * kHeads * kDim * 2) == cudaSuccess &&
             cudaMalloc(&d_v, T * kHeads * kDim * 2) == cudaSuccess &&
             cudaMalloc(&d_ws, attend ? std::max<int64_t>(256, attn_ws_bytes) : W * ws_page) ==
@@ -346,11 +352,15 @@ void BM_DecodeStepGraph(benchmark::State& state) {
   (void)cudaStreamDestroy(cs);
 }
 BENCHMARK(BM_DecodeStepGraph)
-    ->ArgNames({"seqs", "attention"})
-    ->Args({64, 0})
-    ->Args({64, 1})
-    ->Args({256, 0})
-    ->Args({256, 1})
+    ->ArgNames({"seqs", "attention", "k8"})
+    ->Args({64, 0, 0})
+    ->Args({64, 1, 0})
+    ->Args({256, 0, 0})
+    ->Args({256, 1, 0})
+    ->Args({64, 0, 1})
+    ->Args({64, 1, 1})
+    ->Args({256, 0, 1})
+    ->Args({256, 1, 1})
     ->Iterations(200)
     ->UseManualTime()
     ->Unit(benchmark::kMicrosecond);

@@ -113,7 +113,10 @@ FP4KV_HD float BlockAmaxOfWords(const uint32_t (&w)[8]) {
 }
 
 // kCount: the thread adds its saturated / underflowed blocks to
-// p.scale_events once, at its end (format.h ClassifyBlockScale).
+// p.scale_events once, at its end (format.h ClassifyBlockScale; for FP8 keys
+// ClassifyFp8KeyBlock of the same 16 values).
+// FP8 keys (p.fp8_keys): a K item quantizes its 16 values to 16 E4M3 bytes
+// (QuantizeFp8KeyBlockFast, one 16-byte store) with r = fl(1 / g_k).
 template <bool kBf16, RecipeVariant kVariant, bool kCount = false>
 FP4KV_HD void AppendThread(const AppendLaunch& a, uint32_t cta_x, uint32_t cta_y, uint32_t tid) {
   const internal::AppendParams& p = a.p;
@@ -129,10 +132,14 @@ FP4KV_HD void AppendThread(const AppendLaunch& a, uint32_t cta_x, uint32_t cta_y
                        static_cast<int64_t>(blk) * kBlockSize;
   const int64_t in_row = is_v ? p.value_row_stride : p.key_row_stride;
   const internal::PoolPtrs pool = SelectPool(p.k, p.v, is_v);
-  uint8_t* const data = pool.data + head * pool.data_head + blk * kBlockBytes;
-  uint8_t* const scales = pool.scales + head * pool.scale_head + blk;
+  // FP8 keys: this block's 16 values are 16 E4M3 bytes, no scale byte.
+  const bool fp8 = !is_v && p.fp8_keys;
+  uint8_t* const data = pool.data + head * pool.data_head + blk * (fp8 ? kBlockSize : kBlockBytes);
+  uint8_t* const scales = fp8 ? nullptr : pool.scales + head * pool.scale_head + blk;
   // Global scale: read once per thread (a device pointer sees graph updates).
-  const QuantScale qs = MakeQuantScale(is_v ? p.v_scale.Get() : p.k_scale.Get());
+  const float g = is_v ? p.v_scale.Get() : p.k_scale.Get();
+  const QuantScale qs = MakeQuantScale(g);
+  const float fp8_r = fp8 ? Fp8KeyEncodeMultiplier(g) : 0.0f;
   // Rows of this CTA: [first, first + n) of the launch (32-bit: a launch has
   // fewer than 2^30 rows); pointers advance by a row per step.
   const uint32_t first = cta_x * a.shape.rows_per_cta;
@@ -165,6 +172,16 @@ FP4KV_HD void AppendThread(const AppendLaunch& a, uint32_t cta_x, uint32_t cta_y
       int64_t page;
       int entry;
       if (!ResolveRow(p, a.page_div, row0 + r0 + u, &page, &entry)) continue;
+      if (fp8) {
+        Store16(data + page * pool.data_page + entry * pool.data_entry,
+                QuantizeFp8KeyBlockFast<kBf16>(w[u], fp8_r));
+        if constexpr (kCount) {
+          const ScaleEvent e = ClassifyFp8KeyBlock(BlockAmaxOfWords<kBf16>(w[u]), fp8_r);
+          saturated += e == ScaleEvent::kSaturated ? 1u : 0u;
+          underflow += e == ScaleEvent::kUnderflow ? 1u : 0u;
+        }
+        continue;
+      }
       uint32_t packed[2];
       const uint8_t sb = QuantizeBlockFast<kBf16, kVariant>(w[u], qs, p.recipe, packed);
       Store8(data + page * pool.data_page + entry * pool.data_entry, U32x2{packed[0], packed[1]});

@@ -72,8 +72,11 @@ FP4KV_HD void DequantThread(const DequantLaunch& a, uint32_t cta_x, uint32_t cta
   const uint32_t head =
       is_v ? a.v_head_div.DivMod(item - a.k_blocks, &blk) : a.k_head_div.DivMod(item, &blk);
   const internal::PoolPtrs pool = SelectPool(p.k, p.v, is_v);
-  const uint8_t* const data = pool.data + head * pool.data_head + blk * kBlockBytes;
-  const uint8_t* const scales = pool.scales + head * pool.scale_head + blk;
+  // FP8 keys: this block is 16 E4M3 bytes with no scale byte.
+  const bool fp8 = !is_v && p.fp8_keys;
+  const uint8_t* const data =
+      pool.data + head * pool.data_head + blk * (fp8 ? kBlockSize : kBlockBytes);
+  const uint8_t* const scales = fp8 ? nullptr : pool.scales + head * pool.scale_head + blk;
   uint16_t* const out = static_cast<uint16_t*>(is_v ? p.v_out : p.k_out) +
                         head * (is_v ? p.v_out_head : p.k_out_head) +
                         static_cast<int64_t>(blk) * kBlockSize;
@@ -100,6 +103,22 @@ FP4KV_HD void DequantThread(const DequantLaunch& a, uint32_t cta_x, uint32_t cta
       const uint32_t j = a.page_div.DivMod(t[u], &entry[u]);
       page[u] = internal::TableEntry(p.block_tables, p.tables_i64, b[u] * p.table_row_stride + j);
       valid[u] = t[u] < internal::DequantTokens(p, b[u]) && page[u] >= 0 && page[u] < p.num_pages;
+    }
+    if (fp8) {
+      U32x4 bytes[kDequantUnroll] = {};
+      FP4KV_UNROLL
+      for (int u = 0; u < kDequantUnroll; ++u) {
+        if (valid[u]) bytes[u] = LoadInput16(data + page[u] * pool.data_page + entry[u] * pool.data_entry);
+      }
+      FP4KV_UNROLL
+      for (int u = 0; u < kDequantUnroll; ++u) {
+        if (!valid[u]) continue;
+        uint16_t* const dst = out + b[u] * out_batch + static_cast<int64_t>(t[u]) * out_token;
+        const Words8Out v = DequantFp8KeyBlockFast<kBf16>(bytes[u], g, g_finite);
+        Store16(dst, v.lo);
+        Store16(dst + 8, v.hi);
+      }
+      continue;
     }
     // Level 2: packed codes and scale bytes.
     U32x2 codes[kDequantUnroll] = {};

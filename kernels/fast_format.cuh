@@ -740,6 +740,87 @@ FP4KV_HD U32x4 MaterializeBlockFast(const U32x2& codes, uint8_t scale_byte, floa
   return U32x4{out[0], out[1], out[2], out[3]};
 }
 
+// ---------------------------------------------------------------------------
+// FP8 keys (KeyFormat::kFp8): 16 key values per call, the 16 E4M3 bytes in
+// one U32x4 (value i in byte i % 4 of word i / 4).
+// ---------------------------------------------------------------------------
+
+// QuantizeFp8Key(x_i, r) of the 16 f16/bf16 values in w. E4m3Encode2 is the
+// hardware convert on sm_89+ (same bits for every input, NaN and inf
+// included), so there is no fallback.
+template <bool kBf16>
+FP4KV_HD U32x4 QuantizeFp8KeyBlockFast(const uint32_t (&w)[8], float r) {
+  uint32_t out[4];
+  FP4KV_UNROLL
+  for (int j = 0; j < 4; ++j) {
+    float a, b, c, d;
+    Unpack2<kBf16>(w[2 * j], &a, &b);
+    Unpack2<kBf16>(w[2 * j + 1], &c, &d);
+    out[j] = E4m3Encode2(MulRn(a, r), MulRn(b, r)) | (E4m3Encode2(MulRn(c, r), MulRn(d, r)) << 16);
+  }
+  return U32x4{out[0], out[1], out[2], out[3]};
+}
+
+FP4KV_HD uint8_t ByteOf(const U32x4& v, int i) {
+  const uint32_t w = i < 4 ? v.x : i < 8 ? v.y : i < 12 ? v.z : v.w;
+  return static_cast<uint8_t>(w >> (8 * (i % 4)));
+}
+
+// Software conversions for NaN codes or a non-finite g.
+FP4KV_COLD_HD Words8Out DequantFp8KeyBlockGeneric(U32x4 codes, float g, bool bf16) {
+  uint32_t out[8];
+  for (int j = 0; j < 8; ++j) {
+    uint16_t h[2];
+    for (int k = 0; k < 2; ++k) {
+      const float y = DequantFp8Key(ByteOf(codes, 2 * j + k), g);
+      h[k] = bf16 ? FloatToBf16Bits(y) : FloatToHalfBits(y);
+    }
+    out[j] = static_cast<uint32_t>(h[0]) | (static_cast<uint32_t>(h[1]) << 16);
+  }
+  return Words8Out{U32x4{out[0], out[1], out[2], out[3]}, U32x4{out[4], out[5], out[6], out[7]}};
+}
+
+// DequantFp8Key(code_i, g) rounded to f16/bf16 for 16 FP8 key bytes.
+template <bool kBf16>
+FP4KV_HD Words8Out DequantFp8KeyBlockFast(const U32x4& codes, float g, bool g_finite) {
+  const uint32_t c[4] = {codes.x, codes.y, codes.z, codes.w};
+  uint32_t nan = 0;  // bytes whose low 7 bits are 0x7f (the NaN codes)
+  FP4KV_UNROLL
+  for (int j = 0; j < 4; ++j) nan |= ((c[j] & 0x7f7f7f7fu) + 0x01010101u) & 0x80808080u;
+  if (!g_finite || nan != 0) return DequantFp8KeyBlockGeneric(codes, g, kBf16);
+  uint32_t out[8];
+  FP4KV_UNROLL
+  for (int j = 0; j < 8; ++j) {
+    const uint32_t pair = c[j / 2] >> (16 * (j % 2));
+    float v0 = FastE4m3DecodeNonNeg(pair & 0x7fu);
+    float v1 = FastE4m3DecodeNonNeg((pair >> 8) & 0x7fu);
+    v0 = (pair & 0x80u) ? -v0 : v0;
+    v1 = (pair & 0x8000u) ? -v1 : v1;
+    out[j] = Pack2<kBf16>(MulRn(v0, g), MulRn(v1, g));
+  }
+  return Words8Out{U32x4{out[0], out[1], out[2], out[3]}, U32x4{out[4], out[5], out[6], out[7]}};
+}
+
+// MaterializeFp8KeyValue(code_i, m) for 16 FP8 key bytes: a copy when m == 1.
+FP4KV_HD U32x4 MaterializeFp8KeyBlockFast(const U32x4& codes, float m) {
+  if (m == 1.0f) return codes;
+  const uint32_t c[4] = {codes.x, codes.y, codes.z, codes.w};
+  uint32_t out[4];
+  FP4KV_UNROLL
+  for (int j = 0; j < 4; ++j) {
+    uint32_t w = 0;
+    FP4KV_UNROLL
+    for (int k = 0; k < 2; ++k) {
+      const uint32_t pair = c[j] >> (16 * k);
+      w |= E4m3Encode2(MulRn(E4m3Decode(static_cast<uint8_t>(pair)), m),
+                       MulRn(E4m3Decode(static_cast<uint8_t>(pair >> 8)), m))
+           << (16 * k);
+    }
+    out[j] = w;
+  }
+  return U32x4{out[0], out[1], out[2], out[3]};
+}
+
 }  // namespace kernels
 }  // namespace fp4kv
 

@@ -10,21 +10,30 @@ namespace {
 
 using kernels::MaterializeLaunch;
 
-template <typename Index>
+template <typename Index, bool kFp8Keys>
 __global__ void __launch_bounds__(kernels::kMaxTileThreads)
     MaterializeFp8Kernel(const MaterializeLaunch a) {
-  kernels::MaterializeThreadT<Index>(a, blockIdx.x, blockIdx.y, threadIdx.x);
+  kernels::MaterializeThreadT<Index, kFp8Keys>(a, blockIdx.x, blockIdx.y, threadIdx.x);
+}
+
+template <bool kFp8Keys>
+void LaunchOne(const MaterializeLaunch& a, cudaStream_t stream) {
+  const dim3 grid(a.shape.grid_x, a.shape.grid_y);
+  if (a.wide_index) {
+    MaterializeFp8Kernel<int64_t, kFp8Keys><<<grid, a.shape.threads, 0, stream>>>(a);
+  } else {
+    MaterializeFp8Kernel<uint32_t, kFp8Keys><<<grid, a.shape.threads, 0, stream>>>(a);
+  }
 }
 
 }  // namespace
 
 absl::Status LaunchMaterialize(const MaterializeParams& p, Stream stream) {
   const bool ok = kernels::ForEachMaterializeLaunch(p, [&](const MaterializeLaunch& a) {
-    const dim3 grid(a.shape.grid_x, a.shape.grid_y);
-    if (a.wide_index) {
-      MaterializeFp8Kernel<int64_t><<<grid, a.shape.threads, 0, stream>>>(a);
+    if (p.fp8_keys) {
+      LaunchOne<true>(a, stream);
     } else {
-      MaterializeFp8Kernel<uint32_t><<<grid, a.shape.threads, 0, stream>>>(a);
+      LaunchOne<false>(a, stream);
     }
   });
   if (!ok) {

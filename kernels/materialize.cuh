@@ -35,10 +35,13 @@ struct MaterializeGroup {
   Index src[kMaterializeUnroll][2];
 };
 
-// Packed codes and scale bytes of one group, K and V.
+// Packed codes and scale bytes of one group, K and V; with FP8 keys the K
+// block's 16 bytes are in key_bytes instead.
+template <bool kFp8Keys>
 struct MaterializeData {
   U32x2 codes[kMaterializeUnroll][2];
   uint8_t sb[kMaterializeUnroll][2];
+  U32x4 key_bytes[kFp8Keys ? kMaterializeUnroll : 1];
 };
 
 struct MaterializeLaunch {
@@ -93,7 +96,9 @@ bool ForEachMaterializeLaunch(const internal::MaterializeParams& p, F&& f,
   return true;
 }
 
-template <typename Index>
+// kFp8Keys: K pages hold FP8 key bytes (p.fp8_keys); a K block is re-scaled
+// with MaterializeFp8KeyValue (a 16-byte copy when the multiplier is 1).
+template <typename Index, bool kFp8Keys>
 FP4KV_HD void MaterializeThreadT(const MaterializeLaunch& a, uint32_t cta_x, uint32_t cta_y,
                                  uint32_t tid) {
   const internal::MaterializeParams& p = a.p;
@@ -105,10 +110,10 @@ FP4KV_HD void MaterializeThreadT(const MaterializeLaunch& a, uint32_t cta_x, uin
   entry = a.entry_div.DivMod(r, &blk);
   uint8_t* const out_k = p.out + head * p.out_head + entry * p.out_entry + blk * kBlockSize;
   uint8_t* const out_v = out_k + p.out_kv;
-  const uint8_t* const data_k =
-      p.k.data + entry * p.k.data_entry + head * p.k.data_head + blk * kBlockBytes;
+  const uint8_t* const data_k = p.k.data + entry * p.k.data_entry + head * p.k.data_head +
+                                blk * (kFp8Keys ? kBlockSize : kBlockBytes);
   const uint8_t* const scales_k =
-      p.k.scales + entry * p.k.scale_entry + head * p.k.scale_head + blk;
+      kFp8Keys ? nullptr : p.k.scales + entry * p.k.scale_entry + head * p.k.scale_head + blk;
   const uint8_t* const data_v =
       p.v.data + entry * p.v.data_entry + head * p.v.data_head + blk * kBlockBytes;
   const uint8_t* const scales_v =
@@ -170,16 +175,21 @@ FP4KV_HD void MaterializeThreadT(const MaterializeLaunch& a, uint32_t cta_x, uin
     }
   };
   // Level 2: packed codes and scale bytes.
-  auto fetch = [&](const MaterializeGroup<Index>& g, MaterializeData* d) {
+  auto fetch = [&](const MaterializeGroup<Index>& g, MaterializeData<kFp8Keys>* d) {
     FP4KV_UNROLL
     for (int u = 0; u < kMaterializeUnroll; ++u) {
       d->codes[u][0] = U32x2{0, 0};
       d->codes[u][1] = U32x2{0, 0};
       d->sb[u][0] = 0;
       d->sb[u][1] = 0;
+      if constexpr (kFp8Keys) d->key_bytes[u] = U32x4{0, 0, 0, 0};
       const uint32_t f = g.flags >> (4 * u);
       if ((f & (kActive | kZero)) != kActive) continue;
-      if (f & kSrcK) {
+      if constexpr (kFp8Keys) {
+        if (f & kSrcK) {
+          d->key_bytes[u] = LoadInput16(data_k + static_cast<int64_t>(g.src[u][0]) * p.k.data_page);
+        }
+      } else if (f & kSrcK) {
         d->codes[u][0] = LoadReadOnly8(data_k + static_cast<int64_t>(g.src[u][0]) * p.k.data_page);
         d->sb[u][0] = LoadReadOnly1(scales_k + static_cast<int64_t>(g.src[u][0]) * p.k.scale_page);
       }
@@ -193,7 +203,7 @@ FP4KV_HD void MaterializeThreadT(const MaterializeLaunch& a, uint32_t cta_x, uin
   // while this group's codes arrive and are converted and stored, so a group
   // costs about one memory latency instead of two.
   MaterializeGroup<Index> cur, next;
-  MaterializeData data;
+  MaterializeData<kFp8Keys> data;
   if (first < end) {
     resolve(first, &cur);
     fetch(cur, &data);
@@ -208,9 +218,15 @@ FP4KV_HD void MaterializeThreadT(const MaterializeLaunch& a, uint32_t cta_x, uin
       const int64_t o = static_cast<int64_t>(cur.out_page[u]) * p.out_page;
       // A source page out of range writes nothing for that tensor.
       if (f & kSrcK) {
-        Store16(out_k + o,
-                (f & kZero) ? U32x4{0, 0, 0, 0}
-                            : MaterializeBlockFast(data.codes[u][0], data.sb[u][0], m_k, fast_k));
+        U32x4 kb = U32x4{0, 0, 0, 0};
+        if (!(f & kZero)) {
+          if constexpr (kFp8Keys) {
+            kb = MaterializeFp8KeyBlockFast(data.key_bytes[u], m_k);
+          } else {
+            kb = MaterializeBlockFast(data.codes[u][0], data.sb[u][0], m_k, fast_k);
+          }
+        }
+        Store16(out_k + o, kb);
       }
       if (f & kSrcV) {
         Store16(out_v + o,
@@ -227,10 +243,16 @@ FP4KV_HD void MaterializeThreadT(const MaterializeLaunch& a, uint32_t cta_x, uin
 
 FP4KV_HD void MaterializeThread(const MaterializeLaunch& a, uint32_t cta_x, uint32_t cta_y,
                                 uint32_t tid) {
-  if (a.wide_index) {
-    MaterializeThreadT<int64_t>(a, cta_x, cta_y, tid);
+  if (a.p.fp8_keys) {
+    if (a.wide_index) {
+      MaterializeThreadT<int64_t, true>(a, cta_x, cta_y, tid);
+    } else {
+      MaterializeThreadT<uint32_t, true>(a, cta_x, cta_y, tid);
+    }
+  } else if (a.wide_index) {
+    MaterializeThreadT<int64_t, false>(a, cta_x, cta_y, tid);
   } else {
-    MaterializeThreadT<uint32_t>(a, cta_x, cta_y, tid);
+    MaterializeThreadT<uint32_t, false>(a, cta_x, cta_y, tid);
   }
 }
 

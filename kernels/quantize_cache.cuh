@@ -81,6 +81,7 @@ FP4KV_HD bool ResolveCacheSlot(const internal::QuantizeCacheParams& p, const Fas
 // One thread's fixed part: which block it owns and where that block lives.
 struct CacheItem {
   bool is_v = false;
+  bool fp8 = false;  // an FP8 key block: 16 E4M3 bytes, no scale byte
   const uint16_t* src = nullptr;  // the block in source page 0, entry 0
   int64_t src_page = 0, src_entry = 0;  // elements
   internal::PoolPtrs pool;        // data / scales advanced to the block
@@ -98,8 +99,9 @@ FP4KV_HD CacheItem MakeCacheItem(const QuantizeCacheLaunch& a, uint32_t item) {
   c.src_page = c.is_v ? p.v_src_page : p.k_src_page;
   c.src_entry = c.is_v ? p.v_src_entry : p.k_src_entry;
   c.pool = SelectPool(p.k, p.v, c.is_v);
-  c.pool.data += head * c.pool.data_head + blk * kBlockBytes;
-  c.pool.scales += head * c.pool.scale_head + blk;
+  c.fp8 = !c.is_v && p.fp8_keys;
+  c.pool.data += head * c.pool.data_head + blk * (c.fp8 ? kBlockSize : kBlockBytes);
+  if (!c.fp8) c.pool.scales += head * c.pool.scale_head + blk;
   return c;
 }
 
@@ -133,7 +135,9 @@ FP4KV_HD void QuantizeCacheThread(const QuantizeCacheLaunch& a, uint32_t cta_x, 
   const CacheItem c = MakeCacheItem(a, item);
   // Global scale: read once per thread (a device pointer sees graph updates
   // and the scale computation that ran before).
-  const QuantScale qs = MakeQuantScale(c.is_v ? p.v_scale.Get() : p.k_scale.Get());
+  const float g = c.is_v ? p.v_scale.Get() : p.k_scale.Get();
+  const QuantScale qs = MakeQuantScale(g);
+  const float fp8_r = c.fp8 ? Fp8KeyEncodeMultiplier(g) : 0.0f;
   int64_t row0;
   const uint32_t n = CtaRows(a, cta_x, &row0);
   for (uint32_t r0 = 0; r0 < n; r0 += kAppendUnroll) {
@@ -149,6 +153,11 @@ FP4KV_HD void QuantizeCacheThread(const QuantizeCacheLaunch& a, uint32_t cta_x, 
     FP4KV_UNROLL
     for (int u = 0; u < kAppendUnroll; ++u) {
       if (!ok[u]) continue;
+      if (c.fp8) {
+        Store16(c.pool.data + dst[u] * c.pool.data_page + entry[u] * c.pool.data_entry,
+                QuantizeFp8KeyBlockFast<kBf16>(w[u], fp8_r));
+        continue;
+      }
       uint32_t packed[2];
       const uint8_t sb = QuantizeBlockFast<kBf16, kVariant>(w[u], qs, p.recipe, packed);
       Store8(c.pool.data + dst[u] * c.pool.data_page + entry[u] * c.pool.data_entry,

@@ -1,5 +1,6 @@
 // Global-scale kernels of a cache layer: calibration from the rows of its
-// first append, and in-place re-encoding of stored blocks under a new scale.
+// first append, and in-place re-encoding of stored blocks (or FP8 key bytes)
+// under a new scale.
 // Both produce the bits of their CPU references (src/reference/reference.cc):
 // the amax is an exact, order-free max and every conversion goes through
 // format.h / recipe.h.
@@ -92,9 +93,11 @@ __global__ void __launch_bounds__(kCalibrateThreads)
   for (int kv = 0; kv < 2; ++kv) {
     const float amax = BitsFloat(atomicExch(&p.scratch[kv], 0u));
     if (skip[kv] != 0 || !(amax > 0.0f)) continue;
-    const float g = MakeGlobalScale(MulRn(amax, p.headroom), p.recipe);
+    const float a = MulRn(amax, p.headroom);
+    const bool fp8 = kv == 0 && p.fp8_keys;
+    const float g = fp8 ? MakeFp8KeyScale(a) : MakeGlobalScale(a, p.recipe);
     p.scales[kv] = g;
-    p.scales[2 + kv] = MinFp8ScaleFor(g);
+    p.scales[2 + kv] = fp8 ? MinFp8ScaleForFp8Keys(g) : MinFp8ScaleFor(g);
     __threadfence();
     p.flags[kv] = 1;
     if (p.host_flags != nullptr) {
@@ -108,6 +111,14 @@ __global__ void __launch_bounds__(kCalibrateThreads)
 __global__ void __launch_bounds__(kReencodeThreads) ReencodeKernel(const ReencodeParams p) {
   const float old_g = *p.old_scale;
   const float new_g = *p.new_scale;
+  if (p.fp8_keys) {  // FP8 key bytes, 16 per block
+    const float r = Fp8KeyEncodeMultiplier(new_g);
+    for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+         i < p.blocks * kBlockSize; i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+      p.data[i] = QuantizeFp8Key(DequantFp8Key(p.data[i], old_g), r);
+    }
+    return;
+  }
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < p.blocks;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const uint2 w = *reinterpret_cast<const uint2*>(p.data + i * kBlockBytes);
@@ -135,7 +146,8 @@ absl::Status LaunchCalibrateRows(const RowCalibrationParams& p, Stream stream) {
 
 absl::Status LaunchReencode(const ReencodeParams& p, Stream stream) {
   if (p.blocks <= 0) return absl::OkStatus();
-  int64_t ctas = (p.blocks + kReencodeThreads - 1) / kReencodeThreads;
+  const int64_t items = p.fp8_keys ? p.blocks * kBlockSize : p.blocks;
+  int64_t ctas = (items + kReencodeThreads - 1) / kReencodeThreads;
   if (ctas > 65536) ctas = 65536;
   ReencodeKernel<<<static_cast<unsigned>(ctas), kReencodeThreads, 0,
                    reinterpret_cast<cudaStream_t>(stream)>>>(p);

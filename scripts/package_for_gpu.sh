@@ -9,8 +9,8 @@
 # (the shared CUDA runtime) or the system's x86_64-linux-gnu folder, except
 # the C library itself (libc, libm, libpthread, libdl, librt, ld-linux):
 # libfp4kv, libcudart, Abseil, Google Benchmark, libstdc++, libgcc_s.
-# .carry/data holds a copy of ../shared/data/realkv when it exists (tests
-# that use it look there too). scripts/gpu_check.sh puts .carry/lib on
+# .carry/data holds a copy of tests/data/realkv (point FP4KV_REALKV_DIR at
+# it on the device machine). scripts/gpu_check.sh puts .carry/lib on
 # LD_LIBRARY_PATH.
 #
 # Usage: scripts/package_for_gpu.sh        (JOBS=n to change -j, default 2)
@@ -46,10 +46,8 @@ for exe in "${exes[@]}"; do
       ($3 ~ /^(\/usr)?\/lib\/x86_64-linux-gnu\// || $3 ~ /^\/usr\/local\/cuda/ ||
        index($3, build) == 1) {print $1, $3}')
 done
-if [ -d ../shared/data/realkv ]; then
-  mkdir -p .carry/data
-  cp -r ../shared/data/realkv .carry/data/
-fi
+mkdir -p .carry/data
+cp -r tests/data/realkv .carry/data/
 
 du -sh .carry .carry/bin .carry/lib
 size_kb=$(du -sk .carry | cut -f1)

@@ -350,6 +350,11 @@ class KVCacheState {
       return TensorView::Contiguous(base + pool.regions[r].offset, t, {g.num_pages, a, b, inner},
                                     options.device);
     };
+    if (g.fp8_keys()) {
+      return PagedCache::Fp8Keys(view(0, DType::kE4M3, g.head_dim_k),
+                                 view(1, DType::kU8, g.head_dim_v / 2),
+                                 view(3, DType::kE4M3, g.head_dim_v / kBlockSize), g.layout);
+    }
     return PagedCache::FromTuple(view(0, DType::kU8, g.head_dim_k / 2),
                                  view(1, DType::kU8, g.head_dim_v / 2),
                                  view(2, DType::kE4M3, g.head_dim_k / kBlockSize),
@@ -360,6 +365,7 @@ class KVCacheState {
   // on `stream` for CUDA, now for the CPU.
   absl::Status CopyPage(int32_t src, int32_t dst, Stream stream) {
     for (const Region& r : pool.regions) {
+      if (r.page_bytes == 0) continue;  // no key scales (FP8 keys)
       uint8_t* from = pools.get() + r.offset + src * r.page_bytes;
       uint8_t* to = pools.get() + r.offset + dst * r.page_bytes;
       if (!cuda) {
@@ -458,8 +464,13 @@ class KVCacheState {
     for (int kv = 0; kv < 2; ++kv) {
       ReencodeParams p;
       p.data = base + pool.regions[kv].offset;
-      p.scales = base + pool.regions[2 + kv].offset;
-      p.blocks = pool.regions[2 + kv].page_bytes * geometry.num_pages;  // one scale byte a block
+      if (kv == 0 && geometry.fp8_keys()) {  // 16 FP8 key bytes a "block"
+        p.fp8_keys = true;
+        p.blocks = pool.regions[0].page_bytes * geometry.num_pages / kBlockSize;
+      } else {
+        p.scales = base + pool.regions[2 + kv].offset;
+        p.blocks = pool.regions[2 + kv].page_bytes * geometry.num_pages;  // one scale byte a block
+      }
       p.old_scale = d_old_scales + 2 * layer + kv;
       p.new_scale = d_scales + 4 * layer + kv;
       p.recipe = options.recipe;
@@ -1019,7 +1030,6 @@ absl::StatusOr<KVCache> KVCache::Create(const KVCacheOptions& o) {
     CacheGeometry probe = g;
     probe.num_pages = 1;
     FP4KV_KV_RETURN_IF_ERROR(probe.Validate());
-    FP4KV_KV_RETURN_IF_ERROR(internal::RefuseFp8Keys(probe, "KVCache"));
   }
   internal::PoolLayout one_page;
   {
@@ -1224,7 +1234,8 @@ absl::StatusOr<KVCache> KVCache::Create(const KVCacheOptions& o) {
   for (int l = 0; l < L; ++l) {
     const float k = o.k_global_scales.empty() ? 1.0f : o.k_global_scales[l];
     const float v = o.v_global_scales.empty() ? 1.0f : o.v_global_scales[l];
-    absl::StatusOr<float> kf = MinFp8Scale(k);
+    absl::StatusOr<float> kf =
+        g.fp8_keys() ? absl::StatusOr<float>(MinFp8ScaleForFp8Keys(k)) : MinFp8Scale(k);
     absl::StatusOr<float> vf = MinFp8Scale(v);
     if (!kf.ok()) return kf.status();
     if (!vf.ok()) return vf.status();
@@ -2018,6 +2029,7 @@ absl::Status CacheAppender::Run(int layer, const TensorView& key, const TensorVi
     c.scratch = s.d_calib + 4 * layer;
     c.headroom = s.options.calibration_headroom;
     c.recipe = s.options.recipe;
+    c.fp8_keys = s.geometry.fp8_keys();
     if (!s.cuda) {
       internal::ReferenceCalibrateRows(c);  // h_flags is d_flags here
     } else {
@@ -2262,7 +2274,9 @@ absl::Status KVCache::UpdateGlobalScalesRange(int first, int count, const float*
     const int l = first + i;
     FP4KV_KV_RETURN_IF_ERROR(internal::CheckScale(k_scales[i], one ? "k_scale" : "k_scales", l));
     FP4KV_KV_RETURN_IF_ERROR(internal::CheckScale(v_scales[i], one ? "v_scale" : "v_scales", l));
-    absl::StatusOr<float> kf = MinFp8Scale(k_scales[i]);
+    absl::StatusOr<float> kf = s.geometry.fp8_keys()
+                                   ? absl::StatusOr<float>(MinFp8ScaleForFp8Keys(k_scales[i]))
+                                   : MinFp8Scale(k_scales[i]);
     if (!kf.ok()) return kf.status();
     absl::StatusOr<float> vf = MinFp8Scale(v_scales[i]);
     if (!vf.ok()) return vf.status();
@@ -2309,6 +2323,13 @@ absl::Status KVCache::CalibrateGlobalScales(int layer, const TensorView& k, cons
   FP4KV_KV_RETURN_IF_MOVED_FROM();
   KVCacheState& s = *state_;
   FP4KV_KV_RETURN_IF_ERROR(s.CheckLayer(layer));
+  if (s.geometry.fp8_keys()) {
+    // A Calibrator sizes NVFP4 global scales; an FP8 key scale is amax / 448.
+    return absl::UnimplementedError(
+        "CalibrateGlobalScales: expected a cache with NVFP4 keys, got FP8 keys (they calibrate "
+        "from their first append, or take UpdateGlobalScales with MakeFp8KeyScale(amax)); "
+        "nothing changed");
+  }
   const Calibrator::Options& co = calibrator.options();
   if (!(co.recipe == s.options.recipe)) {
     return absl::InvalidArgumentError(

@@ -54,7 +54,6 @@ absl::Status NotCreated(const char* what) {
 
 absl::Status CheckCommonOptions(const CacheGeometry& g, const Device& device) {
   FP4KV_RETURN_IF_ERROR(g.Validate());
-  FP4KV_RETURN_IF_ERROR(internal::RefuseFp8Keys(g, "this op"));
   return internal::CheckDeviceAvailable(device);
 }
 
@@ -156,6 +155,7 @@ absl::StatusOr<AppendParams> MakeAppendParams(const Appender::Options& o, const 
   p.k_scale = a.k_scale;
   p.v_scale = a.v_scale;
   p.recipe = o.recipe;
+  p.fp8_keys = g.fp8_keys();
   return p;
 }
 }  // namespace internal
@@ -234,6 +234,7 @@ absl::StatusOr<DequantParams> MakeDequantParams(const Dequantizer::Options& o, c
   p.output_dtype = o.output_dtype;
   p.k_scale = a.k_scale;
   p.v_scale = a.v_scale;
+  p.fp8_keys = g.fp8_keys();
   return p;
 }
 }  // namespace internal
@@ -254,7 +255,6 @@ absl::Status Dequantizer::Run(const DequantArgs& a, const PagedCache& cache, Str
 absl::StatusOr<Materializer> Materializer::Create(const Options& o) {
   FP4KV_RETURN_IF_ERROR(CheckTableDType(o.table_dtype, "options.table_dtype"));
   FP4KV_RETURN_IF_ERROR(o.geometry.Validate());
-  FP4KV_RETURN_IF_ERROR(internal::RefuseFp8Keys(o.geometry, "Materializer"));
   if (o.geometry.head_dim_k != o.geometry.head_dim_v) {
     return absl::InvalidArgumentError(
         absl::StrCat("geometry.head_dim_v: expected equal to head_dim_k (", o.geometry.head_dim_k,
@@ -345,6 +345,7 @@ absl::StatusOr<MaterializeParams> MakeMaterializeParams(const Materializer::Opti
   p.v_scale = a.v_scale;
   p.k_fp8_scale = a.k_fp8_scale;
   p.v_fp8_scale = a.v_fp8_scale;
+  p.fp8_keys = g.fp8_keys();
   return p;
 }
 }  // namespace internal
@@ -586,6 +587,7 @@ absl::StatusOr<QuantizeCacheParams> MakeQuantizeCacheParams(const PagedCacheQuan
   p.page_size = g.page_size;
   p.num_pages = g.num_pages;
   p.recipe = o.recipe;
+  p.fp8_keys = g.fp8_keys();
   return p;
 }
 }  // namespace internal

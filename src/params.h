@@ -17,6 +17,8 @@ namespace fp4kv {
 namespace internal {
 
 // One of K or V of one cache: packed data and scales with byte strides.
+// For FP8 keys (KeyFormat::kFp8) the K pool's data rows hold head_dim E4M3
+// bytes and `scales` is null (each op's params say fp8_keys).
 struct PoolPtrs {
   uint8_t* data = nullptr;
   uint8_t* scales = nullptr;
@@ -56,7 +58,9 @@ struct AppendParams {
   GlobalScale k_scale, v_scale;
   Recipe recipe;
   // [4] K saturated, K underflow, V saturated, V underflow; null: not counted.
+  // FP8 keys count 16-value groups (ClassifyFp8KeyBlock).
   uint64_t* scale_events = nullptr;
+  bool fp8_keys = false;  // K rows are E4M3 bytes under k_scale (no block scales)
 };
 
 struct DequantParams {
@@ -77,6 +81,7 @@ struct DequantParams {
   int64_t v_out_batch = 0, v_out_token = 0, v_out_head = 0;
   DType output_dtype = DType::kBF16;
   GlobalScale k_scale, v_scale;
+  bool fp8_keys = false;
 };
 
 struct MaterializeParams {
@@ -99,6 +104,8 @@ struct MaterializeParams {
   int32_t* fp8_block_tables = nullptr;  // [B, max_pages]
   int64_t fp8_table_row_stride = 0;     // elements
   GlobalScale k_scale, v_scale, k_fp8_scale, v_fp8_scale;
+  // FP8 keys: K bytes become MaterializeFp8KeyValue(code, k_scale / k_fp8_scale).
+  bool fp8_keys = false;
 };
 
 struct LinearQuantParams {
@@ -147,6 +154,9 @@ struct RowCalibrationParams {
   uint32_t* scratch = nullptr;  // [3] amax K bits, amax V bits, CTA ticket; 0 between launches
   float headroom = 1.0f;
   Recipe recipe;
+  // FP8 keys: K gets g = MakeFp8KeyScale(amax * headroom) and FP8 scale
+  // MinFp8ScaleForFp8Keys(g) instead.
+  bool fp8_keys = false;
 };
 
 // Requantizes NVFP4 blocks in place from one global scale to another:
@@ -159,6 +169,9 @@ struct ReencodeParams {
   const float* old_scale = nullptr;  // read when the op runs
   const float* new_scale = nullptr;
   Recipe recipe;
+  // FP8 key bytes instead: data holds 16 * blocks E4M3 bytes, scales unused;
+  // byte c becomes QuantizeFp8Key(DequantFp8Key(c, old), Fp8KeyEncodeMultiplier(new)).
+  bool fp8_keys = false;
 };
 
 // Copies whole pages between two page stores of the same geometry (pools,
@@ -251,6 +264,9 @@ struct QuantizeCacheParams {
   int32_t* flags = nullptr;       // [2]
   int32_t* host_flags = nullptr;  // [2] or null
   float headroom = 1.0f;
+  // FP8 keys: K rows are E4M3 bytes; K's computed scale is
+  // MakeFp8KeyScale(amax * headroom), its FP8 scale MinFp8ScaleForFp8Keys.
+  bool fp8_keys = false;
 };
 
 // Resolves row r of a cache quantization: false when it writes nothing (a
@@ -272,9 +288,12 @@ FP4KV_HD bool ResolveCacheRow(const QuantizeCacheParams& p, int64_t list_index, 
 FP4KV_HD void FinishCacheScales(const QuantizeCacheParams& p, const float (&amax)[2]) {
   for (int kv = 0; kv < 2; ++kv) {
     if (p.flags != nullptr && (p.flags[kv] != 0 || !(amax[kv] > 0.0f))) continue;
-    const float g = MakeGlobalScale(MulRn(amax[kv], p.headroom), p.recipe);
+    const bool fp8 = kv == 0 && p.fp8_keys;
+    const float a = MulRn(amax[kv], p.headroom);
+    const float g = fp8 ? MakeFp8KeyScale(a) : MakeGlobalScale(a, p.recipe);
     *p.scale_out[kv] = g;
-    if (p.fp8_out[kv] != nullptr) *p.fp8_out[kv] = MinFp8ScaleFor(g);
+    if (p.fp8_out[kv] != nullptr)
+      *p.fp8_out[kv] = fp8 ? MinFp8ScaleForFp8Keys(g) : MinFp8ScaleFor(g);
     if (p.flags != nullptr) {
       p.flags[kv] = 1;
       if (p.host_flags != nullptr) p.host_flags[kv] = 1;

@@ -47,6 +47,22 @@ absl::Status ReadmeKvCache(const fp4kv::KVCacheOptions& options, int32_t num_new
   return absl::OkStatus();
 }
 
+// README.md, "Key formats": a K8V4 cache on the CPU, run and checked.
+double ReadmeKeyFormats() {
+  // snippet: README.md
+  fp4kv::KVCacheOptions o;
+  o.num_layers = 1;
+  o.geometry.num_kv_heads = 8;
+  o.geometry.head_dim_k = o.geometry.head_dim_v = 128;
+  o.geometry.page_size = 16;
+  o.geometry.num_pages = 64;
+  o.geometry.key_format = fp4kv::KeyFormat::kFp8;  // FP8 E4M3 keys, NVFP4 values ("K8V4")
+  absl::StatusOr<fp4kv::KVCache> cache = fp4kv::KVCache::Create(o);
+  // cache->Stats().bytes_per_token == 8 * (128 + 64 + 8) = 1600 (NVFP4 K+V: 1152)
+  // end snippet
+  return cache.ok() ? cache->Stats().bytes_per_token : -1.0;
+}
+
 // docs/kv_cache.md, "Creating one" (compiled only: it asks for 40 GiB on a GPU).
 absl::StatusOr<fp4kv::KVCache> KvCacheCreate() {
   // snippet: docs/kv_cache.md
@@ -268,6 +284,10 @@ TEST(DocSnippets, ReadmeKvCacheRunsOnTheCpu) {
   ASSERT_TRUE(s.ok()) << s;
   EXPECT_NE(out[0], 0xA5A5) << "row 0 (the sequence) was attended";
   EXPECT_EQ(out[kQoHeads * kDim], 0xA5A5) << "unused rows are not written";
+}
+
+TEST(DocSnippets, ReadmeKeyFormatsRunsOnTheCpu) {
+  EXPECT_EQ(fp4kv_doc_snippets::ReadmeKeyFormats(), 1600.0);
 }
 
 TEST(DocSnippets, KvCacheStepRunsOnTheCpu) {

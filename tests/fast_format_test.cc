@@ -483,6 +483,96 @@ TEST(MaterializeBlock, MatchesMaterializeFp8ValueForEveryScaleByte) {
   }
 }
 
+// FP8 keys: the 16-byte block forms against QuantizeFp8Key / DequantFp8Key /
+// MaterializeFp8KeyValue, every code byte in every position.
+U32x4 BytesOf(const uint8_t (&b)[16]) {
+  uint32_t w[4] = {};
+  for (int i = 0; i < 16; ++i) w[i / 4] |= static_cast<uint32_t>(b[i]) << (8 * (i % 4));
+  return U32x4{w[0], w[1], w[2], w[3]};
+}
+
+TEST(Fp8KeyBlock, QuantizeMatchesQuantizeFp8Key) {
+  std::mt19937_64 rng(11);
+  const float gs[] = {1.0f, 0.37f / 448, 1e-30f, 3e-3f, 1e30f, 1e-40f, 3.4e38f};
+  for (bool bf : {false, true}) {
+    const DType t = bf ? DType::kBF16 : DType::kF16;
+    for (float g : gs) {
+      const float r = Fp8KeyEncodeMultiplier(g);
+      for (int k = 0; k < 400; ++k) {
+        // Random halves (NaN, inf, subnormal among them), and every pattern
+        // of the low 16 bits over 16-value blocks.
+        std::vector<uint16_t> h = testing::RandomHalfBits(t, 16, rng());
+        if (k < 4096 / 16 && k % 2 == 0) {
+          for (int i = 0; i < 16; ++i) h[i] = static_cast<uint16_t>(rng());
+        }
+        uint32_t w[8];
+        for (int j = 0; j < 8; ++j) w[j] = h[2 * j] | (static_cast<uint32_t>(h[2 * j + 1]) << 16);
+        const U32x4 got =
+            bf ? QuantizeFp8KeyBlockFast<true>(w, r) : QuantizeFp8KeyBlockFast<false>(w, r);
+        for (int i = 0; i < 16; ++i) {
+          const float x = bf ? Bf16BitsToFloat(h[i]) : HalfBitsToFloat(h[i]);
+          ASSERT_EQ(ByteOf(got, i), QuantizeFp8Key(x, r))
+              << "bf16=" << bf << " g=" << g << " i=" << i;
+        }
+      }
+    }
+  }
+}
+
+TEST(Fp8KeyBlock, DequantizeMatchesDequantFp8KeyForEveryCode) {
+  const float gs[] = {1.0f,
+                      0.37f,
+                      1e-30f,
+                      1e30f,
+                      3.4e38f,
+                      1e-40f,
+                      0.0f,
+                      -0.0f,
+                      -2.0f,
+                      std::numeric_limits<float>::infinity(),
+                      std::numeric_limits<float>::quiet_NaN()};
+  for (bool bf : {false, true}) {
+    for (float g : gs) {
+      const bool g_finite = IsFiniteBits(FloatBits(g));
+      for (int base = 0; base < 256; base += 16) {
+        for (int rot = 0; rot < 16; ++rot) {  // every code in every position
+          uint8_t b[16];
+          for (int i = 0; i < 16; ++i) b[i] = static_cast<uint8_t>(base + (i + rot) % 16);
+          const Words8Out got = bf ? DequantFp8KeyBlockFast<true>(BytesOf(b), g, g_finite)
+                                   : DequantFp8KeyBlockFast<false>(BytesOf(b), g, g_finite);
+          const uint32_t gw[8] = {got.lo.x, got.lo.y, got.lo.z, got.lo.w,
+                                  got.hi.x, got.hi.y, got.hi.z, got.hi.w};
+          for (int i = 0; i < 16; ++i) {
+            const float v = DequantFp8Key(b[i], g);
+            const uint16_t want = bf ? FloatToBf16Bits(v) : FloatToHalfBits(v);
+            ASSERT_EQ(static_cast<uint16_t>(gw[i / 2] >> (16 * (i % 2))), want)
+                << "bf16=" << bf << " g=" << g << " code=" << int(b[i]);
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(Fp8KeyBlock, MaterializeMatchesMaterializeFp8KeyValueForEveryCode) {
+  const float ms[] = {1.0f,  0.5f, 2.0f,   1.0f / 3.0f, 1e-20f,
+                      1e20f, 0.0f, 1e-40f, 3.4e38f,     std::numeric_limits<float>::infinity(),
+                      -0.0f, -2.0f};
+  for (float m : ms) {
+    for (int base = 0; base < 256; base += 16) {
+      for (int rot = 0; rot < 16; ++rot) {
+        uint8_t b[16];
+        for (int i = 0; i < 16; ++i) b[i] = static_cast<uint8_t>(base + (i + rot) % 16);
+        const U32x4 got = MaterializeFp8KeyBlockFast(BytesOf(b), m);
+        for (int i = 0; i < 16; ++i) {
+          ASSERT_EQ(ByteOf(got, i), MaterializeFp8KeyValue(b[i], m))
+              << "m=" << m << " code=" << int(b[i]);
+        }
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace kernels
 }  // namespace fp4kv

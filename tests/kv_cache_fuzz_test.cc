@@ -48,6 +48,7 @@ struct FuzzConfig {
   Recipe recipe;
   int max_seqs, max_tokens, max_pages_per_seq;
   float gk, gv;
+  KeyFormat key_format = KeyFormat::kNvfp4;
 };
 
 constexpr uint16_t kOutPoison = 0xA5A5;
@@ -528,6 +529,9 @@ const FuzzConfig kConfigs[] = {
     // Odd shapes: Dk != Dv, page_size 3, HND, three layers, 4over6.
     {"hnd_ps3_dk32_dv16", 3, 3, 32, 16, 3, Layout::kHND, 36, Recipe::FourOverSix(), 5, 16, 14, 8.0f,
      6.0f},
+    // FP8 keys (K8V4), materializable, HND.
+    {"hnd_ps4_d64_k8", 2, 2, 64, 64, 4, Layout::kHND, 40, Recipe::Standard(), 6, 24, 12, 1.0f, 2.5f,
+     KeyFormat::kFp8},
 };
 
 KVCache MakeCache(const FuzzConfig& c, Device device) {
@@ -539,6 +543,7 @@ KVCache MakeCache(const FuzzConfig& c, Device device) {
   o.geometry.page_size = c.page_size;
   o.geometry.layout = c.layout;
   o.geometry.num_pages = c.pages;
+  o.geometry.key_format = c.key_format;
   o.device = device;
   o.recipe = c.recipe;
   for (int l = 0; l < c.layers; ++l) {
@@ -579,7 +584,7 @@ TEST_P(KVCacheFuzz, GpuRandomOperationsKeepInvariants) {
   FP4KV_ASSERT_CUDA(cudaStreamDestroy(stream));
 }
 
-INSTANTIATE_TEST_SUITE_P(Configs, KVCacheFuzz, ::testing::Values(0, 1),
+INSTANTIATE_TEST_SUITE_P(Configs, KVCacheFuzz, ::testing::Values(0, 1, 2),
                          [](const ::testing::TestParamInfo<int>& i) {
                            return std::string(kConfigs[i.param].name);
                          });

@@ -19,11 +19,13 @@ namespace {
 
 constexpr int kLayers = 2, kHeads = 2, kDim = 64, kPage = 16;
 
-KVCacheOptions Options(bool given_scales, Device device = Device::Cpu()) {
+KVCacheOptions Options(bool given_scales, Device device = Device::Cpu(),
+                       KeyFormat key_format = KeyFormat::kNvfp4) {
   KVCacheOptions o;
   o.device = device;
   o.num_layers = kLayers;
   o.geometry = CacheGeometry{kHeads, kDim, kDim, kPage, 32, Layout::kNHD};
+  o.geometry.key_format = key_format;
   o.max_pages_per_seq = 8;
   o.max_tokens_per_step = 128;
   if (given_scales) {
@@ -77,50 +79,51 @@ std::vector<uint8_t> TokenBytes(const KVCache& c, SequenceId seq, int l, int64_t
 }
 
 TEST(KVCacheImport, EqualsAppendingTheSameRows) {
-  for (bool given : {false, true}) {
-    const Source src(11);
-    const std::vector<int32_t> pages = {4, 1, 5, 0};
-    const int64_t length = 3 * kPage + 5;
-    auto imported = KVCache::Create(Options(given));
-    auto appended = KVCache::Create(Options(given));
-    ASSERT_TRUE(imported.ok() && appended.ok());
-    // A sequence first, so the imported pages are not the first ones.
-    (void)imported->CreateSequence();
-    ASSERT_TRUE(imported->PrepareStep({{imported->CreateSequence(), 3}}).ok());
-    auto id = imported->ImportSequence(src.views, pages, length);
-    ASSERT_TRUE(id.ok()) << id.status();
-    EXPECT_EQ(*imported->SequenceLength(*id), length);
-    EXPECT_EQ(imported->SequencePages(*id)->size(), 4u);
+  for (const KeyFormat kf : {KeyFormat::kNvfp4, KeyFormat::kFp8})
+    for (bool given : {false, true}) {
+      const Source src(11);
+      const std::vector<int32_t> pages = {4, 1, 5, 0};
+      const int64_t length = 3 * kPage + 5;
+      auto imported = KVCache::Create(Options(given, Device::Cpu(), kf));
+      auto appended = KVCache::Create(Options(given, Device::Cpu(), kf));
+      ASSERT_TRUE(imported.ok() && appended.ok());
+      // A sequence first, so the imported pages are not the first ones.
+      (void)imported->CreateSequence();
+      ASSERT_TRUE(imported->PrepareStep({{imported->CreateSequence(), 3}}).ok());
+      auto id = imported->ImportSequence(src.views, pages, length);
+      ASSERT_TRUE(id.ok()) << id.status();
+      EXPECT_EQ(*imported->SequenceLength(*id), length);
+      EXPECT_EQ(imported->SequencePages(*id)->size(), 4u);
 
-    const SequenceId seq = appended->CreateSequence();
-    ASSERT_TRUE(appended->PrepareStep({{seq, static_cast<int32_t>(length)}}).ok());
-    auto app = appended->appender(DType::kBF16);
-    ASSERT_TRUE(app.ok());
-    for (int l = 0; l < kLayers; ++l) {
-      std::vector<uint16_t> k = src.Rows(l, 0, pages, length), v = src.Rows(l, 1, pages, length);
-      ASSERT_TRUE(app->Run(l,
-                           TensorView::Contiguous(k.data(), DType::kBF16, {length, kHeads, kDim}),
-                           TensorView::Contiguous(v.data(), DType::kBF16, {length, kHeads, kDim}))
-                      .ok());
-      const LayerScales a = *imported->ReadScales(l), b = *appended->ReadScales(l);
-      EXPECT_EQ(FloatBits(a.k), FloatBits(b.k)) << "layer " << l;
-      EXPECT_EQ(FloatBits(a.v), FloatBits(b.v));
-      EXPECT_EQ(FloatBits(a.k_fp8), FloatBits(b.k_fp8));
-      EXPECT_TRUE(a.k_calibrated && a.v_calibrated);
-      if (given) {
-        EXPECT_EQ(a.k, Options(true).k_global_scales[l]);
+      const SequenceId seq = appended->CreateSequence();
+      ASSERT_TRUE(appended->PrepareStep({{seq, static_cast<int32_t>(length)}}).ok());
+      auto app = appended->appender(DType::kBF16);
+      ASSERT_TRUE(app.ok());
+      for (int l = 0; l < kLayers; ++l) {
+        std::vector<uint16_t> k = src.Rows(l, 0, pages, length), v = src.Rows(l, 1, pages, length);
+        ASSERT_TRUE(app->Run(l,
+                             TensorView::Contiguous(k.data(), DType::kBF16, {length, kHeads, kDim}),
+                             TensorView::Contiguous(v.data(), DType::kBF16, {length, kHeads, kDim}))
+                        .ok());
+        const LayerScales a = *imported->ReadScales(l), b = *appended->ReadScales(l);
+        EXPECT_EQ(FloatBits(a.k), FloatBits(b.k)) << "layer " << l;
+        EXPECT_EQ(FloatBits(a.v), FloatBits(b.v));
+        EXPECT_EQ(FloatBits(a.k_fp8), FloatBits(b.k_fp8));
+        EXPECT_TRUE(a.k_calibrated && a.v_calibrated);
+        if (given) {
+          EXPECT_EQ(a.k, Options(true).k_global_scales[l]);
+        }
+        for (int64_t t = 0; t < length; ++t) {
+          ASSERT_EQ(TokenBytes(*imported, *id, l, t), TokenBytes(*appended, seq, l, t))
+              << "layer " << l << " token " << t << " given " << given << " " << KeyFormatName(kf);
+        }
+        // The other sequence's step tokens count once its append ran (it did not).
+        EXPECT_EQ(*imported->LayerTokens(l), length);
       }
-      for (int64_t t = 0; t < length; ++t) {
-        ASSERT_EQ(TokenBytes(*imported, *id, l, t), TokenBytes(*appended, seq, l, t))
-            << "layer " << l << " token " << t << " given " << given;
-      }
-      // The other sequence's step tokens count once its append ran (it did not).
-      EXPECT_EQ(*imported->LayerTokens(l), length);
+      // The layer's scales are now held: changing them is refused.
+      EXPECT_EQ(imported->UpdateGlobalScales(0, 1.0f, 1.0f).code(),
+                absl::StatusCode::kFailedPrecondition);
     }
-    // The layer's scales are now held: changing them is refused.
-    EXPECT_EQ(imported->UpdateGlobalScales(0, 1.0f, 1.0f).code(),
-              absl::StatusCode::kFailedPrecondition);
-  }
 }
 
 TEST(KVCacheImport, ZeroRowsLeaveAPendingLayerPending) {
@@ -180,62 +183,69 @@ TEST(KVCacheImport, RefusedImportChangesNothing) {
 TEST(KVCacheImportGpu, EqualsAppendingTheSameRows) {
   FP4KV_SKIP_WITHOUT_GPU();
   const Device dev = Device::Cuda(0);
-  for (bool given : {false, true}) {
-    const Source src(23);
-    std::vector<testing::Buffer> dsrc;
-    std::vector<HalfPagedCache> views;
-    for (int l = 0; l < kLayers; ++l) {
-      dsrc.emplace_back(dev, src.kv[l].size() * 2);
-      ASSERT_TRUE(dsrc.back().Upload(src.kv[l].data(), src.kv[l].size() * 2));
-    }
-    for (int l = 0; l < kLayers; ++l) {
-      views.push_back(HalfPagedCache::FromStacked(
-                          dsrc[l].View(DType::kBF16, {6, 2, kHeads, kPage, kDim}), Layout::kHND)
-                          .value());
-    }
-    const std::vector<int32_t> pages = {2, 5, 0};
-    const int64_t length = 2 * kPage + 9;
-    auto imported = KVCache::Create(Options(given, dev));
-    auto appended = KVCache::Create(Options(given, dev));
-    ASSERT_TRUE(imported.ok() && appended.ok());
-    (void)imported->CreateSequence();
-    auto id = imported->ImportSequence(views, pages, length);
-    ASSERT_TRUE(id.ok()) << id.status();
-    const SequenceId seq = appended->CreateSequence();
-    ASSERT_TRUE(appended->PrepareStep({{seq, static_cast<int32_t>(length)}}).ok());
-    auto app = appended->appender(DType::kBF16);
-    ASSERT_TRUE(app.ok());
-    for (int l = 0; l < kLayers; ++l) {
-      const std::vector<uint16_t> k = src.Rows(l, 0, pages, length), v = src.Rows(l, 1, pages, length);
-      testing::Buffer kb(dev, k.size() * 2), vb(dev, v.size() * 2);
-      ASSERT_TRUE(kb.Upload(k.data(), k.size() * 2) && vb.Upload(v.data(), v.size() * 2));
-      ASSERT_TRUE(app->Run(l, kb.View(DType::kBF16, {length, kHeads, kDim}),
-                           vb.View(DType::kBF16, {length, kHeads, kDim}))
-                      .ok());
-      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    }
-    const testing::PoolCopy a = testing::DownloadPools(*imported), b = testing::DownloadPools(*appended);
-    const CacheGeometry& g = imported->geometry();
-    for (int l = 0; l < kLayers; ++l) {
-      const LayerScales sa = *imported->ReadScales(l), sb = *appended->ReadScales(l);
-      EXPECT_EQ(FloatBits(sa.k), FloatBits(sb.k)) << "layer " << l << " given " << given;
-      EXPECT_EQ(FloatBits(sa.v), FloatBits(sb.v)) << "layer " << l << " given " << given;
-      EXPECT_TRUE(sa.k_calibrated && sa.v_calibrated);
-      for (int64_t t = 0; t < length; ++t) {
-        const int32_t pa = (*imported->SequencePages(*id))[t / kPage];
-        const int32_t pb = (*appended->SequencePages(seq))[t / kPage];
-        for (int kind = 0; kind < 4; ++kind) {
-          const int64_t n = (kind % 2 == 0 ? kDim / 2 : kDim / kBlockSize);
-          for (int h = 0; h < kHeads; ++h) {
-            const uint8_t* ra = testing::PoolRow(a, g, l, kind, pa, t % kPage, h);
-            const uint8_t* rb = testing::PoolRow(b, g, l, kind, pb, t % kPage, h);
-            ASSERT_EQ(std::memcmp(ra, rb, n), 0)
-                << "layer " << l << " token " << t << " kind " << kind << " given " << given;
+  for (const KeyFormat kf : {KeyFormat::kNvfp4, KeyFormat::kFp8})
+    for (bool given : {false, true}) {
+      const Source src(23);
+      std::vector<testing::Buffer> dsrc;
+      std::vector<HalfPagedCache> views;
+      for (int l = 0; l < kLayers; ++l) {
+        dsrc.emplace_back(dev, src.kv[l].size() * 2);
+        ASSERT_TRUE(dsrc.back().Upload(src.kv[l].data(), src.kv[l].size() * 2));
+      }
+      for (int l = 0; l < kLayers; ++l) {
+        views.push_back(HalfPagedCache::FromStacked(
+                            dsrc[l].View(DType::kBF16, {6, 2, kHeads, kPage, kDim}), Layout::kHND)
+                            .value());
+      }
+      const std::vector<int32_t> pages = {2, 5, 0};
+      const int64_t length = 2 * kPage + 9;
+      auto imported = KVCache::Create(Options(given, dev, kf));
+      auto appended = KVCache::Create(Options(given, dev, kf));
+      ASSERT_TRUE(imported.ok() && appended.ok());
+      (void)imported->CreateSequence();
+      auto id = imported->ImportSequence(views, pages, length);
+      ASSERT_TRUE(id.ok()) << id.status();
+      const SequenceId seq = appended->CreateSequence();
+      ASSERT_TRUE(appended->PrepareStep({{seq, static_cast<int32_t>(length)}}).ok());
+      auto app = appended->appender(DType::kBF16);
+      ASSERT_TRUE(app.ok());
+      for (int l = 0; l < kLayers; ++l) {
+        const std::vector<uint16_t> k = src.Rows(l, 0, pages, length),
+                                    v = src.Rows(l, 1, pages, length);
+        testing::Buffer kb(dev, k.size() * 2), vb(dev, v.size() * 2);
+        ASSERT_TRUE(kb.Upload(k.data(), k.size() * 2) && vb.Upload(v.data(), v.size() * 2));
+        ASSERT_TRUE(app->Run(l, kb.View(DType::kBF16, {length, kHeads, kDim}),
+                             vb.View(DType::kBF16, {length, kHeads, kDim}))
+                        .ok());
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      }
+      const testing::PoolCopy a = testing::DownloadPools(*imported),
+                              b = testing::DownloadPools(*appended);
+      const CacheGeometry& g = imported->geometry();
+      for (int l = 0; l < kLayers; ++l) {
+        const LayerScales sa = *imported->ReadScales(l), sb = *appended->ReadScales(l);
+        EXPECT_EQ(FloatBits(sa.k), FloatBits(sb.k)) << "layer " << l << " given " << given;
+        EXPECT_EQ(FloatBits(sa.v), FloatBits(sb.v)) << "layer " << l << " given " << given;
+        EXPECT_TRUE(sa.k_calibrated && sa.v_calibrated);
+        for (int64_t t = 0; t < length; ++t) {
+          const int32_t pa = (*imported->SequencePages(*id))[t / kPage];
+          const int32_t pb = (*appended->SequencePages(seq))[t / kPage];
+          for (int kind = 0; kind < 4; ++kind) {
+            const int64_t n = kind == 0   ? g.DataRowBytes(false)
+                              : kind == 1 ? g.ScaleRowBytes(false)
+                              : kind == 2 ? g.DataRowBytes(true)
+                                          : g.ScaleRowBytes(true);
+            if (n == 0) continue;  // FP8 keys: no key scales
+            for (int h = 0; h < kHeads; ++h) {
+              const uint8_t* ra = testing::PoolRow(a, g, l, kind, pa, t % kPage, h);
+              const uint8_t* rb = testing::PoolRow(b, g, l, kind, pb, t % kPage, h);
+              ASSERT_EQ(std::memcmp(ra, rb, n), 0)
+                  << "layer " << l << " token " << t << " kind " << kind << " given " << given;
+            }
           }
         }
       }
     }
-  }
 }
 
 }  // namespace

@@ -16,6 +16,7 @@
 #include "fp4kv/kv_cache.h"
 #include "fp4kv/recipe.h"
 #include "gtest/gtest.h"
+#include "testing/attention_case.h"
 #include "testing/kv_cache_harness.h"
 #include "testing/test_util.h"
 
@@ -398,6 +399,172 @@ TEST_P(ScalesTest, ReencodeRequantizesTheLayersPagesInOneCall) {
   s.Errors(0, &ke0, &ve0);
   EXPECT_LT(ke0, 0.2);
   EXPECT_LT(ve0, 0.2);
+}
+
+// FP8 keys (K8V4): the first append sizes g_k = MakeFp8KeyScale(headroom *
+// amax) with the key FP8 scale g_k (copied pages), values as usual; the
+// counters count clipped 16-value key groups; a re-encode rewrites the key
+// bytes by the FP8 key rule; CalibrateGlobalScales refuses and changes nothing.
+TEST_P(ScalesTest, Fp8KeysCalibrateCountAndReencode) {
+  KVCacheOptions o = DefaultOptions(device());
+  o.geometry.key_format = KeyFormat::kFp8;
+  o.count_scale_events = true;
+  KVCache c = MustCreate(o);
+  Sequence s(&c);
+  const std::vector<uint16_t> k1 = GaussianRows(40, 1.0, 31), v1 = GaussianRows(40, 0.3, 32);
+  ASSERT_TRUE(s.Append(k1, v1).ok());
+  LayerScales sc = MustRead(c, 0);
+  EXPECT_TRUE(sc.k_calibrated && sc.v_calibrated);
+  EXPECT_EQ(sc.k, MakeFp8KeyScale(MulRn(Amax(k1), 4.0f)));
+  EXPECT_EQ(sc.k_fp8, sc.k);
+  EXPECT_EQ(sc.v, MakeGlobalScale(MulRn(Amax(v1), 4.0f), o.recipe));
+  EXPECT_EQ(sc.v_fp8, MinFp8ScaleFor(sc.v));
+  double ke = 0, ve = 0;
+  s.Errors(0, &ke, &ve);
+  EXPECT_LT(ke, 0.04) << "FP8 keys";
+  EXPECT_GT(ke, 0.0);
+  EXPECT_LT(ve, 0.15) << "NVFP4 values";
+  absl::StatusOr<ScaleEventCounts> ev = c.ReadScaleEvents(0);
+  ASSERT_TRUE(ev.ok()) << ev.status();
+  EXPECT_EQ(ev->k_saturated + ev->k_underflow, 0u);
+  // Keys 10x the first amax: groups of 16 with a value past 448 * g_k count.
+  std::vector<uint16_t> huge = GaussianRows(24, 1.0, 33);
+  const float factor = 10.0f * Amax(k1) / Amax(huge);
+  for (uint16_t& b : huge) b = FloatToBf16Bits(Bf16BitsToFloat(b) * factor);
+  ASSERT_TRUE(s.Append(huge, std::vector<uint16_t>(v1.begin(), v1.begin() + huge.size())).ok());
+  const float r = Fp8KeyEncodeMultiplier(sc.k);
+  uint64_t want = 0;
+  for (size_t blk = 0; blk < huge.size() / kBlockSize; ++blk) {
+    float x[kBlockSize];
+    for (int i = 0; i < kBlockSize; ++i) x[i] = Bf16BitsToFloat(huge[blk * kBlockSize + i]);
+    want += ClassifyFp8KeyBlock(BlockAmax(x), r) == ScaleEvent::kSaturated;
+  }
+  ASSERT_GT(want, 0u);
+  ev = c.ReadScaleEvents(0);
+  ASSERT_TRUE(ev.ok());
+  EXPECT_EQ(ev->k_saturated, want);
+  EXPECT_EQ(ev->k_underflow, 0u);
+  // Re-encode layer 1 under a new key scale.
+  const LayerScales old = MustRead(c, 1);
+  const testing::PoolCopy before = testing::DownloadPools(c);
+  ASSERT_TRUE(before.regions[5].empty());  // layer 1 has no key scales
+  const float nk = old.k * 2.5f;
+  ASSERT_TRUE(c.UpdateGlobalScales(1, nk, old.v, nullptr, StoredTokens::kReencode).ok());
+  if (device().is_cuda()) {
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  }
+  const testing::PoolCopy after = testing::DownloadPools(c);
+  for (int kind = 0; kind < 4; ++kind) EXPECT_EQ(after.regions[kind], before.regions[kind]);
+  std::vector<uint8_t> keys = before.regions[4];
+  const float nr = Fp8KeyEncodeMultiplier(nk);
+  for (uint8_t& b : keys) b = QuantizeFp8Key(DequantFp8Key(b, old.k), nr);
+  EXPECT_EQ(after.regions[4], keys);
+  EXPECT_EQ(after.regions[6], before.regions[6]);  // V data: same scale, same blocks
+  sc = MustRead(c, 1);
+  EXPECT_EQ(sc.k, nk);
+  EXPECT_EQ(sc.k_fp8, nk);
+  // CalibrateGlobalScales: Unimplemented for FP8 keys, nothing changed.
+  absl::StatusOr<Calibrator> cal = Calibrator::Create({1 << 16, DType::kBF16, device(), o.recipe});
+  ASSERT_TRUE(cal.ok()) << cal.status();
+  const testing::Buffer kb(device(), 64 * 2), vb(device(), 64 * 2);
+  const absl::Status st =
+      c.CalibrateGlobalScales(0, kb.View(DType::kBF16, {64}), vb.View(DType::kBF16, {64}), *cal,
+                              nullptr, StoredTokens::kReencode);
+  EXPECT_EQ(st.code(), absl::StatusCode::kUnimplemented) << st;
+  EXPECT_EQ(MustRead(c, 0).k, MustRead(c, 0).k_fp8);
+  EXPECT_EQ(testing::DownloadPools(c).regions, after.regions);
+}
+
+// Real post-RoPE keys (tests/data/realkv): stored as FP8 (K8V4), the
+// attention output of every 32nd query position is at least 1.8x closer to
+// fp64 attention on the bf16 inputs than with NVFP4 keys, in every layer;
+// the reconstructed keys are within E4M3's relative step. CPU, first-append
+// calibration (headroom 4).
+TEST(KVCacheScalesRealKv, Fp8KeysBeatNvfp4KeysInAttention) {
+  FP4KV_SKIP_WITHOUT_REALKV();
+  constexpr int T = testing::kRealKvTokens, QH = 9, H = 3, D = 64;
+  auto round_trip = [&](KeyFormat kf, const std::vector<uint16_t>& k,
+                        const std::vector<uint16_t>& v, std::vector<uint16_t>* k_out,
+                        std::vector<uint16_t>* v_out) {
+    KVCacheOptions o;
+    o.num_layers = 1;
+    o.geometry = CacheGeometry{H, D, D, 16, (T + 15) / 16, Layout::kNHD};
+    o.geometry.key_format = kf;
+    o.max_seqs_per_step = 1;
+    o.max_tokens_per_step = T;
+    KVCache c = MustCreate(o);
+    const SequenceId seq = c.CreateSequence();
+    ASSERT_TRUE(c.PrepareStep({{seq, T}}).ok());
+    absl::StatusOr<CacheAppender> app = c.appender(DType::kBF16);
+    ASSERT_TRUE(app.ok());
+    ASSERT_TRUE(app->Run(0, TensorView::Contiguous(k.data(), DType::kBF16, {T, H, D}),
+                         TensorView::Contiguous(v.data(), DType::kBF16, {T, H, D}))
+                    .ok());
+    k_out->assign(k.size(), 0);
+    v_out->assign(v.size(), 0);
+    ASSERT_TRUE(c.ReadSequence(0, seq,
+                               TensorView::Contiguous(k_out->data(), DType::kF16, {T, H, D}),
+                               TensorView::Contiguous(v_out->data(), DType::kF16, {T, H, D}))
+                    .ok());
+  };
+  // Causal attention (fp64) of query positions 0, 32, 64, ...: [n, QH, D].
+  auto attend = [&](const std::vector<uint16_t>& q, const std::vector<uint16_t>& k,
+                    const std::vector<uint16_t>& v, bool kv_f16) {
+    auto val = [](uint16_t b, bool f16) {
+      return static_cast<double>(f16 ? HalfBitsToFloat(b) : Bf16BitsToFloat(b));
+    };
+    std::vector<double> out, p(T);
+    for (int t = 0; t < T; t += 32) {
+      for (int h = 0; h < QH; ++h) {
+        const int kvh = h / 3;
+        double m = -1e300, sum = 0.0;
+        for (int s = 0; s <= t; ++s) {
+          double dot = 0.0;
+          for (int d = 0; d < D; ++d) {
+            dot += val(q[(t * QH + h) * D + d], false) * val(k[(s * H + kvh) * D + d], kv_f16);
+          }
+          p[s] = dot / 8;
+          m = std::max(m, p[s]);
+        }
+        for (int s = 0; s <= t; ++s) sum += (p[s] = std::exp(p[s] - m));
+        for (int d = 0; d < D; ++d) {
+          double o = 0.0;
+          for (int s = 0; s <= t; ++s) o += p[s] / sum * val(v[(s * H + kvh) * D + d], kv_f16);
+          out.push_back(o);
+        }
+      }
+    }
+    return out;
+  };
+  auto rel = [](const std::vector<double>& want, const std::vector<double>& got) {
+    double num = 0.0, den = 0.0;
+    for (size_t i = 0; i < want.size(); ++i) {
+      num += (got[i] - want[i]) * (got[i] - want[i]);
+      den += want[i] * want[i];
+    }
+    return std::sqrt(num / den);
+  };
+  for (int layer : testing::kRealKvLayers) {
+    SCOPED_TRACE(layer);
+    const testing::RealKvLayer* r = testing::LoadRealKvLayer(layer);
+    ASSERT_NE(r, nullptr);
+    std::vector<uint16_t> k4, v4, k8, v8;
+    round_trip(KeyFormat::kNvfp4, r->k, r->v, &k4, &v4);
+    round_trip(KeyFormat::kFp8, r->k, r->v, &k8, &v8);
+    ASSERT_EQ(v8, v4) << "values are stored alike";
+    for (size_t i = 0; i < k8.size(); ++i) {
+      const float x = Bf16BitsToFloat(r->k[i]), y = HalfBitsToFloat(k8[i]);
+      ASSERT_LE(std::fabs(x - y), std::fabs(x) / 15 + 1e-3f) << i;
+    }
+    // Keys only quantized (values exact): the key format's own effect.
+    const std::vector<double> ref = attend(r->q, r->k, r->v, false);
+    std::vector<uint16_t> v_f16(r->v.size());
+    for (size_t i = 0; i < v_f16.size(); ++i) v_f16[i] = FloatToHalfBits(Bf16BitsToFloat(r->v[i]));
+    const double e4 = rel(ref, attend(r->q, k4, v_f16, true));
+    const double e8 = rel(ref, attend(r->q, k8, v_f16, true));
+    EXPECT_LT(e8 * 1.8, e4) << "FP8 keys " << e8 << ", NVFP4 keys " << e4;
+    EXPECT_LT(e8, 0.08);
+  }
 }
 
 TEST_P(ScalesTest, BadHeadroomAndCountersOffAreRejected) {

@@ -236,6 +236,41 @@ TEST(KVCacheCreate, BudgetDerivesThePageCount) {
   EXPECT_EQ(e.Stats().bytes_per_token, 2.0 * 2 * 72);
 }
 
+// FP8 keys: Dk-byte key rows and no key scale pool; the page count a budget
+// buys, the pool bytes and bytes per token follow.
+TEST(KVCacheCreate, Fp8KeysSizePoolsWithoutKeyScales) {
+  KVCacheOptions o = SmallOptions();
+  o.geometry.key_format = KeyFormat::kFp8;
+  KVCache c = MustCreate(o);
+  // 2 layers * 2 heads * (64 + 32 + 4) bytes.
+  EXPECT_EQ(c.Stats().bytes_per_token, 2.0 * 2 * 100);
+  EXPECT_EQ(c.Stats().pool_bytes, 2 * 16 * 4 * 2 * 100);  // regions 256-byte multiples here
+  for (Layout layout : {Layout::kNHD, Layout::kHND}) {
+    o.geometry.layout = layout;
+    o.geometry.num_pages = 0;
+    o.memory_budget_bytes = 40 * 2 * 4 * 2 * 100 * 2;  // 80 pages of K8V4
+    KVCache b = MustCreate(o);
+    EXPECT_EQ(b.geometry().num_pages, 80);
+    EXPECT_EQ(b.geometry().key_format, KeyFormat::kFp8);
+    KVCacheOptions n = o;
+    n.geometry.key_format = KeyFormat::kNvfp4;
+    EXPECT_EQ(MustCreate(n).geometry().num_pages, 80 * 100 / 72);  // NVFP4 K+V: 72 B per head
+    const PagedCache v = b.LayerCache(1);
+    EXPECT_EQ(v.key_format, KeyFormat::kFp8);
+    EXPECT_EQ(v.k_scales.data, nullptr);
+    EXPECT_EQ(v.k_data.dtype, DType::kE4M3);
+    EXPECT_EQ(v.k_data.shape[3], 64);
+    absl::StatusOr<CacheGeometry> g = v.Geometry();
+    ASSERT_TRUE(g.ok()) << g.status();
+    EXPECT_EQ(g->key_format, KeyFormat::kFp8);
+    EXPECT_EQ(g->head_dim_k, 64);
+    EXPECT_EQ(g->layout, layout);
+    EXPECT_EQ(c.ReadScales(0)->k_fp8, 4.0f);  // explicit g_k: the key FP8 scale is g_k
+    EXPECT_EQ(c.ReadScales(1)->k_fp8, 5.0f);
+    EXPECT_TRUE(b.CheckInvariants().ok());
+  }
+}
+
 TEST(KVCacheCreate, LayerViewsDescribeDisjointAlignedPools) {
   for (Layout layout : {Layout::kNHD, Layout::kHND}) {
     KVCacheOptions o = SmallOptions();
@@ -872,65 +907,83 @@ TEST(KVCacheOps, BoundOpsCheckTheirArguments) {
 }
 
 TEST(KVCacheOps, BoundOpsMatchTheFunctionalApiOnExplicitMetadata) {
-  KVCache c = MustCreate(SmallOptions());
-  Driver d(&c);
-  const SequenceId a = d.Create(), b = d.Create(), e = d.Create();
-  ASSERT_TRUE(d.Step({{a, 9}, {b, 4}, {e, 1}}).ok());
-  ASSERT_TRUE(d.Step({{e, 2}, {a, 1}}).ok());  // rows: e, a
-  const CacheGeometry& g = c.geometry();
-  // Explicit metadata for the same two sequences.
-  const std::vector<SequenceId> rows = {e, a};
-  std::vector<int32_t> tables(2 * 8, 0), lens, indptr = {0};
-  for (int r = 0; r < 2; ++r) {
-    const std::vector<int32_t> p = Pages(c, rows[r]);
-    std::copy(p.begin(), p.end(), tables.begin() + r * 8);
-    lens.push_back(static_cast<int32_t>(*c.SequenceLength(rows[r])));
-    indptr.push_back(indptr.back() + static_cast<int32_t>(p.size()));
-  }
-  const TensorView tv = TensorView::Contiguous(tables.data(), DType::kI32, {2, 8});
-  const TensorView lv = TensorView::Contiguous(lens.data(), DType::kI32, {2});
-  const TensorView iv = TensorView::Contiguous(indptr.data(), DType::kI32, {3});
-  for (int layer = 0; layer < 2; ++layer) {
-    const PagedCache pc = c.LayerCache(layer);
-    absl::StatusOr<LayerScales> sc = c.ReadScales(layer);
-    ASSERT_TRUE(sc.ok()) << sc.status();
-    const GlobalScale gk = GlobalScale::Value(sc->k);
-    const GlobalScale gv = GlobalScale::Value(sc->v);
-    // Materialize.
-    const int64_t w = c.step().fp8_workspace_pages;
-    std::vector<uint8_t> want(w * 2 * 2 * 4 * 64, 0xA5), got(want.size(), 0xA5);
-    std::vector<int32_t> want_t(2 * 8, -7);
-    ASSERT_TRUE(MaterializeFp8(pc, tv, lv, iv,
-                               TensorView::Contiguous(want.data(), DType::kE4M3, {w, 2, 2, 4, 64}),
-                               TensorView::Contiguous(want_t.data(), DType::kI32, {2, 8}), gk, gv,
-                               GlobalScale::Value(sc->k_fp8), GlobalScale::Value(sc->v_fp8))
-                    .ok());
-    absl::StatusOr<CacheMaterializer> m = c.materializer();
-    ASSERT_TRUE(m.ok());
-    ASSERT_TRUE(
-        m->Run(layer, TensorView::Contiguous(got.data(), DType::kE4M3, {w, 2, 2, 4, 64})).ok());
-    EXPECT_EQ(got, want) << "layer " << layer;
-    const int32_t* ft = c.step_views().fp8_block_tables.ptr<const int32_t>();
+  for (const KeyFormat kf : {KeyFormat::kNvfp4, KeyFormat::kFp8}) {
+    SCOPED_TRACE(KeyFormatName(kf));
+    KVCacheOptions o = SmallOptions();
+    o.geometry.key_format = kf;
+    KVCache c = MustCreate(o);
+    Driver d(&c);
+    const SequenceId a = d.Create(), b = d.Create(), e = d.Create();
+    ASSERT_TRUE(d.Step({{a, 9}, {b, 4}, {e, 1}}).ok());
+    ASSERT_TRUE(d.Step({{e, 2}, {a, 1}}).ok());  // rows: e, a
+    const CacheGeometry& g = c.geometry();
+    // Explicit metadata for the same two sequences.
+    const std::vector<SequenceId> rows = {e, a};
+    std::vector<int32_t> tables(2 * 8, 0), lens, indptr = {0};
     for (int r = 0; r < 2; ++r) {
-      for (int j = 0; j < indptr[r + 1] - indptr[r]; ++j)
-        EXPECT_EQ(ft[r * 8 + j], want_t[r * 8 + j]);
+      const std::vector<int32_t> p = Pages(c, rows[r]);
+      std::copy(p.begin(), p.end(), tables.begin() + r * 8);
+      lens.push_back(static_cast<int32_t>(*c.SequenceLength(rows[r])));
+      indptr.push_back(indptr.back() + static_cast<int32_t>(p.size()));
     }
-    ASSERT_EQ(CheckMaterialized(c, layer, got, std::vector<int32_t>(ft, ft + 4 * 8), d.rows()), "");
-    // Dequantize.
-    const int64_t n = 2 * 12 * g.num_kv_heads * 64;
-    std::vector<uint16_t> wk(n, 0xA5A5), wv(n, 0xA5A5), gk_out(n, 0xA5A5), gv_out(n, 0xA5A5);
-    ASSERT_TRUE(
-        DequantizePaged(pc, tv, lv, TensorView::Contiguous(wk.data(), DType::kBF16, {2, 12, 2, 64}),
-                        TensorView::Contiguous(wv.data(), DType::kBF16, {2, 12, 2, 64}), gk, gv)
-            .ok());
-    absl::StatusOr<CacheDequantizer> dq = c.dequantizer();
-    ASSERT_TRUE(dq.ok());
-    ASSERT_TRUE(dq->Run(layer, TensorView::Contiguous(gk_out.data(), DType::kBF16, {2, 12, 2, 64}),
-                        TensorView::Contiguous(gv_out.data(), DType::kBF16, {2, 12, 2, 64}))
-                    .ok());
-    EXPECT_EQ(gk_out, wk);
-    EXPECT_EQ(gv_out, wv);
-    ASSERT_EQ(CheckDequantized(c, layer, gk_out, gv_out, 2, 12, d.rows(), 0xA5A5), "");
+    const TensorView tv = TensorView::Contiguous(tables.data(), DType::kI32, {2, 8});
+    const TensorView lv = TensorView::Contiguous(lens.data(), DType::kI32, {2});
+    const TensorView iv = TensorView::Contiguous(indptr.data(), DType::kI32, {3});
+    for (int layer = 0; layer < 2; ++layer) {
+      const PagedCache pc = c.LayerCache(layer);
+      absl::StatusOr<LayerScales> sc = c.ReadScales(layer);
+      ASSERT_TRUE(sc.ok()) << sc.status();
+      const GlobalScale gk = GlobalScale::Value(sc->k);
+      const GlobalScale gv = GlobalScale::Value(sc->v);
+      // Materialize.
+      const int64_t w = c.step().fp8_workspace_pages;
+      std::vector<uint8_t> want(w * 2 * 2 * 4 * 64, 0xA5), got(want.size(), 0xA5);
+      std::vector<int32_t> want_t(2 * 8, -7);
+      ASSERT_TRUE(
+          MaterializeFp8(pc, tv, lv, iv,
+                         TensorView::Contiguous(want.data(), DType::kE4M3, {w, 2, 2, 4, 64}),
+                         TensorView::Contiguous(want_t.data(), DType::kI32, {2, 8}), gk, gv,
+                         GlobalScale::Value(sc->k_fp8), GlobalScale::Value(sc->v_fp8))
+              .ok());
+      absl::StatusOr<CacheMaterializer> m = c.materializer();
+      ASSERT_TRUE(m.ok());
+      ASSERT_TRUE(
+          m->Run(layer, TensorView::Contiguous(got.data(), DType::kE4M3, {w, 2, 2, 4, 64})).ok());
+      EXPECT_EQ(got, want) << "layer " << layer;
+      const int32_t* ft = c.step_views().fp8_block_tables.ptr<const int32_t>();
+      for (int r = 0; r < 2; ++r) {
+        for (int j = 0; j < indptr[r + 1] - indptr[r]; ++j)
+          EXPECT_EQ(ft[r * 8 + j], want_t[r * 8 + j]);
+      }
+      ASSERT_EQ(CheckMaterialized(c, layer, got, std::vector<int32_t>(ft, ft + 4 * 8), d.rows()),
+                "");
+      // Dequantize.
+      const int64_t n = 2 * 12 * g.num_kv_heads * 64;
+      std::vector<uint16_t> wk(n, 0xA5A5), wv(n, 0xA5A5), gk_out(n, 0xA5A5), gv_out(n, 0xA5A5);
+      ASSERT_TRUE(DequantizePaged(
+                      pc, tv, lv, TensorView::Contiguous(wk.data(), DType::kBF16, {2, 12, 2, 64}),
+                      TensorView::Contiguous(wv.data(), DType::kBF16, {2, 12, 2, 64}), gk, gv)
+                      .ok());
+      absl::StatusOr<CacheDequantizer> dq = c.dequantizer();
+      ASSERT_TRUE(dq.ok());
+      ASSERT_TRUE(dq->Run(layer,
+                          TensorView::Contiguous(gk_out.data(), DType::kBF16, {2, 12, 2, 64}),
+                          TensorView::Contiguous(gv_out.data(), DType::kBF16, {2, 12, 2, 64}))
+                      .ok());
+      EXPECT_EQ(gk_out, wk);
+      EXPECT_EQ(gv_out, wv);
+      ASSERT_EQ(CheckDequantized(c, layer, gk_out, gv_out, 2, 12, d.rows(), 0xA5A5), "");
+      // ReadSequence: the same rows as the dequantizer's.
+      std::vector<uint16_t> rk(12 * 2 * 64, 0xA5A5), rv(rk.size(), 0xA5A5);
+      ASSERT_TRUE(c.ReadSequence(layer, a,
+                                 TensorView::Contiguous(rk.data(), DType::kBF16, {12, 2, 64}),
+                                 TensorView::Contiguous(rv.data(), DType::kBF16, {12, 2, 64}))
+                      .ok());
+      const int64_t row_a = int64_t{12} * 2 * 64;  // request a is row 1
+      EXPECT_TRUE(std::equal(rk.begin(), rk.begin() + 10 * 128, gk_out.begin() + row_a));
+      EXPECT_TRUE(std::equal(rv.begin(), rv.begin() + 10 * 128, gv_out.begin() + row_a));
+    }
+    EXPECT_TRUE(c.CheckInvariants().ok());
   }
 }
 
@@ -957,7 +1010,7 @@ TEST(KVCacheOps, BoundOpsSurviveMovingTheCache) {
 // once as a CUDA graph replays like eager execution and like the CPU
 // reference over steps with other sequences, lengths, forks (copy on write),
 // truncation, releases and a scale update.
-TEST(KVCacheGpu, CapturedStepReplaysLikeEagerAndCpu) {
+void CapturedStepReplaysLikeEagerAndCpu(KeyFormat key_format) {
   FP4KV_SKIP_WITHOUT_GPU();
   // A blocking stream: the harness's synchronous cudaMemset/cudaMemcpy (legacy
   // stream) are ordered with it.
@@ -965,6 +1018,7 @@ TEST(KVCacheGpu, CapturedStepReplaysLikeEagerAndCpu) {
   FP4KV_ASSERT_CUDA(cudaStreamCreate(&cs));
   const Stream stream = reinterpret_cast<Stream>(cs);
   KVCacheOptions o = SmallOptions();
+  o.geometry.key_format = key_format;
   o.num_layers = 3;
   o.k_global_scales = {4.0f, 5.0f, 6.0f};
   o.v_global_scales = {3.0f, 6.0f, 2.0f};
@@ -1150,11 +1204,20 @@ TEST(KVCacheGpu, CapturedStepReplaysLikeEagerAndCpu) {
         EXPECT_EQ(outs[i].v[l].DownloadAs<uint16_t>(n), v0);
       }
     }
-    if (HasFailure()) break;
+    if (::testing::Test::HasFailure()) break;
   }
   EXPECT_GT(copies, 0) << "the scenario never copied a shared page";
   if (exec != nullptr) FP4KV_ASSERT_CUDA(cudaGraphExecDestroy(exec));
   FP4KV_ASSERT_CUDA(cudaStreamDestroy(cs));
+}
+
+TEST(KVCacheGpu, CapturedStepReplaysLikeEagerAndCpu) {
+  CapturedStepReplaysLikeEagerAndCpu(KeyFormat::kNvfp4);
+}
+
+// The same with FP8 keys (K8V4).
+TEST(KVCacheGpu, CapturedStepReplaysLikeEagerAndCpuFp8Keys) {
+  CapturedStepReplaysLikeEagerAndCpu(KeyFormat::kFp8);
 }
 
 TEST(KVCacheApi, MovedFromCacheReturnsErrorsAndEmptyValues) {

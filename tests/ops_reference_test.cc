@@ -118,6 +118,14 @@ std::vector<uint8_t> ExpectedRow(const uint16_t* src, DType dtype, int dim, floa
   return data;
 }
 
+// The expected bytes of one FP8 key row: QuantizeFp8Key of every value.
+std::vector<uint8_t> ExpectedFp8KeyRow(const uint16_t* src, DType dtype, int dim, float g) {
+  std::vector<uint8_t> data;
+  const float r = Fp8KeyEncodeMultiplier(g);
+  for (int i = 0; i < dim; ++i) data.push_back(QuantizeFp8Key(ToFloat(dtype, src[i]), r));
+  return data;
+}
+
 absl::Status AppendPaged(Scenario& s, Rows& rows, HostCache& hc, const Recipe& recipe = Recipe()) {
   const CacheGeometry& g = hc.geometry();
   return QuantizeAppendPaged(rows.key(g, s.nnz), rows.value(g, s.nnz), I32(s.batch_indices),
@@ -133,6 +141,7 @@ struct SweepCase {
   Layout layout;
   DType dtype;
   bool stacked;
+  KeyFormat key_format = KeyFormat::kNvfp4;
 };
 
 class AppendSweep : public ::testing::TestWithParam<SweepCase> {};
@@ -141,7 +150,8 @@ class AppendSweep : public ::testing::TestWithParam<SweepCase> {};
 // format functions give, and nothing else in the cache changes.
 TEST_P(AppendSweep, RowsLandWhereIndexedWithExactBytes) {
   const SweepCase c = GetParam();
-  const CacheGeometry g = Geo(c.heads, c.dk, c.dv, c.page_size, 64, c.layout);
+  CacheGeometry g = Geo(c.heads, c.dk, c.dv, c.page_size, 64, c.layout);
+  g.key_format = c.key_format;
   for (int batch : {1, 7}) {
     Scenario s = MakeScenario(g, batch, 2 * c.page_size + 1, 2 * c.page_size + 3, 100 + batch);
     ASSERT_LE(static_cast<int64_t>(s.kv_indices.size()), g.num_pages);
@@ -156,9 +166,10 @@ TEST_P(AppendSweep, RowsLandWhereIndexedWithExactBytes) {
       const int entry = pos % g.page_size;
       written[page * g.page_size + entry] = true;
       for (int h = 0; h < g.num_kv_heads; ++h) {
+        const uint16_t* k_src = &rows.k[(i * g.num_kv_heads + h) * g.head_dim_k];
         EXPECT_EQ(hc.Row(false, page, entry, h),
-                  ExpectedRow(&rows.k[(i * g.num_kv_heads + h) * g.head_dim_k], c.dtype, g.head_dim_k,
-                              kGk, Recipe()))
+                  g.fp8_keys() ? ExpectedFp8KeyRow(k_src, c.dtype, g.head_dim_k, kGk)
+                               : ExpectedRow(k_src, c.dtype, g.head_dim_k, kGk, Recipe()))
             << "K row " << i << " head " << h;
         EXPECT_EQ(hc.Row(true, page, entry, h),
                   ExpectedRow(&rows.v[(i * g.num_kv_heads + h) * g.head_dim_v], c.dtype, g.head_dim_v,
@@ -187,7 +198,13 @@ INSTANTIATE_TEST_SUITE_P(
                       SweepCase{4, 1, 128, 128, Layout::kNHD, DType::kF16, true},
                       SweepCase{16, 2, 128, 64, Layout::kNHD, DType::kBF16, false},
                       SweepCase{17, 2, 16, 16, Layout::kHND, DType::kBF16, true},
-                      SweepCase{16, 1, 256, 256, Layout::kHND, DType::kBF16, false}));
+                      SweepCase{16, 1, 256, 256, Layout::kHND, DType::kBF16, false},
+                      // FP8 keys (K8V4)
+                      SweepCase{1, 2, 64, 64, Layout::kNHD, DType::kBF16, false, KeyFormat::kFp8},
+                      SweepCase{3, 3, 64, 128, Layout::kHND, DType::kF16, false, KeyFormat::kFp8},
+                      SweepCase{16, 2, 128, 64, Layout::kNHD, DType::kF16, false, KeyFormat::kFp8},
+                      SweepCase{17, 2, 16, 16, Layout::kHND, DType::kBF16, false,
+                                KeyFormat::kFp8}));
 
 // Append + dequantize: every stored value is within the format's error of
 // what was appended, positions >= seq_len keep the poison, i32 and i64
@@ -555,6 +572,137 @@ TEST(ReferenceOps, RecipeReachesPagedAppend) {
     differs += want != ExpectedRow(&rows.k[i * 64], DType::kBF16, 64, kGk, Recipe());
   }
   EXPECT_GT(differs, 0) << "4over6 never chose differently from the standard recipe";
+}
+
+// K8V4 end to end on the CPU: slot append, dequantize, materialize (copy and
+// re-scale) and whole-cache quantize agree with the FP8 key rules of
+// format.h; values are stored exactly as in an NVFP4-key cache.
+TEST(ReferenceOps, Fp8KeysThroughEveryOp) {
+  for (Layout layout : {Layout::kNHD, Layout::kHND}) {
+    constexpr int H = 2, D = 64, S = 16, P = 8;
+    CacheGeometry g = Geo(H, D, D, S, P, layout);
+    CacheGeometry g4 = g;
+    g.key_format = KeyFormat::kFp8;
+    const int64_t n = int64_t{P} * S;
+    Rows rows = MakeRows(g, DType::kBF16, n, 91);
+    float amax = 0.0f;
+    for (uint16_t b : rows.k) amax = std::max(amax, std::fabs(Bf16BitsToFloat(b)));
+    const float gk = MakeFp8KeyScale(amax);
+    // Slots: page p gets the rows [p * S, p * S + S) of page perm[p].
+    std::vector<int64_t> slots(n);
+    const int32_t perm[P] = {5, 2, 7, 0, 3, 6, 1, 4};
+    for (int64_t i = 0; i < n; ++i) slots[i] = perm[i / S] * S + i % S;
+    const TensorView sm = TensorView::Contiguous(slots.data(), DType::kI64, {n});
+    HostCache hc(g, false, kPoison), hc4(g4, false, kPoison);
+    ASSERT_TRUE(QuantizeAppendBySlot(rows.key(g, n), rows.value(g, n), sm, hc.cache(),
+                                     GlobalScale::Value(gk), GlobalScale::Value(kGv), Recipe())
+                    .ok());
+    ASSERT_TRUE(QuantizeAppendBySlot(rows.key(g, n), rows.value(g, n), sm, hc4.cache(),
+                                     GlobalScale::Value(kGk), GlobalScale::Value(kGv), Recipe())
+                    .ok());
+    for (int64_t i = 0; i < n; ++i) {
+      for (int h = 0; h < H; ++h) {
+        ASSERT_EQ(hc.Row(false, perm[i / S], i % S, h),
+                  ExpectedFp8KeyRow(&rows.k[(i * H + h) * D], DType::kBF16, D, gk));
+        ASSERT_EQ(hc.Row(true, perm[i / S], i % S, h), hc4.Row(true, perm[i / S], i % S, h));
+      }
+    }
+    // Dequantize one request over all pages: K is DequantFp8Key of the bytes,
+    // within E4M3's half step of the input; V as in the NVFP4-key cache.
+    std::vector<int32_t> table(perm, perm + P), len = {static_cast<int32_t>(n - 5)};
+    std::vector<uint16_t> k_out(n * H * D, 0xA5A5), v_out(n * H * D, 0xA5A5), v4_out = v_out,
+                                                                              k4_out = k_out;
+    const TensorView bt = TensorView::Contiguous(table.data(), DType::kI32, {1, P});
+    ASSERT_TRUE(DequantizePaged(hc.cache(), bt, I32(len),
+                                TensorView::Contiguous(k_out.data(), DType::kBF16, {1, n, H, D}),
+                                TensorView::Contiguous(v_out.data(), DType::kBF16, {1, n, H, D}),
+                                GlobalScale::Value(gk), GlobalScale::Value(kGv))
+                    .ok());
+    ASSERT_TRUE(DequantizePaged(hc4.cache(), bt, I32(len),
+                                TensorView::Contiguous(k4_out.data(), DType::kBF16, {1, n, H, D}),
+                                TensorView::Contiguous(v4_out.data(), DType::kBF16, {1, n, H, D}),
+                                GlobalScale::Value(kGk), GlobalScale::Value(kGv))
+                    .ok());
+    EXPECT_EQ(v_out, v4_out);
+    const float r = Fp8KeyEncodeMultiplier(gk);
+    for (int64_t t = 0; t < n; ++t) {
+      for (int h = 0; h < H; ++h) {
+        const std::vector<uint8_t> bytes = hc.Row(false, perm[t / S], t % S, h);
+        for (int d = 0; d < D; ++d) {
+          const uint16_t got = k_out[(t * H + h) * D + d];
+          if (t >= len[0]) {
+            ASSERT_EQ(got, 0xA5A5) << "past the length";
+            continue;
+          }
+          ASSERT_EQ(got, FloatToBf16Bits(DequantFp8Key(bytes[d], gk)));
+          const float x = Bf16BitsToFloat(rows.k[(t * H + h) * D + d]);
+          const float y = Bf16BitsToFloat(got);
+          // Normal E4M3 codes: 3 mantissa bits (relative step 1/8); below
+          // 2^-6 the step is 2^-9 in units of g_k; plus bf16 rounding.
+          ASSERT_LE(std::fabs(y - x), std::fabs(x) / 15 + gk * 0.002f) << x << " -> " << y;
+          ASSERT_EQ(bytes[d], QuantizeFp8Key(x, r));
+        }
+      }
+    }
+    // Materialize: k_fp8_scale g_k copies the key bytes, 2 g_k re-scales them.
+    std::vector<int32_t> indptr = {0, P}, len_all = {static_cast<int32_t>(n)};
+    for (float factor : {1.0f, 2.0f}) {
+      std::vector<uint8_t> out((P + 1) * 2 * H * S * D, kPoison);
+      std::vector<int32_t> fp8_table(P, -1);
+      const float kf = gk * factor;
+      ASSERT_TRUE(
+          MaterializeFp8(hc.cache(), bt, I32(len_all), I32(indptr),
+                         TensorView::Contiguous(out.data(), DType::kE4M3, {P + 1, 2, H, S, D}),
+                         TensorView::Contiguous(fp8_table.data(), DType::kI32, {1, P}),
+                         GlobalScale::Value(gk), GlobalScale::Value(kGv), GlobalScale::Value(kf),
+                         GlobalScale::Value(MinFp8ScaleFor(kGv)))
+              .ok());
+      const float m = Fp8MaterializeMultiplier(gk, kf);
+      for (int j = 0; j < P; ++j) {
+        ASSERT_EQ(fp8_table[j], j + 1);
+        for (int h = 0; h < H; ++h) {
+          for (int e = 0; e < S; ++e) {
+            const std::vector<uint8_t> bytes = hc.Row(false, perm[j], e, h);
+            const uint8_t* o = &out[((static_cast<size_t>(j) + 1) * 2 * H + h) * S * D + e * D];
+            for (int d = 0; d < D; ++d) {
+              ASSERT_EQ(o[d], factor == 1.0f ? bytes[d] : MaterializeFp8KeyValue(bytes[d], m));
+            }
+          }
+        }
+      }
+    }
+    // Whole-cache quantize of the same tokens (bf16 pages in slot order):
+    // the bytes of the append; computed scales give g_k = MakeFp8KeyScale(amax).
+    std::vector<uint16_t> src_k(n * H * D), src_v(n * H * D);
+    const bool nhd = layout == Layout::kNHD;
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t p = slots[i] / S, e = slots[i] % S;
+      for (int h = 0; h < H; ++h) {
+        const int64_t dst = nhd ? ((p * S + e) * H + h) * D : ((p * H + h) * S + e) * D;
+        std::copy_n(&rows.k[(i * H + h) * D], D, &src_k[dst]);
+        std::copy_n(&rows.v[(i * H + h) * D], D, &src_v[dst]);
+      }
+    }
+    const std::vector<int64_t> shape =
+        nhd ? std::vector<int64_t>{P, S, H, D} : std::vector<int64_t>{P, H, S, D};
+    const HalfPagedCache src{TensorView::Contiguous(src_k.data(), DType::kBF16, shape),
+                             TensorView::Contiguous(src_v.data(), DType::kBF16, shape), layout};
+    HostCache hq(g, false, kPoison);
+    ASSERT_TRUE(QuantizePagedCache(src, hq.cache(), GlobalScale::Value(gk), GlobalScale::Value(kGv),
+                                   nullptr, nullptr, Recipe())
+                    .ok());
+    EXPECT_EQ(hq.Snapshot(), hc.Snapshot());
+    HostCache hs(g, false, kPoison);
+    float k_out_scale = 0.0f, v_out_scale = 0.0f;
+    ASSERT_TRUE(QuantizePagedCache(src, hs.cache(), GlobalScale::Value(1.0f),
+                                   GlobalScale::Value(1.0f), &k_out_scale, &v_out_scale, Recipe())
+                    .ok());
+    EXPECT_EQ(k_out_scale, gk);
+    EXPECT_EQ(hs.Snapshot().size(), hc.Snapshot().size());
+    for (int64_t i = 0; i < n; ++i) {
+      EXPECT_EQ(hs.Row(false, perm[i / S], i % S, 0), hc.Row(false, perm[i / S], i % S, 0));
+    }
+  }
 }
 
 }  // namespace

@@ -287,6 +287,102 @@ TEST(Validation, StackedFormRules) {
   EXPECT_NE(r2.status().message().find("rank 5"), std::string::npos) << r2.status();
 }
 
+// FP8-key caches (K8V4): key scales must be absent, key rows Dk bytes of
+// E4M3 / u8, the cache's key format must match the op's; a rejected call
+// writes nothing. The valid call writes.
+TEST(Validation, Fp8KeyCacheRules) {
+  struct Fp8Case {
+    const char* name;
+    std::function<void(Fixture&)> mutate;
+    std::function<absl::Status(Fixture&)> op;
+    const char* argument;
+  };
+  const std::vector<Fp8Case> cases = {
+      {"k_scales_given", [](Fixture& f) { f.cache.k_scales = f.hc.cache().k_scales; }, Slot,
+       "cache.k_scales"},
+      {"k_scales_given_dequant", [](Fixture& f) { f.cache.k_scales = f.hc.cache().k_scales; }, Deq,
+       "cache.k_scales"},
+      // The functional API reads the geometry off the cache; an op object
+      // holds it, so a key row of Dk / 2 bytes is the cache's fault.
+      {"k_data_nvfp4_inner_dim", [](Fixture& f) { f.cache.k_data.shape[3] = 32; },
+       [](Fixture& f) {
+         CacheGeometry g8 = Geo();
+         g8.key_format = KeyFormat::kFp8;
+         absl::StatusOr<Appender> op =
+             Appender::Create({g8, DType::kBF16, AppendIndexing::kSlot, Recipe(), Device::Cpu()});
+         if (!op.ok()) return op.status();
+         AppendArgs a;
+         a.key = f.key;
+         a.value = f.value;
+         a.slot_mapping = f.slot_mapping;
+         a.k_scale = f.k_scale;
+         a.v_scale = f.v_scale;
+         return op->Run(a, f.cache, nullptr);
+       },
+       "cache.k_data"},
+      {"k_data_inner_dim_mat", [](Fixture& f) { f.cache.k_data.shape[3] = 32; },
+       [](Fixture& f) {
+         CacheGeometry g8 = Geo();
+         g8.key_format = KeyFormat::kFp8;
+         absl::StatusOr<Materializer> op =
+             Materializer::Create({g8, DType::kI32, false, Device::Cpu()});
+         if (!op.ok()) return op.status();
+         return op->Run({f.block_tables, f.seq_lens, f.kv_page_indptr, f.fp8_out, f.fp8_tables,
+                         f.k_scale, f.v_scale, GlobalScale::Value(3.0f), GlobalScale::Value(1.5f)},
+                        f.cache, nullptr);
+       },
+       "cache.k_data"},
+      {"k_data_bf16", [](Fixture& f) { f.cache.k_data.dtype = DType::kBF16; }, Slot,
+       "cache.k_data"},
+      {"k_data_misaligned", [](Fixture& f) { f.cache.k_data = Misalign(f.cache.k_data, 8); }, Slot,
+       "cache.k_data"},
+      {"labelled_nvfp4", [](Fixture& f) { f.cache.key_format = KeyFormat::kNvfp4; }, Slot,
+       "cache.k_scales"},
+      {"nvfp4_op_fp8_cache", [](Fixture&) {},
+       [](Fixture& f) {
+         absl::StatusOr<Appender> op = Appender::Create(
+             {Geo(), DType::kBF16, AppendIndexing::kSlot, Recipe(), Device::Cpu()});
+         if (!op.ok()) return op.status();
+         AppendArgs a;
+         a.key = f.key;
+         a.value = f.value;
+         a.slot_mapping = f.slot_mapping;
+         a.k_scale = f.k_scale;
+         a.v_scale = f.v_scale;
+         return op->Run(a, f.cache, nullptr);
+       },
+       "cache.key_format"},
+  };
+  CacheGeometry g = Geo();
+  g.key_format = KeyFormat::kFp8;
+  for (const Fp8Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    Fixture f;
+    HostCache hc(g, false, kPoison);
+    f.cache = hc.cache();
+    const std::vector<uint8_t> before = hc.Snapshot(), outputs = f.State();
+    c.mutate(f);
+    const absl::Status s = c.op(f);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_NE(s.message().find(c.argument), std::string::npos) << s;
+    EXPECT_EQ(hc.Snapshot(), before);
+    EXPECT_EQ(f.State(), outputs);
+  }
+  Fixture f;
+  HostCache hc(g, false, kPoison);
+  f.cache = hc.cache();
+  const std::vector<uint8_t> before = hc.Snapshot();
+  ASSERT_TRUE(f.AppendSlot().ok());
+  EXPECT_NE(hc.Snapshot(), before);
+  EXPECT_TRUE(f.Dequant().ok());
+  EXPECT_TRUE(f.Materialize().ok());
+  // A stacked view cannot hold FP8 keys; the tuple view's geometry says kFp8.
+  absl::StatusOr<CacheGeometry> got = hc.cache().Geometry();
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(got->key_format, KeyFormat::kFp8);
+  EXPECT_EQ(got->head_dim_k, 64);
+}
+
 // scale_events must be given exactly when counting is on, 8-byte aligned;
 // a rejected append writes neither the pool nor the counters.
 TEST(Validation, ScaleEventCounters) {

@@ -469,6 +469,19 @@ FP4KV_HD uint8_t MaterializeFp8KeyValue(uint8_t code, float multiplier) {
 
 FP4KV_HD float MinFp8ScaleForFp8Keys(float g_k) { return g_k; }
 
+// Scale events of 16 consecutive FP8 key values (one NVFP4 block's worth, so
+// the counters keep the unit "blocks"), given their amax (NaN ignored) and the
+// encode multiplier r: saturated when fl(amax * r) > 448 (a value is clipped
+// to +-448), underflow when amax > 0 but fl(amax * r) encodes to a zero code
+// (every value of the 16 became zero).
+FP4KV_HD ScaleEvent ClassifyFp8KeyBlock(float amax, float encode_multiplier) {
+  if (!(amax > 0.0f)) return ScaleEvent::kNone;
+  const float q = MulRn(amax, encode_multiplier);
+  if (q > kE4m3Max) return ScaleEvent::kSaturated;
+  if ((E4m3Encode(q) & 0x7fu) == 0) return ScaleEvent::kUnderflow;
+  return ScaleEvent::kNone;
+}
+
 }  // namespace fp4kv
 
 #endif  // FP4KV_FORMAT_H_

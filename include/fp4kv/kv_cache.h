@@ -170,6 +170,18 @@ struct KVCacheOptions {
   int num_layers = 0;
   // Heads, head dims, page size and layout of every layer. num_pages == 0:
   // derived from memory_budget_bytes (exactly one of the two must be given).
+  // geometry.key_format picks how keys are stored (values are always NVFP4):
+  // KeyFormat::kNvfp4 (the default) or KeyFormat::kFp8, one E4M3 byte per key
+  // value under the layer's key scale g_k (docs/format.md, "FP8 key pages").
+  // With FP8 keys there is no key scale pool, so a token costs
+  // H * (Dk + Dv / 2 + Dv / 16) bytes per layer instead of
+  // H * (Dk + Dv) * 9 / 16 (Stats().bytes_per_token, pool_bytes and the
+  // pages a memory budget buys say so); the first-append calibration gives
+  // g_k = MakeFp8KeyScale(calibration_headroom * amax), explicit scales are
+  // used as g_k, the key FP8 (materialize) scale is g_k itself (key pages are
+  // copied), LayerCache() returns a PagedCache::Fp8Keys view, and
+  // UpdateGlobalScales(kReencode) re-encodes the key bytes.
+  // CalibrateGlobalScales refuses FP8 keys (Unimplemented).
   CacheGeometry geometry;
   int64_t memory_budget_bytes = 0;  // bytes for all pools of all layers
   Device device = Device::Cpu();

@@ -47,6 +47,34 @@ void QuantizeRow(const void* src, DType dtype, int64_t src_offset, int head_dim,
   }
 }
 
+// Quantizes one [head_dim] key row into head_dim FP8 key bytes. events, when
+// not null, gets the row's saturated ([0]) and underflowed ([1]) 16-value
+// groups added (ClassifyFp8KeyBlock).
+void QuantizeFp8KeyRow(const void* src, DType dtype, int64_t src_offset, int head_dim, float g,
+                       uint8_t* data, uint64_t* events = nullptr) {
+  const float r = Fp8KeyEncodeMultiplier(g);
+  for (int blk = 0; blk < head_dim / kBlockSize; ++blk) {
+    float amax = 0.0f;
+    for (int i = 0; i < kBlockSize; ++i) {
+      const float x = LoadFloat(src, dtype, src_offset + blk * kBlockSize + i);
+      data[blk * kBlockSize + i] = QuantizeFp8Key(x, r);
+      const float a = AbsF(x);
+      amax = a > amax ? a : amax;  // NaN ignored
+    }
+    if (events != nullptr) {
+      const ScaleEvent e = ClassifyFp8KeyBlock(amax, r);
+      if (e == ScaleEvent::kSaturated) ++events[0];
+      if (e == ScaleEvent::kUnderflow) ++events[1];
+    }
+  }
+}
+
+void DequantizeFp8KeyRow(const uint8_t* data, int head_dim, float g, void* dst, DType dtype,
+                         int64_t dst_offset) {
+  for (int i = 0; i < head_dim; ++i)
+    StoreFloat(dst, dtype, dst_offset + i, DequantFp8Key(data[i], g));
+}
+
 // Dequantizes one pool row into [head_dim] f16/bf16 values.
 void DequantizeRow(const uint8_t* data, const uint8_t* scales, int head_dim, float g, void* dst,
                    DType dtype, int64_t dst_offset) {
@@ -69,9 +97,15 @@ void ReferenceAppend(const AppendParams& p) {
     int entry;
     if (!ResolveAppendRow(p, i, &page, &entry)) continue;
     for (int h = 0; h < p.num_heads; ++h) {
-      QuantizeRow(p.key, p.input_dtype, i * p.key_row_stride + h * p.key_head_stride, p.k.head_dim, gk,
-                  p.recipe, p.k.data + p.k.DataOffset(page, entry, h),
-                  p.k.scales + p.k.ScaleOffset(page, entry, h), p.scale_events);
+      if (p.fp8_keys) {
+        QuantizeFp8KeyRow(p.key, p.input_dtype, i * p.key_row_stride + h * p.key_head_stride,
+                          p.k.head_dim, gk, p.k.data + p.k.DataOffset(page, entry, h),
+                          p.scale_events);
+      } else {
+        QuantizeRow(p.key, p.input_dtype, i * p.key_row_stride + h * p.key_head_stride,
+                    p.k.head_dim, gk, p.recipe, p.k.data + p.k.DataOffset(page, entry, h),
+                    p.k.scales + p.k.ScaleOffset(page, entry, h), p.scale_events);
+      }
       QuantizeRow(p.value, p.input_dtype, i * p.value_row_stride + h * p.value_head_stride,
                   p.v.head_dim, gv, p.recipe, p.v.data + p.v.DataOffset(page, entry, h),
                   p.v.scales + p.v.ScaleOffset(page, entry, h),
@@ -91,9 +125,15 @@ void ReferenceDequantize(const DequantParams& p) {
       if (page < 0 || page >= p.num_pages) continue;
       const int64_t entry = t % p.page_size;
       for (int h = 0; h < p.num_heads; ++h) {
-        DequantizeRow(p.k.data + p.k.DataOffset(page, entry, h),
-                      p.k.scales + p.k.ScaleOffset(page, entry, h), p.k.head_dim, gk, p.k_out,
-                      p.output_dtype, b * p.k_out_batch + t * p.k_out_token + h * p.k_out_head);
+        const int64_t k_dst = b * p.k_out_batch + t * p.k_out_token + h * p.k_out_head;
+        if (p.fp8_keys) {
+          DequantizeFp8KeyRow(p.k.data + p.k.DataOffset(page, entry, h), p.k.head_dim, gk, p.k_out,
+                              p.output_dtype, k_dst);
+        } else {
+          DequantizeRow(p.k.data + p.k.DataOffset(page, entry, h),
+                        p.k.scales + p.k.ScaleOffset(page, entry, h), p.k.head_dim, gk, p.k_out,
+                        p.output_dtype, k_dst);
+        }
         DequantizeRow(p.v.data + p.v.DataOffset(page, entry, h),
                       p.v.scales + p.v.ScaleOffset(page, entry, h), p.v.head_dim, gv, p.v_out,
                       p.output_dtype, b * p.v_out_batch + t * p.v_out_token + h * p.v_out_head);
@@ -134,6 +174,11 @@ void ReferenceMaterialize(const MaterializeParams& p) {
               continue;
             }
             const uint8_t* data = pool.data + pool.DataOffset(src, e, h);
+            if (kv == 0 && p.fp8_keys) {
+              for (int i = 0; i < p.head_dim; ++i)
+                dst[i] = MaterializeFp8KeyValue(data[i], mult[0]);
+              continue;
+            }
             const uint8_t* scales = pool.scales + pool.ScaleOffset(src, e, h);
             for (int blk = 0; blk < p.head_dim / kBlockSize; ++blk) {
               const float s = E4m3Decode(scales[blk]);
@@ -186,9 +231,11 @@ void ReferenceCalibrateRows(const RowCalibrationParams& p) {
   }
   for (int kv = 0; kv < 2; ++kv) {
     if (p.flags[kv] != 0 || !(amax[kv] > 0.0f)) continue;
-    const float g = MakeGlobalScale(MulRn(amax[kv], p.headroom), p.recipe);
+    const float a = MulRn(amax[kv], p.headroom);
+    const bool fp8 = kv == 0 && p.fp8_keys;
+    const float g = fp8 ? MakeFp8KeyScale(a) : MakeGlobalScale(a, p.recipe);
     p.scales[kv] = g;
-    p.scales[2 + kv] = MinFp8ScaleFor(g);
+    p.scales[2 + kv] = fp8 ? MinFp8ScaleForFp8Keys(g) : MinFp8ScaleFor(g);
     p.flags[kv] = 1;
     if (p.host_flags != nullptr) p.host_flags[kv] = 1;
   }
@@ -197,6 +244,13 @@ void ReferenceCalibrateRows(const RowCalibrationParams& p) {
 void ReferenceReencode(const ReencodeParams& p) {
   const float old_g = *p.old_scale;
   const float new_g = *p.new_scale;
+  if (p.fp8_keys) {
+    const float r = Fp8KeyEncodeMultiplier(new_g);
+    for (int64_t i = 0; i < p.blocks * kBlockSize; ++i) {
+      p.data[i] = QuantizeFp8Key(DequantFp8Key(p.data[i], old_g), r);
+    }
+    return;
+  }
   for (int64_t i = 0; i < p.blocks; ++i) {
     uint32_t packed[2];
     LoadPacked(p.data + i * kBlockBytes, packed);
@@ -242,9 +296,14 @@ void ReferenceQuantizeCache(const QuantizeCacheParams& p) {
   const float gv = p.v_scale.Get();
   ForEachCacheRow(p, [&](int64_t src, int64_t e, int64_t dst) {
     for (int h = 0; h < p.num_heads; ++h) {
-      QuantizeRow(p.k_src, p.dtype, src * p.k_src_page + e * p.k_src_entry + h * p.k_src_head,
-                  p.k.head_dim, gk, p.recipe, p.k.data + p.k.DataOffset(dst, e, h),
-                  p.k.scales + p.k.ScaleOffset(dst, e, h));
+      const int64_t k_src = src * p.k_src_page + e * p.k_src_entry + h * p.k_src_head;
+      if (p.fp8_keys) {
+        QuantizeFp8KeyRow(p.k_src, p.dtype, k_src, p.k.head_dim, gk,
+                          p.k.data + p.k.DataOffset(dst, e, h));
+      } else {
+        QuantizeRow(p.k_src, p.dtype, k_src, p.k.head_dim, gk, p.recipe,
+                    p.k.data + p.k.DataOffset(dst, e, h), p.k.scales + p.k.ScaleOffset(dst, e, h));
+      }
       QuantizeRow(p.v_src, p.dtype, src * p.v_src_page + e * p.v_src_entry + h * p.v_src_head,
                   p.v.head_dim, gv, p.recipe, p.v.data + p.v.DataOffset(dst, e, h),
                   p.v.scales + p.v.ScaleOffset(dst, e, h));

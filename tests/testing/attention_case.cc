@@ -370,8 +370,13 @@ std::string FindRealKvDir(std::string* why) {
       p = p.parent_path();
     }
   }
+  // The project's own copy: tests/data/realkv.
+  if (!starts.empty()) {
+    const std::filesystem::path own = starts[0].parent_path() / "data" / "realkv";
+    if (RealKvDirComplete(own)) return own.string();
+  }
   *why = absl::StrCat("no complete shared/data/realkv above ", __FILE__,
-                      " or the working directory (set FP4KV_REALKV_DIR)");
+                      " or the working directory, and no tests/data/realkv (set FP4KV_REALKV_DIR)");
   return "";
 }
 

@@ -125,7 +125,8 @@ std::vector<AttentionSpec> RealKvSweep();
 inline constexpr int kRealKvTokens = 1025;
 inline constexpr int kRealKvLayers[] = {0, 11, 23, 28};
 // True when the files are found: $FP4KV_REALKV_DIR, else shared/data/realkv
-// under an ancestor of this source file or of the working directory.
+// under an ancestor of this source file or of the working directory, else the
+// project's copy in tests/data/realkv.
 bool RealKvAvailable(std::string* why = nullptr);
 struct RealKvLayer {
   std::vector<uint16_t> q;  // [1025, 9, 64]

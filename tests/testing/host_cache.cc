@@ -20,6 +20,18 @@ HostCache::HostCache(const CacheGeometry& g, bool stacked, uint8_t fill) : g_(g)
     cache_ = *PagedCache::FromStacked(data, scales, g.layout);
     return;
   }
+  if (g.fp8_keys()) {  // E4M3 key rows of Dk bytes, no key scales
+    data_[0].assign(rows * g.head_dim_k, fill);
+    data_[1].assign(rows * g.head_dim_v / 2, fill);
+    scales_[1].assign(rows * g.head_dim_v / 16, fill);
+    cache_ = PagedCache::Fp8Keys(
+        TensorView::Contiguous(data_[0].data(), DType::kE4M3, {g.num_pages, a, b, g.head_dim_k}),
+        TensorView::Contiguous(data_[1].data(), DType::kU8, {g.num_pages, a, b, g.head_dim_v / 2}),
+        TensorView::Contiguous(scales_[1].data(), DType::kE4M3,
+                               {g.num_pages, a, b, g.head_dim_v / 16}),
+        g.layout);
+    return;
+  }
   for (int kv = 0; kv < 2; ++kv) {
     const int64_t d = kv == 0 ? g.head_dim_k : g.head_dim_v;
     data_[kv].assign(rows * d / 2, fill);
@@ -49,9 +61,10 @@ std::vector<uint8_t> HostCache::Row(bool is_v, int64_t page, int64_t entry, int6
   const int h = g_.layout == Layout::kNHD ? 2 : 1;
   const uint8_t* dp = static_cast<const uint8_t*>(d.data) + page * d.strides[0] +
                       entry * d.strides[e] + head * d.strides[h];
+  std::vector<uint8_t> out(dp, dp + d.shape[3]);
+  if (s.data == nullptr) return out;  // FP8 keys: no scales
   const uint8_t* sp = static_cast<const uint8_t*>(s.data) + page * s.strides[0] +
                       entry * s.strides[e] + head * s.strides[h];
-  std::vector<uint8_t> out(dp, dp + d.shape[3]);
   out.insert(out.end(), sp, sp + s.shape[3]);
   return out;
 }

@@ -11,7 +11,8 @@
 namespace fp4kv {
 namespace testing {
 
-// Owns the bytes of one paged cache in host memory, in tuple or stacked form.
+// Owns the bytes of one paged cache in host memory, in tuple or stacked form
+// (FP8 keys, g.fp8_keys(): tuple form, E4M3 key rows and no key scales).
 // Every byte starts as `fill`.
 class HostCache {
  public:
@@ -23,7 +24,8 @@ class HostCache {
   const CacheGeometry& geometry() const { return g_; }
   // All bytes (data then scales), for whole-state comparisons.
   std::vector<uint8_t> Snapshot() const;
-  // Bytes of one row (K or V) at (page, entry, head): data then scales.
+  // Bytes of one row (K or V) at (page, entry, head): data then scales (FP8
+  // key rows: data only).
   std::vector<uint8_t> Row(bool is_v, int64_t page, int64_t entry, int64_t head) const;
 
  private:

@@ -115,6 +115,10 @@ PoolSpec AddPool(BlobLayout& layout, const CacheGeometry& g, bool stacked) {
   if (stacked) {
     p.data = layout.Add(DType::kU8, {g.num_pages, 2, a, b, g.head_dim_k / 2});
     p.scales = layout.Add(DType::kE4M3, {g.num_pages, 2, a, b, g.head_dim_k / kBlockSize});
+  } else if (g.fp8_keys()) {
+    p.k_data = layout.Add(DType::kE4M3, {g.num_pages, a, b, g.head_dim_k});
+    p.v_data = layout.Add(DType::kU8, {g.num_pages, a, b, g.head_dim_v / 2});
+    p.v_scales = layout.Add(DType::kU8, {g.num_pages, a, b, g.head_dim_v / kBlockSize});
   } else {
     p.k_data = layout.Add(DType::kU8, {g.num_pages, a, b, g.head_dim_k / 2});
     p.v_data = layout.Add(DType::kU8, {g.num_pages, a, b, g.head_dim_v / 2});
@@ -129,6 +133,10 @@ PagedCache PoolSpec::At(uint8_t* base, Device device) const {
     return PagedCache::FromStacked(data.At(base, device), scales.At(base, device), geometry.layout)
         .value();
   }
+  if (geometry.fp8_keys()) {
+    return PagedCache::Fp8Keys(k_data.At(base, device), v_data.At(base, device),
+                               v_scales.At(base, device), geometry.layout);
+  }
   return PagedCache::FromTuple(k_data.At(base, device), v_data.At(base, device),
                                k_scales.At(base, device), v_scales.At(base, device),
                                geometry.layout);
@@ -141,6 +149,7 @@ void FillPoolRandom(const PoolSpec& pool, std::vector<uint8_t>& blob, int wild_p
     for (int64_t i = 0; i < v.bytes; ++i) blob[v.offset + i] = static_cast<uint8_t>(rng());
   };
   auto fill_scales = [&](const ViewSpec& v) {
+    if (v.offset < 0) return;  // FP8 keys: no key scales
     for (int64_t i = 0; i < v.bytes; ++i) {
       const uint8_t r = static_cast<uint8_t>(rng());
       blob[v.offset + i] = static_cast<int>(rng() % 100) < wild_percent ? r : r % 0x7f;
@@ -185,7 +194,7 @@ std::string AppendSpec::Name() const {
       stacked ? "_stacked" : "_tuple", dtype == DType::kBF16 ? "_bf16" : "_f16",
       indexing == AppendIndexing::kSlot ? "_slot" : "_paged", "_", RecipeTag(recipe), "_b", batch,
       "x", max_new_tokens, pointer_scales ? "_ptr" : "", padded_input ? "_pad" : "",
-      count_events ? "_events" : "");
+      count_events ? "_events" : "", key_format == KeyFormat::kFp8 ? "_k8" : "");
 }
 
 AppendCase MakeAppendCase(const AppendSpec& spec, uint64_t seed) {
@@ -200,6 +209,7 @@ AppendCase MakeAppendCase(const AppendSpec& spec, uint64_t seed) {
                              spec.page_size,
                              spec.batch * per_request + 3,
                              spec.layout};
+  c.geometry.key_format = spec.key_format;
   const int64_t invalid = spec.invalid_rows ? 6 : 0;
   const int64_t n = int64_t{spec.batch} * spec.max_new_tokens + invalid;
   const int64_t H = spec.num_heads;
@@ -332,11 +342,12 @@ Appender::Options AppendCase::Options(Device device) const {
 
 // ----------------------------------------------------------------- dequant
 std::string DequantSpec::Name() const {
-  return absl::StrCat(
-      "h", num_heads, "_k", head_dim_k, "_v", head_dim_v, "_s", page_size, "_", LayoutTag(layout),
-      stacked ? "_stacked" : "_tuple", dtype == DType::kBF16 ? "_bf16" : "_f16",
-      table_dtype == DType::kI64 ? "_i64" : "_i32", "_b", batch, "_len", max_seq_len, "_mp",
-      max_pages, pointer_scales ? "_ptr" : "", padded_output ? "_pad" : "");
+  return absl::StrCat("h", num_heads, "_k", head_dim_k, "_v", head_dim_v, "_s", page_size, "_",
+                      LayoutTag(layout), stacked ? "_stacked" : "_tuple",
+                      dtype == DType::kBF16 ? "_bf16" : "_f16",
+                      table_dtype == DType::kI64 ? "_i64" : "_i32", "_b", batch, "_len",
+                      max_seq_len, "_mp", max_pages, pointer_scales ? "_ptr" : "",
+                      padded_output ? "_pad" : "", key_format == KeyFormat::kFp8 ? "_k8" : "");
 }
 
 DequantCase MakeDequantCase(const DequantSpec& spec, uint64_t seed) {
@@ -348,6 +359,7 @@ DequantCase MakeDequantCase(const DequantSpec& spec, uint64_t seed) {
                              spec.page_size,
                              spec.batch * spec.max_pages / 2 + 2,
                              spec.layout};
+  c.geometry.key_format = spec.key_format;
   BlobLayout in;
   c.pool = AddPool(in, c.geometry, spec.stacked);
   c.block_tables = in.Add(spec.table_dtype, {spec.batch, spec.max_pages}, 3);
@@ -404,7 +416,8 @@ std::string MaterializeSpec::Name() const {
   return absl::StrCat("h", num_heads, "_d", head_dim, "_s", page_size, "_", LayoutTag(layout),
                       stacked ? "_stacked" : "_tuple", table_dtype == DType::kI64 ? "_i64" : "_i32",
                       separate_kv_tables ? "_kvtables" : "", "_b", batch, "_mp", max_pages,
-                      pointer_scales ? "_ptr" : "", short_out ? "_short" : "");
+                      pointer_scales ? "_ptr" : "", short_out ? "_short" : "",
+                      key_format == KeyFormat::kFp8 ? "_k8" : "");
 }
 
 MaterializeCase MakeMaterializeCase(const MaterializeSpec& spec, uint64_t seed) {
@@ -416,6 +429,7 @@ MaterializeCase MakeMaterializeCase(const MaterializeSpec& spec, uint64_t seed) 
                              spec.page_size,
                              spec.batch * spec.max_pages / 2 + 2,
                              spec.layout};
+  c.geometry.key_format = spec.key_format;
   BlobLayout in;
   c.pool = AddPool(in, c.geometry, spec.stacked);
   if (spec.separate_kv_tables) {
@@ -448,7 +462,13 @@ void MaterializeCase::Rewrite(uint64_t seed) {
   const float gv = std::ldexp(0.37f, static_cast<int>(rng() % 5) - 2);
   StoreScale(in, k_scale, gk);
   StoreScale(in, v_scale, gv);
-  StoreScale(in, k_fp8_scale, MinFp8Scale(gk).value() * (1.0f + static_cast<float>(rng() % 8) / 8));
+  if (geometry.fp8_keys()) {
+    // Around g_k: a copy (factor 1) or a re-scale either way.
+    StoreScale(in, k_fp8_scale, gk * (0.5f + static_cast<float>(rng() % 8) / 4));
+  } else {
+    StoreScale(in, k_fp8_scale,
+               MinFp8Scale(gk).value() * (1.0f + static_cast<float>(rng() % 8) / 8));
+  }
   StoreScale(in, v_fp8_scale, MinFp8Scale(gv).value());
   const int64_t P = geometry.num_pages, B = spec.batch, S = spec.page_size, M = spec.max_pages;
   int64_t indptr = static_cast<int64_t>(rng() % 2);  // may start past 0
@@ -565,6 +585,14 @@ std::vector<AppendSpec> AppendSweep() {
     s.count_events = i % 5 == 2;
     out.push_back(s);
   }
+  // FP8 keys: a slice of the sweep again (tuple pools).
+  for (int i = 0; i < 40; i += 4) {
+    AppendSpec s = out[i];
+    s.key_format = KeyFormat::kFp8;
+    s.stacked = false;
+    s.count_events = s.count_events || i % 8 == 0;
+    out.push_back(s);
+  }
   // A launch with many rows per CTA (>= 8192 rows).
   AppendSpec big;
   big.num_heads = 1;
@@ -600,6 +628,12 @@ std::vector<DequantSpec> DequantSweep() {
     s.padded_output = i % 5 == 1;
     out.push_back(s);
   }
+  for (int i = 0; i < 24; i += 4) {  // FP8 keys
+    DequantSpec s = out[i + i / 4 % 2];
+    s.key_format = KeyFormat::kFp8;
+    s.stacked = false;
+    out.push_back(s);
+  }
   DequantSpec big;  // >= 8192 positions
   big.num_heads = 1;
   big.batch = 128;
@@ -627,6 +661,12 @@ std::vector<MaterializeSpec> MaterializeSweep() {
     s.max_pages = s.batch >= 31 ? 2 : 5;
     s.pointer_scales = i % 4 == 3;
     s.short_out = i % 6 == 5;
+    out.push_back(s);
+  }
+  for (int i = 0; i < 20; i += 3) {  // FP8 keys
+    MaterializeSpec s = out[i];
+    s.key_format = KeyFormat::kFp8;
+    s.stacked = false;
     out.push_back(s);
   }
   MaterializeSpec big;  // >= 8192 pages
@@ -663,7 +703,8 @@ std::string QuantizeCacheSpec::Name() const {
                       LayoutTag(cache_layout), cache_stacked ? "_stacked" : "_tuple",
                       dtype == DType::kBF16 ? "_bf16" : "_f16", "_", RecipeTag(recipe), "_p",
                       source_pages, lists ? "_lists" : "", compute_scales ? "_computed" : "",
-                      pointer_scales ? "_ptr" : "", padded_source ? "_pad" : "");
+                      pointer_scales ? "_ptr" : "", padded_source ? "_pad" : "",
+                      key_format == KeyFormat::kFp8 ? "_k8" : "");
 }
 
 QuantizeCacheCase MakeQuantizeCacheCase(const QuantizeCacheSpec& spec, uint64_t seed) {
@@ -672,6 +713,7 @@ QuantizeCacheCase MakeQuantizeCacheCase(const QuantizeCacheSpec& spec, uint64_t 
   const int64_t P = spec.source_pages, S = spec.page_size, H = spec.num_heads;
   c.geometry = CacheGeometry{spec.num_heads, spec.head_dim_k, spec.head_dim_v,
                              spec.page_size, P + 3,           spec.cache_layout};
+  c.geometry.key_format = spec.key_format;
   BlobLayout in;
   const bool nhd = spec.source_layout == Layout::kNHD;
   const int64_t a = nhd ? S : H, b = nhd ? H : S;
@@ -784,6 +826,12 @@ std::vector<QuantizeCacheSpec> QuantizeCacheSweep() {
     s.compute_scales = i % 4 == 0 || i % 7 == 2;
     s.pointer_scales = !s.compute_scales && i % 3 == 1;
     s.padded_source = i % 5 == 1;
+    out.push_back(s);
+  }
+  for (int i = 0; i < 32; i += 4) {  // FP8 keys
+    QuantizeCacheSpec s = out[i + i / 4 % 3];
+    s.key_format = KeyFormat::kFp8;
+    s.cache_stacked = false;
     out.push_back(s);
   }
   QuantizeCacheSpec big;  // >= 8192 rows: 8 rows per CTA

@@ -57,6 +57,8 @@ struct PoolSpec {
 };
 PoolSpec AddPool(BlobLayout& layout, const CacheGeometry& g, bool stacked);
 
+// With g.fp8_keys() the K pool is [P, a, b, Dk] E4M3 bytes and has no scales
+// (stacked must be false).
 // Fills a pool's code and scale bytes with random content: every code byte
 // random, scale bytes mostly in [0, 0x7e], `wild_percent` of them any byte
 // (negative and NaN scales included).
@@ -73,6 +75,7 @@ struct ScaleSpec {
 
 // ---------------------------------------------------------------------------
 struct AppendSpec {
+  KeyFormat key_format = KeyFormat::kNvfp4;  // kFp8: tuple pools only
   int num_heads = 2;
   int head_dim_k = 64;
   int head_dim_v = 64;
@@ -115,6 +118,7 @@ AppendCase MakeAppendCase(const AppendSpec& spec, uint64_t seed);
 
 // ---------------------------------------------------------------------------
 struct DequantSpec {
+  KeyFormat key_format = KeyFormat::kNvfp4;  // kFp8: tuple pools only
   int num_heads = 2;
   int head_dim_k = 64;
   int head_dim_v = 64;
@@ -149,6 +153,7 @@ DequantCase MakeDequantCase(const DequantSpec& spec, uint64_t seed);
 
 // ---------------------------------------------------------------------------
 struct MaterializeSpec {
+  KeyFormat key_format = KeyFormat::kNvfp4;  // kFp8: tuple pools only
   int num_heads = 2;
   int head_dim = 64;
   int page_size = 16;  // multiple of 4
@@ -203,6 +208,7 @@ LinearCase MakeLinearCase(const LinearSpec& spec, uint64_t seed);
 
 // ---------------------------------------------------------------------------
 struct QuantizeCacheSpec {
+  KeyFormat key_format = KeyFormat::kNvfp4;  // kFp8: tuple pools only
   int num_heads = 2;
   int head_dim_k = 64;
   int head_dim_v = 64;

@@ -51,6 +51,7 @@ TensorView Buffer::View(DType dtype, std::initializer_list<int64_t> shape) const
 }
 
 std::vector<uint8_t> DownloadView(const TensorView& v) {
+  if (v.ndim == 0 || v.data == nullptr) return {};  // absent (FP8 keys' scales)
   const size_t bytes = static_cast<size_t>(v.shape[0] * v.strides[0] * DTypeSize(v.dtype));
   std::vector<uint8_t> out(bytes);
   if (v.device.is_cuda()) {
@@ -128,6 +129,12 @@ Token TokenFactory::Make(uint64_t seed) const {
       std::vector<uint16_t> x =
           RandomHalfBits(DType::kBF16, static_cast<int64_t>(H) * d, seed * 1000003 + l * 2 + kv);
       std::memcpy(rec->original.data() + OriginalOffset(l, kv), x.data(), x.size() * 2);
+      if (kv == 0 && g.fp8_keys()) {  // E4M3 key bytes, no key scales
+        const float r = Fp8KeyEncodeMultiplier(GlobalOf(*cache_, l, false));
+        uint8_t* out = rec->expected.data() + ExpectedOffset(l, 0);
+        for (size_t i = 0; i < x.size(); ++i) out[i] = QuantizeFp8Key(Bf16BitsToFloat(x[i]), r);
+        continue;
+      }
       std::vector<uint64_t> packed(static_cast<size_t>(H) * d / 16);  // 8-byte aligned
       std::vector<uint8_t> scales(static_cast<size_t>(H) * d / kBlockSize);
       const absl::Status s =
@@ -194,6 +201,7 @@ std::string CheckSequenceBytes(const KVCache& cache, const PoolCopy& pools, Sequ
     for (int l = 0; l < cache.num_layers(); ++l) {
       for (int kind = 0; kind < 4; ++kind) {
         const int64_t rb = KindRowBytes(g, kind);
+        if (rb == 0) continue;  // no key scales (FP8 keys)
         for (int h = 0; h < g.num_kv_heads; ++h) {
           const uint8_t* got = PoolRow(pools, g, l, kind, page, entry, h);
           const uint8_t* want = tokens[t]->expected.data() + f.ExpectedOffset(l, kind) + h * rb;
@@ -301,6 +309,21 @@ std::string CheckMaterialized(const KVCache& cache, int layer, const std::vector
             const uint8_t* got =
                 out.data() + o * page_stride + kv * kv_stride + h * head_stride + e * entry_stride;
             const int64_t t = j * S + e;
+            if (kv == 0 && g.fp8_keys()) {  // FP8 key bytes re-scaled (or copied)
+              for (int i = 0; i < D; ++i) {
+                const uint8_t want =
+                    t < len
+                        ? MaterializeFp8KeyValue(
+                              rows[b][t]->expected[f.ExpectedOffset(layer, 0) + h * D + i], mult[0])
+                        : 0;
+                if (got[i] != want) {
+                  os << "row " << b << " token " << t << " K head " << h << " elem " << i
+                     << ": fp8 byte " << int(got[i]) << ", want " << int(want);
+                  return os.str();
+                }
+              }
+              continue;
+            }
             for (int blk = 0; blk < D / kBlockSize; ++blk) {
               uint8_t scale = 0;
               const uint8_t* data = nullptr;
@@ -362,6 +385,25 @@ std::string CheckDequantized(const KVCache& cache, int layer, const std::vector<
           }
           const TokenRecord& r = *rows[b][t];
           const uint16_t* orig = r.original.data() + f.OriginalOffset(layer, kv) + h * D;
+          if (kv == 0 && g.fp8_keys()) {
+            const uint8_t* bytes = r.expected.data() + f.ExpectedOffset(layer, 0) + h * D;
+            for (int i = 0; i < D; ++i) {
+              const uint16_t want = FloatToBf16Bits(DequantFp8Key(bytes[i], gs));
+              const float x = Bf16BitsToFloat(orig[i]);
+              const float dq = Bf16BitsToFloat(got[i]);
+              // E4M3: relative step 1/8 (normal codes), absolute 2^-9 * g_k
+              // below; plus bf16 rounding; saturation at 448 * g_k.
+              const float bound =
+                  std::fabs(x) / 15 + gs * 0.002f + std::max(0.0f, std::fabs(x) - 448.0f * gs);
+              if (got[i] != want || !(std::fabs(x - dq) <= bound)) {
+                os << "K row " << b << " token " << t << " head " << h << " elem " << i
+                   << ": dequantized " << dq << " (bits " << got[i] << ", reference " << want
+                   << ") of " << x << ", bound " << bound;
+                return os.str();
+              }
+            }
+            continue;
+          }
           for (int blk = 0; blk < D / kBlockSize; ++blk) {
             const uint8_t* data = r.expected.data() + f.ExpectedOffset(layer, kv ? 2 : 0) +
                                   h * (D / 2) + blk * kBlockBytes;

@@ -50,7 +50,8 @@ std::vector<uint8_t> DownloadView(const TensorView& v);
 struct TokenRecord {
   // Per layer: K [H, Dk] then V [H, Dv], bf16 bits.
   std::vector<uint16_t> original;
-  // Per layer: K data [H, Dk/2], K scales [H, Dk/16], V data, V scales.
+  // Per layer: K data [H, Dk/2], K scales [H, Dk/16], V data, V scales
+  // (FP8 keys: K data [H, Dk] E4M3 bytes, no K scales).
   std::vector<uint8_t> expected;
 };
 using Token = std::shared_ptr<const TokenRecord>;
