@@ -657,10 +657,20 @@ __global__ void __launch_bounds__(kAttnThreads, AttnConfig<D, kFp8K>::kCtasPerSm
                                      hf * (Cfg::kKRowBytes / 2));
       const uint32_t vdst =
           SmemAddr(st + Cfg::kVcOff + VSlot(tau) * Cfg::kRowBytes + hf * (D / 4));
+      if constexpr (kFp8K) {
 #pragma unroll
-      for (int i = 0; i < Cfg::kKRowBytes / 32; ++i) CpAsync<16>(kdst + 16 * i, ksrc + 16 * i, valid);
+        for (int i = 0; i < Cfg::kKRowBytes / 32; ++i) {
+          CpAsync<16>(kdst + 16 * i, ksrc + 16 * i, valid);
+        }
 #pragma unroll
-      for (int i = 0; i < D / 64; ++i) CpAsync<16>(vdst + 16 * i, vsrc + 16 * i, valid);
+        for (int i = 0; i < D / 64; ++i) CpAsync<16>(vdst + 16 * i, vsrc + 16 * i, valid);
+      } else {
+#pragma unroll
+        for (int i = 0; i < D / 64; ++i) {
+          CpAsync<16>(kdst + 16 * i, ksrc + 16 * i, valid);
+          CpAsync<16>(vdst + 16 * i, vsrc + 16 * i, valid);
+        }
+      }
       uint8_t* sdst = st + (k_half ? Cfg::kKsOff + tau * Cfg::kScaleBytes
                                    : Cfg::kVsOff + VSlot(tau) * Cfg::kScaleBytes);
       if (copies_scales) CpAsync<Cfg::kScaleBytes>(SmemAddr(sdst), ssrc, valid);
@@ -695,20 +705,32 @@ __global__ void __launch_bounds__(kAttnThreads, AttnConfig<D, kFp8K>::kCtasPerSm
           SmemAddr(st + Cfg::kVcOff + VSlot(tau) * Cfg::kRowBytes + hf * (D / 4));
       const bool a16 = ((reinterpret_cast<uintptr_t>(ksrc) | reinterpret_cast<uintptr_t>(vsrc)) &
                         15u) == 0;
-      if (a16) {
+      if (a16 && kFp8K) {
 #pragma unroll
         for (int i = 0; i < Cfg::kKRowBytes / 32; ++i) {
           CpAsync<16>(kdst + 16 * i, ksrc + 16 * i, valid);
         }
 #pragma unroll
         for (int i = 0; i < D / 64; ++i) CpAsync<16>(vdst + 16 * i, vsrc + 16 * i, valid);
-      } else {
+      } else if (kFp8K) {
 #pragma unroll
         for (int i = 0; i < Cfg::kKRowBytes / 16; ++i) {
           CpAsync<8>(kdst + 8 * i, ksrc + 8 * i, valid);
         }
 #pragma unroll
         for (int i = 0; i < D / 32; ++i) CpAsync<8>(vdst + 8 * i, vsrc + 8 * i, valid);
+      } else if (a16) {
+#pragma unroll
+        for (int i = 0; i < D / 64; ++i) {
+          CpAsync<16>(kdst + 16 * i, ksrc + 16 * i, valid);
+          CpAsync<16>(vdst + 16 * i, vsrc + 16 * i, valid);
+        }
+      } else {
+#pragma unroll
+        for (int i = 0; i < D / 32; ++i) {
+          CpAsync<8>(kdst + 8 * i, ksrc + 8 * i, valid);
+          CpAsync<8>(vdst + 8 * i, vsrc + 8 * i, valid);
+        }
       }
       const uint8_t* ssrc = sd + page * s_page + e * s_entry;
       uint8_t* sdst = st + (k_half ? Cfg::kKsOff + tau * Cfg::kScaleBytes
@@ -764,30 +786,31 @@ __global__ void __launch_bounds__(kAttnThreads, AttnConfig<D, kFp8K>::kCtasPerSm
       for (int nt = 0; nt < 2; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
       if constexpr (kFp8K) {
         // FP8 keys: lane (g, c) reads bytes [c D/4, (c+1) D/4) of tokens g
-        // and g + 8 (16-byte loads); word w is k-step w's B fragment.
-        constexpr int kK8Words = D / 16;
-        uint32_t kw[2][kK8Words];
+        // and g + 8, 16 bytes (four k-steps) at a time; word w is k-step
+        // w's B fragment.
+        const uint8_t* krow = st + Cfg::kKcOff + g * Cfg::kKRowStride + c * (D / 4);
 #pragma unroll
-        for (int nt = 0; nt < 2; ++nt) {
-          const uint8_t* row = st + Cfg::kKcOff + (g + 8 * nt) * Cfg::kKRowStride + c * (D / 4);
-#pragma unroll
-          for (int w = 0; w < kK8Words; w += 4) {
-            const uint4 v = *reinterpret_cast<const uint4*>(row + 4 * w);
-            kw[nt][w] = v.x;
-            kw[nt][w + 1] = v.y;
-            kw[nt][w + 2] = v.z;
-            kw[nt][w + 3] = v.w;
-          }
-        }
-#pragma unroll
-        for (int w = 0; w < kK8Words; ++w) {
-          uint32_t qa[4];
-          LdMatrixX4(q_lane + w * 32, qa);
+        for (int w4 = 0; w4 < D / 64; ++w4) {
+          uint32_t kw[2][4];
 #pragma unroll
           for (int nt = 0; nt < 2; ++nt) {
-            uint32_t b0, b1;
-            device::Fp8KeyWordToHalf2(kw[nt][w], &b0, &b1);
-            Mma16816(s[nt], qa, b0, b1);
+            const uint4 v =
+                *reinterpret_cast<const uint4*>(krow + 8 * nt * Cfg::kKRowStride + 16 * w4);
+            kw[nt][0] = v.x;
+            kw[nt][1] = v.y;
+            kw[nt][2] = v.z;
+            kw[nt][3] = v.w;
+          }
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            uint32_t qa[4];
+            LdMatrixX4(q_lane + (4 * w4 + j) * 32, qa);
+#pragma unroll
+            for (int nt = 0; nt < 2; ++nt) {
+              uint32_t b0, b1;
+              device::Fp8KeyWordToHalf2(kw[nt][j], &b0, &b1);
+              Mma16816(s[nt], qa, b0, b1);
+            }
           }
         }
       } else {

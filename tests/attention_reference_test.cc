@@ -406,6 +406,9 @@ INSTANTIATE_TEST_SUITE_P(RealKv, AttentionRealKvTest, ::testing::ValuesIn(testin
 INSTANTIATE_TEST_SUITE_P(Fp8KeySweep, AttentionSweepTest,
                          ::testing::ValuesIn(testing::WithFp8Keys(testing::AttentionSweep())),
                          [](const auto& info) { return info.param.Name(); });
+INSTANTIATE_TEST_SUITE_P(Fp8KeyPage16, AttentionSweepTest,
+                         ::testing::ValuesIn(testing::Fp8KeyPage16Sweep()),
+                         [](const auto& info) { return info.param.Name(); });
 INSTANTIATE_TEST_SUITE_P(Fp8KeyRealKv, AttentionRealKvTest,
                          ::testing::ValuesIn(testing::WithFp8Keys(testing::RealKvSweep())),
                          [](const auto& info) { return info.param.Name(); });

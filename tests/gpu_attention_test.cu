@@ -4,7 +4,7 @@
 // place (same addresses). Outputs are poisoned before every run;
 // CompareAttentionOutputs checks per-(row, head) relative L2 error against
 // the reference's unrounded fp64 outputs, lse, and that every byte the
-// contract leaves alone is still poison.
+// contract leaves alone is still poison. NVFP4 and FP8 E4M3 keys alike.
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
@@ -120,6 +120,17 @@ TEST_P(GpuAttentionRealKvTest, MatchesReferenceEagerAndInGraphs) {
 
 INSTANTIATE_TEST_SUITE_P(RealKv, GpuAttentionRealKvTest,
                          ::testing::ValuesIn(testing::RealKvSweep()),
+                         [](const auto& info) { return info.param.Name(); });
+
+// FP8 E4M3 keys with NVFP4 values: the same sweeps, the same tolerances.
+INSTANTIATE_TEST_SUITE_P(Fp8KeySweep, GpuAttentionTest,
+                         ::testing::ValuesIn(testing::WithFp8Keys(testing::AttentionSweep())),
+                         [](const auto& info) { return info.param.Name(); });
+INSTANTIATE_TEST_SUITE_P(Fp8KeyPage16, GpuAttentionTest,
+                         ::testing::ValuesIn(testing::Fp8KeyPage16Sweep()),
+                         [](const auto& info) { return info.param.Name(); });
+INSTANTIATE_TEST_SUITE_P(Fp8KeyRealKv, GpuAttentionRealKvTest,
+                         ::testing::ValuesIn(testing::WithFp8Keys(testing::RealKvSweep())),
                          [](const auto& info) { return info.param.Name(); });
 
 }  // namespace

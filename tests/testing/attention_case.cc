@@ -778,6 +778,36 @@ std::vector<AttentionSpec> WithFp8Keys(const std::vector<AttentionSpec>& specs) 
   return out;
 }
 
+std::vector<AttentionSpec> Fp8KeyPage16Sweep() {
+  std::vector<AttentionSpec> out;
+  constexpr int kGroups[] = {1, 4, 8, 3};
+  constexpr int kQLens[] = {1, 4, 8, 1};
+  for (int i = 0; i < 8; ++i) {
+    AttentionSpec s;
+    s.fp8_keys = true;
+    s.head_dim = 128;
+    s.page_size = 16;
+    s.batch = i % 2 ? 5 : 2;
+    s.num_kv_heads = i % 3 == 0 ? 2 : 1;
+    s.group = kGroups[i % 4];
+    s.q_len = kQLens[(i / 2) % 4];
+    s.min_seq_len = i % 2 ? 1 : 600;
+    s.max_seq_len = i % 2 ? 700 : 5000;  // long ones split
+    s.layout = i % 4 < 2 ? Layout::kNHD : Layout::kHND;
+    s.dtype = i % 2 ? DType::kF16 : DType::kBF16;
+    s.table_dtype = i % 3 == 1 ? DType::kI64 : DType::kI32;
+    s.window_left = i == 2 ? 300 : -1;
+    s.soft_cap = i == 3 ? 30.0f : 0.0f;
+    s.sinks = i % 3 == 2;
+    s.lse = i % 2 == 0;
+    s.oob_pages = i == 5;
+    s.padded = i == 6;
+    s.pointer_scales = i == 7;
+    out.push_back(s);
+  }
+  return out;
+}
+
 // ----------------------------------------------------------------- realkv
 bool RealKvAvailable(std::string* why) {
   std::string reason;

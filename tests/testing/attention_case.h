@@ -126,6 +126,11 @@ std::vector<AttentionSpec> AttentionSweep();
 std::vector<AttentionSpec> RealKvSweep();
 // The same specs with FP8 keys (fp8_keys set; stacked ones become tuples).
 std::vector<AttentionSpec> WithFp8Keys(const std::vector<AttentionSpec>& specs);
+// FP8-key specs at head dim 128, page 16 (the 16-byte copy path the serving
+// shapes take, which the mixed sweep reaches only in its long case): GQA
+// groups 1..8, q_len 1..8, both layouts, f16/bf16, i32/i64 tables, window,
+// soft cap, sinks, lse, out-of-range pages, padded views, splits.
+std::vector<AttentionSpec> Fp8KeyPage16Sweep();
 
 // Real attention rows: 1025 positions of 9 query heads and 3 KV heads, head
 // dim 64, bf16 bits, for the layers in kRealKvLayers.
