@@ -21,9 +21,7 @@
 // One warp, its tiles: query rows r = qi * group + gi (padded to 16) in the
 // M dimension of mma.m16n8k16 (f16 in, f32 accumulate). Per 16-token tile,
 // 32 lanes copy the tile's K and V rows (codes and scales) with cp.async
-// into a 3-stage shared-memory ring (lanes 2t, 2t + 1: token t, in
-// alternating 16-byte pieces so that each copy instruction moves whole
-// 32-byte sectors; one
+// into a 3-stage shared-memory ring (lane 2t + h: token t, half h; one
 // page-table entry per tile when page_size % 16 == 0 and the pools allow
 // 16-byte copies, else one lookup per lane and tile). Then
 //   S = Q K^T : B fragments from page_reader's DecodeWordHalf2. The reduction
@@ -618,13 +616,8 @@ __global__ void __launch_bounds__(kAttnThreads, AttnConfig<D, kFp8K>::kCtasPerSm
     int pj = (w_t0 + tau) / p.page_size;
     int pe = (w_t0 + tau) - pj * p.page_size;
     const int64_t table_row = static_cast<int64_t>(it.b) * p.table_row_stride;
-    // Lanes 2t and 2t + 1 copy token t's code rows in alternating pieces
-    // (half hf takes 16-byte pieces 2i + hf, or 8-byte pieces on the
-    // unaligned path), so that every copy instruction moves whole 32-byte
-    // sectors: cp.async.cg bypasses L1, and halves of a sector fetched by two
-    // instructions cost L2 twice.
-    const uint8_t* kd = p.k.data + it.head * p.k.data_head;
-    const uint8_t* vd = p.v.data + it.head * p.v.data_head;
+    const uint8_t* kd = p.k.data + it.head * p.k.data_head + hf * (Cfg::kKRowBytes / 2);
+    const uint8_t* vd = p.v.data + it.head * p.v.data_head + hf * (D / 4);
     // Block scales: K for half 0, V for half 1 (FP8 keys have none: half 0
     // copies no scales).
     const bool k_half = hf == 0 && !kFp8K;
@@ -646,7 +639,7 @@ __global__ void __launch_bounds__(kAttnThreads, AttnConfig<D, kFp8K>::kCtasPerSm
     const uint32_t v_page32 = static_cast<uint32_t>(p.v.data_page);
     const uint32_t s_page32 = static_cast<uint32_t>(s_page);
     if (threadIdx.x < 2) {
-      copy_base[threadIdx.x] = AttnCopyBase{kd + 16 * hf, vd + 16 * hf, sd, s_page32, s_entry32};
+      copy_base[threadIdx.x] = AttnCopyBase{kd, vd, sd, s_page32, s_entry32};
     }
     __syncthreads();
     const uint32_t copy_base_addr = SmemAddr(&copy_base[hf]);
@@ -660,20 +653,22 @@ __global__ void __launch_bounds__(kAttnThreads, AttnConfig<D, kFp8K>::kCtasPerSm
       const uint8_t* ksrc = cb.k + (static_cast<uint64_t>(page) * k_page32 + e * k_entry);
       const uint8_t* vsrc = cb.v + (static_cast<uint64_t>(page) * v_page32 + e * v_entry);
       const uint8_t* ssrc = cb.s + (static_cast<uint64_t>(page) * cb.s_page + e * cb.s_entry);
-      const uint32_t kdst = SmemAddr(st + Cfg::kKcOff + tau * Cfg::kKRowStride + 16 * hf);
-      const uint32_t vdst = SmemAddr(st + Cfg::kVcOff + VSlot(tau) * Cfg::kRowBytes + 16 * hf);
+      const uint32_t kdst = SmemAddr(st + Cfg::kKcOff + tau * Cfg::kKRowStride +
+                                     hf * (Cfg::kKRowBytes / 2));
+      const uint32_t vdst =
+          SmemAddr(st + Cfg::kVcOff + VSlot(tau) * Cfg::kRowBytes + hf * (D / 4));
       if constexpr (kFp8K) {
 #pragma unroll
         for (int i = 0; i < Cfg::kKRowBytes / 32; ++i) {
-          CpAsync<16>(kdst + 32 * i, ksrc + 32 * i, valid);
+          CpAsync<16>(kdst + 16 * i, ksrc + 16 * i, valid);
         }
 #pragma unroll
-        for (int i = 0; i < D / 64; ++i) CpAsync<16>(vdst + 32 * i, vsrc + 32 * i, valid);
+        for (int i = 0; i < D / 64; ++i) CpAsync<16>(vdst + 16 * i, vsrc + 16 * i, valid);
       } else {
 #pragma unroll
         for (int i = 0; i < D / 64; ++i) {
-          CpAsync<16>(kdst + 32 * i, ksrc + 32 * i, valid);
-          CpAsync<16>(vdst + 32 * i, vsrc + 32 * i, valid);
+          CpAsync<16>(kdst + 16 * i, ksrc + 16 * i, valid);
+          CpAsync<16>(vdst + 16 * i, vsrc + 16 * i, valid);
         }
       }
       uint8_t* sdst = st + (k_half ? Cfg::kKsOff + tau * Cfg::kScaleBytes
@@ -704,38 +699,37 @@ __global__ void __launch_bounds__(kAttnThreads, AttnConfig<D, kFp8K>::kCtasPerSm
       const int e = valid ? pe : 0;
       const uint8_t* ksrc = kd + page * p.k.data_page + e * p.k.data_entry;
       const uint8_t* vsrc = vd + page * p.v.data_page + e * p.v.data_entry;
-      const uint32_t kdst = SmemAddr(st + Cfg::kKcOff + tau * Cfg::kKRowStride);
-      const uint32_t vdst = SmemAddr(st + Cfg::kVcOff + VSlot(tau) * Cfg::kRowBytes);
+      const uint32_t kdst = SmemAddr(st + Cfg::kKcOff + tau * Cfg::kKRowStride +
+                                     hf * (Cfg::kKRowBytes / 2));
+      const uint32_t vdst =
+          SmemAddr(st + Cfg::kVcOff + VSlot(tau) * Cfg::kRowBytes + hf * (D / 4));
       const bool a16 = ((reinterpret_cast<uintptr_t>(ksrc) | reinterpret_cast<uintptr_t>(vsrc)) &
                         15u) == 0;
-      const int o16 = 16 * hf, o8 = 8 * hf;
       if (a16 && kFp8K) {
 #pragma unroll
         for (int i = 0; i < Cfg::kKRowBytes / 32; ++i) {
-          CpAsync<16>(kdst + o16 + 32 * i, ksrc + o16 + 32 * i, valid);
+          CpAsync<16>(kdst + 16 * i, ksrc + 16 * i, valid);
         }
 #pragma unroll
-        for (int i = 0; i < D / 64; ++i) {
-          CpAsync<16>(vdst + o16 + 32 * i, vsrc + o16 + 32 * i, valid);
-        }
+        for (int i = 0; i < D / 64; ++i) CpAsync<16>(vdst + 16 * i, vsrc + 16 * i, valid);
       } else if (kFp8K) {
 #pragma unroll
         for (int i = 0; i < Cfg::kKRowBytes / 16; ++i) {
-          CpAsync<8>(kdst + o8 + 16 * i, ksrc + o8 + 16 * i, valid);
+          CpAsync<8>(kdst + 8 * i, ksrc + 8 * i, valid);
         }
 #pragma unroll
-        for (int i = 0; i < D / 32; ++i) CpAsync<8>(vdst + o8 + 16 * i, vsrc + o8 + 16 * i, valid);
+        for (int i = 0; i < D / 32; ++i) CpAsync<8>(vdst + 8 * i, vsrc + 8 * i, valid);
       } else if (a16) {
 #pragma unroll
         for (int i = 0; i < D / 64; ++i) {
-          CpAsync<16>(kdst + o16 + 32 * i, ksrc + o16 + 32 * i, valid);
-          CpAsync<16>(vdst + o16 + 32 * i, vsrc + o16 + 32 * i, valid);
+          CpAsync<16>(kdst + 16 * i, ksrc + 16 * i, valid);
+          CpAsync<16>(vdst + 16 * i, vsrc + 16 * i, valid);
         }
       } else {
 #pragma unroll
         for (int i = 0; i < D / 32; ++i) {
-          CpAsync<8>(kdst + o8 + 16 * i, ksrc + o8 + 16 * i, valid);
-          CpAsync<8>(vdst + o8 + 16 * i, vsrc + o8 + 16 * i, valid);
+          CpAsync<8>(kdst + 8 * i, ksrc + 8 * i, valid);
+          CpAsync<8>(vdst + 8 * i, vsrc + 8 * i, valid);
         }
       }
       const uint8_t* ssrc = sd + page * s_page + e * s_entry;
