@@ -275,8 +275,8 @@ TEST(AttentionCase, Fp8KeyRowsAreTheQuantizedKeys) {
         for (int d = 0; d < D; ++d) {
           const double x8 = static_cast<double>(DequantFp8Key(k8[d], b.k_scale.value));
           const uint8_t code = d % 2 ? k4[d / 2] >> 4 : k4[d / 2] & 0xf;
-          const double x4 = static_cast<double>(E2m1Decode(code)) * E4m3Decode(s4[d / 16]) *
-                            a.k_scale.value;
+          const double x4 =
+              static_cast<double>(E2m1Decode(code)) * E4m3Decode(s4[d / 16]) * a.k_scale.value;
           e8 += (x8 - x4) * (x8 - x4);
           n += x8 * x8;
           e4 += x4 * x4;

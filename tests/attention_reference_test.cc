@@ -250,11 +250,12 @@ std::vector<NaiveRow> NaiveAttention(const AttentionCase& c) {
       }
     }
   } else {
-    const absl::Status st = DequantizePaged(
-      c.Cache(in.data(), kCpu), c.block_tables.At(in.data(), kCpu), c.seq_lens.At(in.data(), kCpu),
-      TensorView::Contiguous(k.data(), DType::kF16, {B, cap, H, Dk}),
-      TensorView::Contiguous(v.data(), DType::kF16, {B, cap, H, Dv}), GlobalScale::Value(1.0f),
-      GlobalScale::Value(1.0f));
+    const absl::Status st =
+        DequantizePaged(c.Cache(in.data(), kCpu), c.block_tables.At(in.data(), kCpu),
+                        c.seq_lens.At(in.data(), kCpu),
+                        TensorView::Contiguous(k.data(), DType::kF16, {B, cap, H, Dk}),
+                        TensorView::Contiguous(v.data(), DType::kF16, {B, cap, H, Dv}),
+                        GlobalScale::Value(1.0f), GlobalScale::Value(1.0f));
     EXPECT_TRUE(st.ok()) << st;
   }
 
@@ -1003,8 +1004,8 @@ struct RealKvErrors {
 RealKvErrors RealKvAttentionErrors(const testing::RealKvLayer& l, bool fp8_keys) {
   constexpr int kLen = testing::kRealKvTokens, kS = 16, kH = 3, kD = 64, kHq = 9, kQ = 16;
   constexpr int kPages = (kLen + kS - 1) / kS;
-  CacheGeometry g{kH, kD, kD, kS, kPages, Layout::kNHD,
-                  fp8_keys ? KeyFormat::kFp8 : KeyFormat::kNvfp4};
+  CacheGeometry g{
+      kH, kD, kD, kS, kPages, Layout::kNHD, fp8_keys ? KeyFormat::kFp8 : KeyFormat::kNvfp4};
   const auto amax = [](const std::vector<uint16_t>& x) {
     float m = 0.0f;
     for (uint16_t b : x) m = std::max(m, std::fabs(Bf16BitsToFloat(b)));
@@ -1035,7 +1036,9 @@ RealKvErrors RealKvAttentionErrors(const testing::RealKvLayer& l, bool fp8_keys)
       const int64_t row = (int64_t{table[t / kS]} * kS + t % kS) * kH + h;
       const uint16_t* kb = &l.k[(int64_t{t} * kH + h) * kD];
       if (fp8_keys) {
-        for (int d = 0; d < kD; ++d) kd[row * kD + d] = QuantizeFp8Key(Bf16BitsToFloat(kb[d]), k_mul);
+        for (int d = 0; d < kD; ++d) {
+          kd[row * kD + d] = QuantizeFp8Key(Bf16BitsToFloat(kb[d]), k_mul);
+        }
       } else {
         block(kb, gk, &kd[row * kD / 2], &ks[row * kD / 16]);
       }
@@ -1046,10 +1049,10 @@ RealKvErrors RealKvAttentionErrors(const testing::RealKvLayer& l, bool fp8_keys)
     return TensorView::Contiguous(b.data(), DType::kU8, {kPages, kS, kH, inner});
   };
   const PagedCache cache =
-      fp8_keys ? PagedCache::Fp8Keys(pool(kd, kD), pool(vd, kD / 2), pool(vs, kD / 16),
-                                     Layout::kNHD)
-               : PagedCache::FromTuple(pool(kd, kD / 2), pool(vd, kD / 2), pool(ks, kD / 16),
-                                       pool(vs, kD / 16), Layout::kNHD);
+      fp8_keys
+          ? PagedCache::Fp8Keys(pool(kd, kD), pool(vd, kD / 2), pool(vs, kD / 16), Layout::kNHD)
+          : PagedCache::FromTuple(pool(kd, kD / 2), pool(vd, kD / 2), pool(ks, kD / 16),
+                                  pool(vs, kD / 16), Layout::kNHD);
   // The last 16 positions as one request's new tokens.
   std::vector<uint16_t> q(l.q.end() - kQ * kHq * kD, l.q.end());
   std::vector<uint16_t> out(kQ * kHq * kD, 0);
@@ -1118,9 +1121,10 @@ TEST(AttentionAccuracy, Fp8KeysOnRealRowsFarBelowNvfp4Keys) {
     for (const auto& [what, a4, a8] :
          {std::tuple<const char*, ErrorStats, ErrorStats>{"all", e4.all, e8.all},
           std::tuple<const char*, ErrorStats, ErrorStats>{"keys", e4.keys, e8.keys}}) {
-      std::printf("layer %2d %-4s rel L2 (median / p90 / worst): NVFP4 keys %.4f / %.4f / %.4f,"
-                  " FP8 keys %.4f / %.4f / %.4f\n",
-                  layer, what, a4.median, a4.p90, a4.worst, a8.median, a8.p90, a8.worst);
+      std::printf(
+          "layer %2d %-4s rel L2 (median / p90 / worst): NVFP4 keys %.4f / %.4f / %.4f,"
+          " FP8 keys %.4f / %.4f / %.4f\n",
+          layer, what, a4.median, a4.p90, a4.worst, a8.median, a8.p90, a8.worst);
       RecordProperty(absl::StrCat("layer", layer, "_", what, "_fp8_keys_median_rel_l2"),
                      std::to_string(a8.median));
       RecordProperty(absl::StrCat("layer", layer, "_", what, "_nvfp4_keys_median_rel_l2"),

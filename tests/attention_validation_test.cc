@@ -86,8 +86,8 @@ std::vector<Rule> Fp8KeyRules() {
       {"fp8_cache_k_scales_given", 3, [](Fixture& f) { f.cache.k_scales = f.cache.v_scales; }, R,
        "cache.k_scales", bad, true},
       {"fp8_cache_k_data_nvfp4_width", 3,
-       [](Fixture& f) { f.cache.k_data.shape[3] = f.c.spec.head_dim / 2; }, R, "cache.k_data",
-       bad, true},
+       [](Fixture& f) { f.cache.k_data.shape[3] = f.c.spec.head_dim / 2; }, R, "cache.k_data", bad,
+       true},
       {"fp8_cache_k_data_f16", 3, [](Fixture& f) { f.cache.k_data.dtype = DType::kF16; }, R,
        "cache.k_data", bad, true},
       {"fp8_cache_k_data_misaligned", 3,
@@ -98,8 +98,8 @@ std::vector<Rule> Fp8KeyRules() {
       {"fp8_cache_says_nvfp4", 3, [](Fixture& f) { f.cache.key_format = KeyFormat::kNvfp4; }, R,
        "cache.key_format", bad, true},
       {"fp8_geometry_says_nvfp4", 3,
-       [](Fixture& f) { f.o.geometry.key_format = KeyFormat::kNvfp4; }, R, "cache.key_format",
-       bad, true},
+       [](Fixture& f) { f.o.geometry.key_format = KeyFormat::kNvfp4; }, R, "cache.key_format", bad,
+       true},
       {"fp8_k_scale_zero", 3, [](Fixture& f) { f.a.k_scale = GlobalScale::Value(0.0f); }, R,
        "k_scale", bad, true},
       {"nvfp4_cache_says_fp8", 3, [](Fixture& f) { f.cache.key_format = KeyFormat::kFp8; }, R,
@@ -294,8 +294,7 @@ INSTANTIATE_TEST_SUITE_P(Rules, AttentionValidationTest, ::testing::ValuesIn(Rul
                          [](const ::testing::TestParamInfo<Rule>& i) {
                            return std::string(i.param.name);
                          });
-INSTANTIATE_TEST_SUITE_P(Fp8KeyRules, AttentionValidationTest,
-                         ::testing::ValuesIn(Fp8KeyRules()),
+INSTANTIATE_TEST_SUITE_P(Fp8KeyRules, AttentionValidationTest, ::testing::ValuesIn(Fp8KeyRules()),
                          [](const ::testing::TestParamInfo<Rule>& i) {
                            return std::string(i.param.name);
                          });

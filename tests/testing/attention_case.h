@@ -3,11 +3,12 @@
 // (`in`), all outputs in another (`out`, kPoison with gaps), tensors described
 // by offsets so the same case is viewed at host or device bases.
 //
-// The pools hold real NVFP4 data (keys in FP8 E4M3 with fp8_keys): f16/bf16 rows (RandomHalfBits rescaled to
-// comparable row norms, or the real model rows of /work/shared/data/realkv)
-// quantized with QuantizeBlock under a global scale derived from the rows'
-// amax. Block tables give every request
-// its own pages, drawn from a random permutation of the pool.
+// The pools hold real NVFP4 data (keys in FP8 E4M3 with fp8_keys): f16/bf16
+// rows (RandomHalfBits rescaled to comparable row norms, or the real model
+// rows of /work/shared/data/realkv) quantized with QuantizeBlock (FP8 keys:
+// QuantizeFp8Key) under a global scale derived from the rows' amax. Block
+// tables give every request its own pages, drawn from a random permutation
+// of the pool.
 #ifndef FP4KV_TESTS_TESTING_ATTENTION_CASE_H_
 #define FP4KV_TESTS_TESTING_ATTENTION_CASE_H_
 

@@ -194,14 +194,13 @@ __device__ __forceinline__ constexpr float Fp8KeyHalfScale() {
 #endif
 }
 
-__device__ __forceinline__ void Fp8KeyWordToHalf2(uint32_t four_codes, uint32_t* lo,
-                                                  uint32_t* hi) {
+__device__ __forceinline__ void Fp8KeyWordToHalf2(uint32_t four_codes, uint32_t* lo, uint32_t* hi) {
   E4m3x4ToHalf2x2Raw(four_codes, lo, hi);
 }
 
 // Value d of an FP8 key row as f32, e4m3(code) exactly (NaN for 0x7f/0xff).
-__device__ __forceinline__ float LoadFp8KeyFloat(const PagePool& pool, int64_t page,
-                                                 int64_t entry, int64_t head, int d) {
+__device__ __forceinline__ float LoadFp8KeyFloat(const PagePool& pool, int64_t page, int64_t entry,
+                                                 int64_t head, int d) {
   return E4m3Decode(__ldg(pool.DataRow(page, entry, head) + d));
 }
 
