@@ -1,16 +1,20 @@
-// Decode attention straight from NVFP4 pages on the GPU, against a
+// Decode attention straight from NVFP4 pages on the GPU (keys NVFP4 or FP8
+// E4M3, "K8V4"; values NVFP4), against a
 // device-to-device copy measured in the same process (bench/kernels_bench.cu
 // conventions: CUDA events on a dedicated stream, a few warm-up runs, the
 // median of kTimedRuns timed runs).
 //
 // Shapes: 32 qo heads over 8 KV heads (group 4), head_dim 128, page size 16,
-// bf16 q/out, NHD tuple pools of random bytes (finite block scales), every
+// bf16 q/out, NHD tuple pools of random bytes (finite block scales and FP8
+// key codes), every
 // request's pages a random permutation of the pool. When one case's cache is
 // smaller than 256 MB, several disjoint page sets (one block table each) are
 // rotated through the timed runs so L2 (50 MB on H200) never holds a case.
 // Counters per case:
-//   bytes          NVFP4 K + V codes and scales of the attended tokens, plus
-//                  q and out (the traffic a perfect kernel needs)
+//   bytes          K + V codes and scales of the attended tokens (NVFP4 keys:
+//                  Dk/2 + Dk/16 bytes per token and head, FP8 keys: Dk; values
+//                  Dv/2 + Dv/16), plus q and out (the traffic a perfect kernel
+//                  needs)
 //   GBps           bytes / median time
 //   pct_of_copy    GBps as a percentage of the copy's GBps
 //   median_us      the median time of one Run() (attention + merge kernels)
@@ -79,12 +83,13 @@ double PartialBytes(int num_sms, int batch, int len, int kv_heads, int rows, int
   return 2.0 * batch * kv_heads * mtiles * splits * slot_rows * (d + 2) * 4.0;
 }
 
-// args: batch, seq_len, q_len.
+// args: batch, seq_len, q_len, fp8_keys (0: NVFP4 keys, 1: FP8 E4M3 keys).
 void BM_DecodeAttention(benchmark::State& state) {
   if (!HaveGpu(state)) return;
   const int batch = static_cast<int>(state.range(0));
   const int len = static_cast<int>(state.range(1));
   const int q_len = static_cast<int>(state.range(2));
+  const bool fp8_keys = state.range(3) != 0;
   constexpr int kKvHeads = 8, kQoHeads = 32, kDim = 128, kPage = 16;
   const int pages_per_seq = (len + kPage - 1) / kPage;
   const int64_t pages_needed = static_cast<int64_t>(batch) * pages_per_seq;
@@ -93,12 +98,24 @@ void BM_DecodeAttention(benchmark::State& state) {
   g.head_dim_k = g.head_dim_v = kDim;
   g.page_size = kPage;
   g.layout = Layout::kNHD;
+  g.key_format = fp8_keys ? KeyFormat::kFp8 : KeyFormat::kNvfp4;
   const double bytes_per_page = static_cast<double>(g.PageBytes());
   const int rotations = static_cast<int>(
       std::max(1.0, std::ceil(256e6 / (bytes_per_page * static_cast<double>(pages_needed)))));
   g.num_pages = pages_needed * rotations;
+  // NVFP4 pools (their V halves serve the FP8-key cache too) and, for FP8
+  // keys, K rows of Dk E4M3 codes (finite: bytes 1 .. 0x7e).
+  CacheGeometry g4 = g;
+  g4.key_format = KeyFormat::kNvfp4;
   DeviceCache cache;
-  BENCH_CHECK(state, cache.Init(g, 7), "cache allocation");
+  BENCH_CHECK(state, cache.Init(g4, 7), "cache allocation");
+  DeviceMem k8;
+  if (fp8_keys) {
+    BENCH_CHECK(state,
+                k8.Alloc(static_cast<size_t>(g.num_pages) * kPage * kKvHeads * kDim) &&
+                    FillBytes(k8, 17, true),
+                "FP8 key allocation");
+  }
 
   const int64_t total_q = static_cast<int64_t>(batch) * q_len;
   DeviceMem q, out, tables, lens, indptr, ws;
@@ -138,7 +155,12 @@ void BM_DecodeAttention(benchmark::State& state) {
   a.out = TensorView::Contiguous(out.get(), DType::kBF16, {total_q, kQoHeads, kDim}, d);
   a.k_scale = GlobalScale::Value(0.01f);
   a.v_scale = GlobalScale::Value(0.01f);
-  const PagedCache view = cache.View();
+  PagedCache view = cache.View();
+  if (fp8_keys) {
+    view = PagedCache::Fp8Keys(
+        TensorView::Contiguous(k8.get(), DType::kU8, {g.num_pages, kPage, kKvHeads, kDim}, d),
+        view.v_data, view.v_scales, Layout::kNHD);
+  }
   cudaStream_t s;
   BENCH_CUDA(state, cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   int rot = 0;
@@ -166,13 +188,19 @@ void BM_DecodeAttention(benchmark::State& state) {
   (void)cudaStreamDestroy(s);
 }
 BENCHMARK(BM_DecodeAttention)
-    ->ArgNames({"batch", "seq_len", "q_len"})
-    ->Args({64, 4096, 1})
-    ->Args({256, 2048, 1})
-    ->Args({8, 16384, 1})
-    ->Args({128, 512, 1})
-    ->Args({1, 32768, 1})
-    ->Args({64, 4096, 4})
+    ->ArgNames({"batch", "seq_len", "q_len", "fp8_keys"})
+    ->Args({64, 4096, 1, 0})
+    ->Args({256, 2048, 1, 0})
+    ->Args({8, 16384, 1, 0})
+    ->Args({128, 512, 1, 0})
+    ->Args({1, 32768, 1, 0})
+    ->Args({64, 4096, 4, 0})
+    ->Args({64, 4096, 1, 1})
+    ->Args({256, 2048, 1, 1})
+    ->Args({8, 16384, 1, 1})
+    ->Args({128, 512, 1, 1})
+    ->Args({1, 32768, 1, 1})
+    ->Args({64, 4096, 4, 1})
     ->UseManualTime()
     ->Iterations(1)
     ->Unit(benchmark::kMicrosecond);

@@ -1,5 +1,6 @@
-// Decode attention over NVFP4 pages (kernels/attention.cuh documents the
-// design; docs/attention.md the math and the launch strategy).
+// Decode attention over NVFP4 pages with NVFP4 or FP8 E4M3 keys
+// (kernels/attention.cuh documents the design; docs/attention.md the math
+// and the launch strategy).
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -16,9 +17,9 @@ namespace internal {
 
 namespace {
 
-template <int D, bool kBf16>
+template <int D, bool kBf16, bool kFp8K>
 absl::Status LaunchFor(const AttentionParams& p, Stream stream) {
-  using Cfg = kernels::AttnConfig<D>;
+  using Cfg = kernels::AttnConfig<D, kFp8K>;
   kernels::AttnLaunch a;
   a.p = p;
   a.num_ctas = p.num_sms * Cfg::kCtasPerSm;
@@ -32,6 +33,7 @@ absl::Status LaunchFor(const AttentionParams& p, Stream stream) {
     const PoolPtrs* pools[2] = {&p.k, &p.v};
     bool ok = p.page_size % kernels::kAttnTile == 0 && p.num_pages <= INT32_MAX;
     for (const PoolPtrs* q : pools) {
+      // FP8 keys have no scale pool (null pointer, zero strides).
       ok = ok && al(q->data, q->data_page, 16) && q->data_entry % 16 == 0 &&
            q->data_head % 16 == 0 && al(q->scales, q->scale_page, Cfg::kScaleBytes) &&
            q->scale_entry % Cfg::kScaleBytes == 0 && q->scale_head % Cfg::kScaleBytes == 0 &&
@@ -48,8 +50,8 @@ absl::Status LaunchFor(const AttentionParams& p, Stream stream) {
   const int grid = a.num_ctas;
   const size_t sched_bytes = kernels::AttnScheduleBytes(p.max_batch);
   const size_t smem = static_cast<size_t>(kernels::kAttnWarps) * Cfg::kWarpBytes + sched_bytes;
-  auto* kernel = p.soft_cap > 0.0f ? &kernels::DecodeAttentionKernel<D, kBf16, true>
-                                    : &kernels::DecodeAttentionKernel<D, kBf16, false>;
+  auto* kernel = p.soft_cap > 0.0f ? &kernels::DecodeAttentionKernel<D, kBf16, true, kFp8K>
+                                    : &kernels::DecodeAttentionKernel<D, kBf16, false, kFp8K>;
   FP4KV_CUDA_RETURN_IF_ERROR(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                            static_cast<int>(smem)));
@@ -74,9 +76,15 @@ absl::Status LaunchFor(const AttentionParams& p, Stream stream) {
   return CudaStatus(cudaLaunchKernelEx(&cfg, merge, a), "MergeAttentionKernel launch");
 }
 
+template <int D, bool kFp8K>
+absl::Status LaunchForKeys(const AttentionParams& p, Stream stream) {
+  return p.dtype == DType::kBF16 ? LaunchFor<D, true, kFp8K>(p, stream)
+                                 : LaunchFor<D, false, kFp8K>(p, stream);
+}
+
 template <int D>
 absl::Status LaunchForDim(const AttentionParams& p, Stream stream) {
-  return p.dtype == DType::kBF16 ? LaunchFor<D, true>(p, stream) : LaunchFor<D, false>(p, stream);
+  return p.fp8_keys ? LaunchForKeys<D, true>(p, stream) : LaunchForKeys<D, false>(p, stream);
 }
 
 }  // namespace

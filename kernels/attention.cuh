@@ -58,17 +58,24 @@ inline constexpr int kAttnMinChunk = 64;
 // max exceeds it by more than this (log2 units); see the softmax step.
 inline constexpr float kAttnRescaleSlack = 8.0f;
 
-template <int D>
+// kFp8K: FP8 E4M3 keys (D bytes per K row, no K block scales). Their K rows
+// are padded to D + 16 bytes at D = 128 (the 16-byte fragment loads of two
+// tokens then hit different banks), and D = 128 keeps two stages so that
+// four CTAs still fit an SM's shared memory.
+template <int D, bool kFp8K = false>
 struct AttnConfig {
-  static constexpr int kStages = D <= 128 ? 3 : 2;
+  static constexpr int kStages = D <= 128 ? (kFp8K && D == 128 ? 2 : 3) : 2;
   static constexpr int kCtasPerSm = D == 64 ? 4 : (D == 128 ? 4 : 2);
   static constexpr int kQStride = D + 8;  // halves per Q row in shared memory
-  static constexpr int kRowBytes = D / 2;
+  static constexpr int kRowBytes = D / 2;  // V code row (and NVFP4 K)
+  static constexpr int kKRowBytes = kFp8K ? D : D / 2;  // K data bytes per token
+  static constexpr int kKRowStride = kFp8K && D == 128 ? D + 16 : kKRowBytes;
   static constexpr int kScaleBytes = D / 16;
+  static constexpr int kKScaleBytes = kFp8K ? 0 : kScaleBytes;
   static constexpr int kKcOff = 0;
-  static constexpr int kVcOff = kAttnTile * kRowBytes;
-  static constexpr int kKsOff = 2 * kAttnTile * kRowBytes;
-  static constexpr int kVsOff = kKsOff + kAttnTile * kScaleBytes;
+  static constexpr int kVcOff = kAttnTile * kKRowStride;
+  static constexpr int kKsOff = kVcOff + kAttnTile * kRowBytes;
+  static constexpr int kVsOff = kKsOff + kAttnTile * kKScaleBytes;
   static constexpr int kMaskOff = kVsOff + kAttnTile * kScaleBytes;
   static constexpr int kStageBytes = kMaskOff + 16;
   static constexpr int kQBytes = kAttnTile * kQStride * 2;
@@ -76,6 +83,7 @@ struct AttnConfig {
   static constexpr int kRedStride = D + 4;  // floats per row of the warp combine
   static_assert(kAttnTile * kRedStride * 4 <= kWarpBytes, "combine fits a warp's shared memory");
   static_assert(kWarpBytes % 16 == 0, "16-byte aligned warp regions");
+  static_assert(kStageBytes % 16 == 0 && kVsOff % 8 == 0, "aligned stage regions");
 };
 
 // Query rows kept per partial slot.
@@ -436,6 +444,17 @@ __device__ __forceinline__ int QPermutedIndex(int d) {
   return s * 16 + hi * 8 + 2 * c + lb;
 }
 
+// The same for FP8 keys: lane (g, c) holds bytes [c D/4, (c+1) D/4) of token
+// g, one 32-bit word (4 values) per k-step; word s gives the B registers
+// {v0, v1} (k = 2c, 2c+1) and {v2, v3} (k = 2c+8, 2c+9) of k-step s.
+template <int D>
+__device__ __forceinline__ int QPermutedIndexFp8(int d) {
+  const int c = d / (D / 4);
+  const int rem = d % (D / 4);
+  const int s = rem / 4, j = rem % 4;
+  return s * 16 + (j < 2 ? 2 * c + j : 8 + 2 * c + (j - 2));
+}
+
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
@@ -467,11 +486,11 @@ __device__ __forceinline__ bool FinishRow(float m, float l, const float* sinks, 
 // The attention kernel.
 // ---------------------------------------------------------------------------
 // kSoftCap: options.logits_soft_cap > 0 (a separate instantiation keeps the
-// tanh path out of the common kernel's registers).
-template <int D, bool kBf16, bool kSoftCap>
-__global__ void __launch_bounds__(kAttnThreads, AttnConfig<D>::kCtasPerSm)
+// tanh path out of the common kernel's registers). kFp8K: FP8 E4M3 keys.
+template <int D, bool kBf16, bool kSoftCap, bool kFp8K>
+__global__ void __launch_bounds__(kAttnThreads, AttnConfig<D, kFp8K>::kCtasPerSm)
     DecodeAttentionKernel(const AttnLaunch a) {
-  using Cfg = AttnConfig<D>;
+  using Cfg = AttnConfig<D, kFp8K>;
   constexpr int kStages = Cfg::kStages;
   constexpr int kNT = D / 8;          // PV n-tiles (dims per lane segment)
   constexpr int kKWords = D / 32;     // code words per lane and K token
@@ -552,7 +571,8 @@ __global__ void __launch_bounds__(kAttnThreads, AttnConfig<D>::kCtasPerSm)
           } else {
             h = static_cast<uint16_t>(bits);
           }
-          dst[QPermutedIndex<D>(half * (D / 2) + 8 * i + j)] = h;
+          const int d = half * (D / 2) + 8 * i + j;
+          dst[kFp8K ? QPermutedIndexFp8<D>(d) : QPermutedIndex<D>(d)] = h;
         }
       }
     }
@@ -574,7 +594,9 @@ __global__ void __launch_bounds__(kAttnThreads, AttnConfig<D>::kCtasPerSm)
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       const int k = __shfl_sync(0xffffffffu, kq, 2 * (g + 8 * i));
-      const float f = p.sm_scale * gk * device::kHalfTileScale *
+      // The K tile's own factor: 2^7 (NVFP4), 1 or 2^8 (FP8, by arch).
+      const float tile_scale = kFp8K ? device::Fp8KeyHalfScale() : device::kHalfTileScale;
+      const float f = p.sm_scale * gk * tile_scale *
                       __uint_as_float(static_cast<uint32_t>(127 - k) << 23);
       lf[i] = kSoftCap ? f / p.soft_cap : f * kLog2e;
       int lo, hi;
@@ -594,12 +616,16 @@ __global__ void __launch_bounds__(kAttnThreads, AttnConfig<D>::kCtasPerSm)
     int pj = (w_t0 + tau) / p.page_size;
     int pe = (w_t0 + tau) - pj * p.page_size;
     const int64_t table_row = static_cast<int64_t>(it.b) * p.table_row_stride;
-    const uint8_t* kd = p.k.data + it.head * p.k.data_head + hf * (D / 4);
+    const uint8_t* kd = p.k.data + it.head * p.k.data_head + hf * (Cfg::kKRowBytes / 2);
     const uint8_t* vd = p.v.data + it.head * p.v.data_head + hf * (D / 4);
-    const uint8_t* sd = (hf == 0 ? p.k.scales : p.v.scales) +
-                        it.head * (hf == 0 ? p.k.scale_head : p.v.scale_head);
-    const int64_t s_page = hf == 0 ? p.k.scale_page : p.v.scale_page;
-    const int64_t s_entry = hf == 0 ? p.k.scale_entry : p.v.scale_entry;
+    // Block scales: K for half 0, V for half 1 (FP8 keys have none: half 0
+    // copies no scales).
+    const bool k_half = hf == 0 && !kFp8K;
+    const uint8_t* sd = (k_half ? p.k.scales : p.v.scales) +
+                        it.head * (k_half ? p.k.scale_head : p.v.scale_head);
+    const int64_t s_page = k_half ? p.k.scale_page : p.v.scale_page;
+    const int64_t s_entry = k_half ? p.k.scale_entry : p.v.scale_entry;
+    const bool copies_scales = !kFp8K || hf == 1;
 
     // Fast path (a.fast_copy, tiles aligned to 16): one table entry per tile
     // (all lanes' tokens lie in page pj), 32-bit page index and entry offsets.
@@ -627,17 +653,27 @@ __global__ void __launch_bounds__(kAttnThreads, AttnConfig<D>::kCtasPerSm)
       const uint8_t* ksrc = cb.k + (static_cast<uint64_t>(page) * k_page32 + e * k_entry);
       const uint8_t* vsrc = cb.v + (static_cast<uint64_t>(page) * v_page32 + e * v_entry);
       const uint8_t* ssrc = cb.s + (static_cast<uint64_t>(page) * cb.s_page + e * cb.s_entry);
-      const uint32_t kdst = SmemAddr(st + Cfg::kKcOff + tau * Cfg::kRowBytes + hf * (D / 4));
+      const uint32_t kdst = SmemAddr(st + Cfg::kKcOff + tau * Cfg::kKRowStride +
+                                     hf * (Cfg::kKRowBytes / 2));
       const uint32_t vdst =
           SmemAddr(st + Cfg::kVcOff + VSlot(tau) * Cfg::kRowBytes + hf * (D / 4));
+      if constexpr (kFp8K) {
 #pragma unroll
-      for (int i = 0; i < D / 64; ++i) {
-        CpAsync<16>(kdst + 16 * i, ksrc + 16 * i, valid);
-        CpAsync<16>(vdst + 16 * i, vsrc + 16 * i, valid);
+        for (int i = 0; i < Cfg::kKRowBytes / 32; ++i) {
+          CpAsync<16>(kdst + 16 * i, ksrc + 16 * i, valid);
+        }
+#pragma unroll
+        for (int i = 0; i < D / 64; ++i) CpAsync<16>(vdst + 16 * i, vsrc + 16 * i, valid);
+      } else {
+#pragma unroll
+        for (int i = 0; i < D / 64; ++i) {
+          CpAsync<16>(kdst + 16 * i, ksrc + 16 * i, valid);
+          CpAsync<16>(vdst + 16 * i, vsrc + 16 * i, valid);
+        }
       }
-      uint8_t* sdst = st + (hf == 0 ? Cfg::kKsOff + tau * Cfg::kScaleBytes
-                                    : Cfg::kVsOff + VSlot(tau) * Cfg::kScaleBytes);
-      CpAsync<Cfg::kScaleBytes>(SmemAddr(sdst), ssrc, valid);
+      uint8_t* sdst = st + (k_half ? Cfg::kKsOff + tau * Cfg::kScaleBytes
+                                   : Cfg::kVsOff + VSlot(tau) * Cfg::kScaleBytes);
+      if (copies_scales) CpAsync<Cfg::kScaleBytes>(SmemAddr(sdst), ssrc, valid);
       const uint32_t ballot = __ballot_sync(0xffffffffu, valid);
       if (lane == 0) *reinterpret_cast<uint32_t*>(st + Cfg::kMaskOff) = ballot;
       pe += kAttnTile;
@@ -663,12 +699,27 @@ __global__ void __launch_bounds__(kAttnThreads, AttnConfig<D>::kCtasPerSm)
       const int e = valid ? pe : 0;
       const uint8_t* ksrc = kd + page * p.k.data_page + e * p.k.data_entry;
       const uint8_t* vsrc = vd + page * p.v.data_page + e * p.v.data_entry;
-      const uint32_t kdst = SmemAddr(st + Cfg::kKcOff + tau * Cfg::kRowBytes + hf * (D / 4));
+      const uint32_t kdst = SmemAddr(st + Cfg::kKcOff + tau * Cfg::kKRowStride +
+                                     hf * (Cfg::kKRowBytes / 2));
       const uint32_t vdst =
           SmemAddr(st + Cfg::kVcOff + VSlot(tau) * Cfg::kRowBytes + hf * (D / 4));
       const bool a16 = ((reinterpret_cast<uintptr_t>(ksrc) | reinterpret_cast<uintptr_t>(vsrc)) &
                         15u) == 0;
-      if (a16) {
+      if (a16 && kFp8K) {
+#pragma unroll
+        for (int i = 0; i < Cfg::kKRowBytes / 32; ++i) {
+          CpAsync<16>(kdst + 16 * i, ksrc + 16 * i, valid);
+        }
+#pragma unroll
+        for (int i = 0; i < D / 64; ++i) CpAsync<16>(vdst + 16 * i, vsrc + 16 * i, valid);
+      } else if (kFp8K) {
+#pragma unroll
+        for (int i = 0; i < Cfg::kKRowBytes / 16; ++i) {
+          CpAsync<8>(kdst + 8 * i, ksrc + 8 * i, valid);
+        }
+#pragma unroll
+        for (int i = 0; i < D / 32; ++i) CpAsync<8>(vdst + 8 * i, vsrc + 8 * i, valid);
+      } else if (a16) {
 #pragma unroll
         for (int i = 0; i < D / 64; ++i) {
           CpAsync<16>(kdst + 16 * i, ksrc + 16 * i, valid);
@@ -682,9 +733,11 @@ __global__ void __launch_bounds__(kAttnThreads, AttnConfig<D>::kCtasPerSm)
         }
       }
       const uint8_t* ssrc = sd + page * s_page + e * s_entry;
-      uint8_t* sdst = st + (hf == 0 ? Cfg::kKsOff + tau * Cfg::kScaleBytes
-                                    : Cfg::kVsOff + VSlot(tau) * Cfg::kScaleBytes);
-      if ((reinterpret_cast<uintptr_t>(ssrc) & (Cfg::kScaleBytes - 1)) == 0) {
+      uint8_t* sdst = st + (k_half ? Cfg::kKsOff + tau * Cfg::kScaleBytes
+                                   : Cfg::kVsOff + VSlot(tau) * Cfg::kScaleBytes);
+      if (!copies_scales) {
+        // FP8 keys: half 0 has no scales to copy.
+      } else if ((reinterpret_cast<uintptr_t>(ssrc) & (Cfg::kScaleBytes - 1)) == 0) {
         CpAsync<Cfg::kScaleBytes>(SmemAddr(sdst), ssrc, valid);
       } else {
 #pragma unroll
@@ -731,51 +784,82 @@ __global__ void __launch_bounds__(kAttnThreads, AttnConfig<D>::kCtasPerSm)
       float s[2][4];
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
-      uint32_t kw[2][kKWords];
-      uint32_t ksb[2];
+      if constexpr (kFp8K) {
+        // FP8 keys: lane (g, c) reads bytes [c D/4, (c+1) D/4) of tokens g
+        // and g + 8, 16 bytes (four k-steps) at a time; word w is k-step
+        // w's B fragment.
+        const uint8_t* krow = st + Cfg::kKcOff + g * Cfg::kKRowStride + c * (D / 4);
 #pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
-        const uint8_t* row = st + Cfg::kKcOff + (g + 8 * nt) * Cfg::kRowBytes + c * (D / 8);
+        for (int w4 = 0; w4 < D / 64; ++w4) {
+          uint32_t kw[2][4];
 #pragma unroll
-        for (int w = 0; w < kKWords; w += 2) {
-          const uint2 v = *reinterpret_cast<const uint2*>(row + 4 * w);
-          kw[nt][w] = v.x;
-          kw[nt][w + 1] = v.y;
+          for (int nt = 0; nt < 2; ++nt) {
+            const uint4 v =
+                *reinterpret_cast<const uint4*>(krow + 8 * nt * Cfg::kKRowStride + 16 * w4);
+            kw[nt][0] = v.x;
+            kw[nt][1] = v.y;
+            kw[nt][2] = v.z;
+            kw[nt][3] = v.w;
+          }
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            uint32_t qa[4];
+            LdMatrixX4(q_lane + (4 * w4 + j) * 32, qa);
+#pragma unroll
+            for (int nt = 0; nt < 2; ++nt) {
+              uint32_t b0, b1;
+              device::Fp8KeyWordToHalf2(kw[nt][j], &b0, &b1);
+              Mma16816(s[nt], qa, b0, b1);
+            }
+          }
         }
-        const uint8_t* srow = st + Cfg::kKsOff + (g + 8 * nt) * Cfg::kScaleBytes + c * (D / 64);
-        if constexpr (D == 64) {
-          ksb[nt] = srow[0];
-        } else if constexpr (D == 128) {
-          ksb[nt] = *reinterpret_cast<const uint16_t*>(srow);
-        } else {
-          ksb[nt] = *reinterpret_cast<const uint32_t*>(srow);
-        }
-      }
-      // Block scale multipliers, two blocks per conversion: kmul[nt][q] holds
-      // blocks 2q and 2q + 1 (one block for D = 64: twice).
-      constexpr int kScalePairs = D >= 128 ? D / 128 : 1;
-      uint32_t kmul[2][kScalePairs];
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
-#pragma unroll
-        for (int q = 0; q < kScalePairs; ++q) {
-          const uint32_t two = D >= 128 ? (ksb[nt] >> (16 * q)) & 0xffffu : ksb[nt] * 0x0101u;
-          kmul[nt][q] = device::ScalePairMultiplier(two);
-        }
-      }
-#pragma unroll
-      for (int w = 0; w < kKWords; ++w) {
-        uint32_t qa[2][4];
-        LdMatrixX4(q_lane + (2 * w) * 32, qa[0]);
-        LdMatrixX4(q_lane + (2 * w + 1) * 32, qa[1]);
+      } else {
+        uint32_t kw[2][kKWords];
+        uint32_t ksb[2];
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt) {
-          const uint32_t pair = kmul[nt][w / 4 < kScalePairs ? w / 4 : 0];
-          const uint32_t mul = (w / 2) % 2 == 0 ? DupLowHalf(pair) : DupHighHalf(pair);
-          uint32_t b[4];
-          device::DecodeWordHalf2(kw[nt][w], mul, b);
-          Mma16816(s[nt], qa[0], b[0], b[2]);
-          Mma16816(s[nt], qa[1], b[1], b[3]);
+          const uint8_t* row = st + Cfg::kKcOff + (g + 8 * nt) * Cfg::kKRowStride + c * (D / 8);
+#pragma unroll
+          for (int w = 0; w < kKWords; w += 2) {
+            const uint2 v = *reinterpret_cast<const uint2*>(row + 4 * w);
+            kw[nt][w] = v.x;
+            kw[nt][w + 1] = v.y;
+          }
+          const uint8_t* srow = st + Cfg::kKsOff + (g + 8 * nt) * Cfg::kScaleBytes + c * (D / 64);
+          if constexpr (D == 64) {
+            ksb[nt] = srow[0];
+          } else if constexpr (D == 128) {
+            ksb[nt] = *reinterpret_cast<const uint16_t*>(srow);
+          } else {
+            ksb[nt] = *reinterpret_cast<const uint32_t*>(srow);
+          }
+        }
+        // Block scale multipliers, two blocks per conversion: kmul[nt][q] holds
+        // blocks 2q and 2q + 1 (one block for D = 64: twice).
+        constexpr int kScalePairs = D >= 128 ? D / 128 : 1;
+        uint32_t kmul[2][kScalePairs];
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+          for (int q = 0; q < kScalePairs; ++q) {
+            const uint32_t two = D >= 128 ? (ksb[nt] >> (16 * q)) & 0xffffu : ksb[nt] * 0x0101u;
+            kmul[nt][q] = device::ScalePairMultiplier(two);
+          }
+        }
+#pragma unroll
+        for (int w = 0; w < kKWords; ++w) {
+          uint32_t qa[2][4];
+          LdMatrixX4(q_lane + (2 * w) * 32, qa[0]);
+          LdMatrixX4(q_lane + (2 * w + 1) * 32, qa[1]);
+#pragma unroll
+          for (int nt = 0; nt < 2; ++nt) {
+            const uint32_t pair = kmul[nt][w / 4 < kScalePairs ? w / 4 : 0];
+            const uint32_t mul = (w / 2) % 2 == 0 ? DupLowHalf(pair) : DupHighHalf(pair);
+            uint32_t b[4];
+            device::DecodeWordHalf2(kw[nt][w], mul, b);
+            Mma16816(s[nt], qa[0], b[0], b[2]);
+            Mma16816(s[nt], qa[1], b[1], b[3]);
+          }
         }
       }
 

@@ -75,7 +75,6 @@ absl::Status CheckAbsent(const TensorView& t, const char* name, const char* why)
 absl::StatusOr<DecodeAttention> DecodeAttention::Create(const Options& o) {
   const CacheGeometry& g = o.geometry;
   FP4KV_RETURN_IF_ERROR(g.Validate());
-  FP4KV_RETURN_IF_ERROR(internal::RefuseFp8Keys(g, "DecodeAttention"));
   FP4KV_RETURN_IF_ERROR(CheckAttentionHeadDim(g.head_dim_k, "geometry.head_dim_k"));
   FP4KV_RETURN_IF_ERROR(CheckAttentionHeadDim(g.head_dim_v, "geometry.head_dim_v"));
   if (o.num_qo_heads <= 0 || o.num_qo_heads % g.num_kv_heads != 0) {
@@ -198,6 +197,7 @@ absl::StatusOr<AttentionParams> MakeAttentionParams(const DecodeAttention::Optio
         " (", addr % kWorkspaceAlignment, " past alignment)"));
   }
 
+  p.fp8_keys = g.fp8_keys();
   p.num_kv_heads = g.num_kv_heads;
   p.num_qo_heads = hq;
   p.group = hq / g.num_kv_heads;

@@ -19,6 +19,9 @@ namespace internal {
 
 struct AttentionParams {
   PoolPtrs k, v;  // read only; k.head_dim = Dk, v.head_dim = Dv
+  // Keys in FP8 E4M3 (geometry.key_format kFp8): k rows are Dk bytes,
+  // k.scales is null; values stay NVFP4.
+  bool fp8_keys = false;
   int num_kv_heads = 0;
   int num_qo_heads = 0;
   int group = 0;  // num_qo_heads / num_kv_heads

@@ -150,7 +150,36 @@ void ExpectWellFormed(const AttentionCase& c, bool fresh) {
   // largest at the top of the E4M3 range (a global scale sized for the data),
   // and codes that are not all zero.
   const PagedCache cache = c.Cache(const_cast<uint8_t*>(c.in.data()), Device::Cpu());
+  const bool fp8 = s.fp8_keys;
+  EXPECT_EQ(c.geometry.fp8_keys(), fp8);
+  EXPECT_EQ(cache.key_format, fp8 ? KeyFormat::kFp8 : KeyFormat::kNvfp4);
+  if (fp8) {
+    // FP8 keys: no K scales, rows of Dk E4M3 bytes, none NaN, and on a fresh
+    // case the largest magnitude at the top of E4M3 (0x7e, 448: the key
+    // scale is MakeFp8KeyScale of the rows' amax).
+    EXPECT_TRUE(cache.k_scales.empty());
+    const TensorView& k = cache.k_data;
+    ASSERT_EQ(k.ndim, 4);
+    EXPECT_EQ(k.shape[3], s.head_dim);
+    uint8_t top = 0;
+    for (int64_t p = 0; p < g.num_pages; ++p) {
+      for (int64_t a = 0; a < k.shape[1]; ++a) {
+        for (int64_t b = 0; b < k.shape[2]; ++b) {
+          for (int64_t d = 0; d < k.shape[3]; ++d) {
+            const uint8_t v = static_cast<const uint8_t*>(
+                k.data)[p * k.strides[0] + a * k.strides[1] + b * k.strides[2] + d];
+            ASSERT_NE(v & 0x7f, 0x7f) << "NaN key code";
+            top = std::max<uint8_t>(top, v & 0x7f);
+          }
+        }
+      }
+    }
+    if (fresh) {
+      EXPECT_EQ(top, 0x7e) << "largest key code 0x" << std::hex << int{top};
+    }
+  }
   for (const TensorView* t : {&cache.k_scales, &cache.v_scales}) {
+    if (t->empty()) continue;  // FP8 keys
     uint8_t top = 0;
     for (int64_t p = 0; p < g.num_pages; ++p) {
       for (int64_t a = 0; a < t->shape[1]; ++a) {
@@ -171,7 +200,8 @@ void ExpectWellFormed(const AttentionCase& c, bool fresh) {
   for (const TensorView* t : {&cache.k_data, &cache.v_data}) {
     bool any = false;
     const uint8_t* p = static_cast<const uint8_t*>(t->data);
-    for (int64_t i = 0; i < t->shape[1] * t->strides[1] && !any; ++i) any = (p[i] & 0x77) != 0;
+    const uint8_t mask = t == &cache.k_data && fp8 ? 0x7f : 0x77;
+    for (int64_t i = 0; i < t->shape[1] * t->strides[1] && !any; ++i) any = (p[i] & mask) != 0;
     EXPECT_TRUE(any) << "page 0 holds only zero codes";
   }
   if (s.sinks) {
@@ -201,6 +231,67 @@ TEST_P(AttentionCaseTest, WellFormedBeforeAndAfterRewrite) {
 
 INSTANTIATE_TEST_SUITE_P(Sweep, AttentionCaseTest, ::testing::ValuesIn(testing::AttentionSweep()),
                          [](const auto& info) { return info.param.Name(); });
+INSTANTIATE_TEST_SUITE_P(Fp8KeySweep, AttentionCaseTest,
+                         ::testing::ValuesIn(testing::WithFp8Keys(testing::AttentionSweep())),
+                         [](const auto& info) { return info.param.Name(); });
+
+TEST(AttentionCase, Fp8KeyRowsAreTheQuantizedKeys) {
+  // Same seed, same rows: the FP8 case's key bytes are QuantizeFp8Key of
+  // the rows the NVFP4 case quantized (its decoded keys are close to them),
+  // and the values are byte for byte the NVFP4 case's.
+  AttentionSpec s;
+  s.batch = 2;
+  s.max_seq_len = 33;
+  AttentionSpec s8 = s;
+  s8.fp8_keys = true;
+  const AttentionCase a = testing::MakeAttentionCase(s, 9);
+  const AttentionCase b = testing::MakeAttentionCase(s8, 9);
+  EXPECT_EQ(b.spec.Name(), a.spec.Name() + "_k8");
+  const PagedCache ca = a.Cache(const_cast<uint8_t*>(a.in.data()), Device::Cpu());
+  const PagedCache cb = b.Cache(const_cast<uint8_t*>(b.in.data()), Device::Cpu());
+  ASSERT_EQ(ca.v_data.ShapeString(), cb.v_data.ShapeString());
+  ASSERT_EQ(ca.v_data.strides[0], cb.v_data.strides[0]);
+  const auto bytes = [](const TensorView& t) {
+    const uint8_t* p = static_cast<const uint8_t*>(t.data);
+    return std::vector<uint8_t>(p, p + t.shape[0] * t.strides[0]);
+  };
+  EXPECT_EQ(bytes(ca.v_data), bytes(cb.v_data));
+  EXPECT_EQ(bytes(ca.v_scales), bytes(cb.v_scales));
+  // Decoded keys of both: the FP8 ones within E4M3's half ulp (2^-4
+  // relative, or its subnormal step) of the NVFP4 ones' source, which the
+  // NVFP4 keys approximate far more coarsely: compare the two relative L2s.
+  const int D = s.head_dim;
+  double e8 = 0.0, e4 = 0.0, n = 0.0;
+  for (int64_t p = 0; p < a.geometry.num_pages; ++p) {
+    for (int64_t e = 0; e < s.page_size; ++e) {
+      for (int64_t h = 0; h < s.num_kv_heads; ++h) {
+        const uint8_t* k8 = static_cast<const uint8_t*>(cb.k_data.data) + p * cb.k_data.strides[0] +
+                            e * cb.k_data.strides[1] + h * cb.k_data.strides[2];
+        const uint8_t* k4 = static_cast<const uint8_t*>(ca.k_data.data) + p * ca.k_data.strides[0] +
+                            e * ca.k_data.strides[1] + h * ca.k_data.strides[2];
+        const uint8_t* s4 = static_cast<const uint8_t*>(ca.k_scales.data) +
+                            p * ca.k_scales.strides[0] + e * ca.k_scales.strides[1] +
+                            h * ca.k_scales.strides[2];
+        for (int d = 0; d < D; ++d) {
+          const double x8 = static_cast<double>(DequantFp8Key(k8[d], b.k_scale.value));
+          const uint8_t code = d % 2 ? k4[d / 2] >> 4 : k4[d / 2] & 0xf;
+          const double x4 =
+              static_cast<double>(E2m1Decode(code)) * E4m3Decode(s4[d / 16]) * a.k_scale.value;
+          e8 += (x8 - x4) * (x8 - x4);
+          n += x8 * x8;
+          e4 += x4 * x4;
+        }
+      }
+    }
+  }
+  EXPECT_GT(n, 0.0);
+  EXPECT_GT(e4, 0.0);
+  // NVFP4 keys differ from the FP8 ones by NVFP4's own error (about 10%
+  // relative L2 on these rows), far above E4M3's; a wrong row or scale
+  // would give differences near 100%.
+  EXPECT_LT(std::sqrt(e8 / n), 0.25);
+  EXPECT_GT(std::sqrt(e8 / n), 0.01);
+}
 
 TEST(AttentionCase, SameSeedSameBytesAndPaddingKeepsValues) {
   AttentionSpec s;

@@ -21,8 +21,9 @@ namespace {
 using testing::AttentionCase;
 using testing::AttentionSpec;
 
-AttentionSpec FixtureSpec(int q_len) {
+AttentionSpec FixtureSpec(int q_len, bool fp8_keys) {
   AttentionSpec s;
+  s.fp8_keys = fp8_keys;
   s.batch = 3;
   s.num_kv_heads = 2;
   s.group = 2;
@@ -36,8 +37,8 @@ AttentionSpec FixtureSpec(int q_len) {
 
 // Valid options and arguments over one case; each rule breaks one thing.
 struct Fixture {
-  explicit Fixture(int q_len)
-      : c(testing::MakeAttentionCase(FixtureSpec(q_len), 3)),
+  explicit Fixture(int q_len, bool fp8_keys = false)
+      : c(testing::MakeAttentionCase(FixtureSpec(q_len, fp8_keys), 3)),
         in(c.in),
         out(c.out),
         o(c.Options(Device::Cpu())),
@@ -65,11 +66,45 @@ struct Rule {
   Stage stage;
   const char* argument;  // the message must name it
   absl::StatusCode code = absl::StatusCode::kInvalidArgument;
+  bool fp8_keys = false;  // the fixture's cache holds FP8 keys
 };
 
 TensorView Misalign(TensorView t, int bytes) {
   t.data = static_cast<char*>(t.data) + bytes;
   return t;
+}
+
+// The FP8-key rules: a fixture over FP8 keys (and one NVFP4 fixture handed
+// a cache that claims FP8 keys).
+std::vector<Rule> Fp8KeyRules() {
+  const Stage C = Stage::kCreate, R = Stage::kRun;
+  const auto bad = absl::StatusCode::kInvalidArgument;
+  return {
+      {"fp8_geometry_key_format_unknown", 3,
+       [](Fixture& f) { f.o.geometry.key_format = static_cast<KeyFormat>(7); }, C,
+       "geometry.key_format", bad, true},
+      {"fp8_cache_k_scales_given", 3, [](Fixture& f) { f.cache.k_scales = f.cache.v_scales; }, R,
+       "cache.k_scales", bad, true},
+      {"fp8_cache_k_data_nvfp4_width", 3,
+       [](Fixture& f) { f.cache.k_data.shape[3] = f.c.spec.head_dim / 2; }, R, "cache.k_data", bad,
+       true},
+      {"fp8_cache_k_data_f16", 3, [](Fixture& f) { f.cache.k_data.dtype = DType::kF16; }, R,
+       "cache.k_data", bad, true},
+      {"fp8_cache_k_data_misaligned", 3,
+       [](Fixture& f) { f.cache.k_data = Misalign(f.cache.k_data, 8); }, R, "cache.k_data", bad,
+       true},
+      {"fp8_cache_k_data_null", 3, [](Fixture& f) { f.cache.k_data.data = nullptr; }, R,
+       "cache.k_data", bad, true},
+      {"fp8_cache_says_nvfp4", 3, [](Fixture& f) { f.cache.key_format = KeyFormat::kNvfp4; }, R,
+       "cache.key_format", bad, true},
+      {"fp8_geometry_says_nvfp4", 3,
+       [](Fixture& f) { f.o.geometry.key_format = KeyFormat::kNvfp4; }, R, "cache.key_format", bad,
+       true},
+      {"fp8_k_scale_zero", 3, [](Fixture& f) { f.a.k_scale = GlobalScale::Value(0.0f); }, R,
+       "k_scale", bad, true},
+      {"nvfp4_cache_says_fp8", 3, [](Fixture& f) { f.cache.key_format = KeyFormat::kFp8; }, R,
+       "cache.key_format", bad, false},
+  };
 }
 
 std::vector<Rule> Rules() {
@@ -230,12 +265,12 @@ TEST_P(AttentionValidationTest, RejectsNamingTheArgumentAndWritesNothing) {
   const Rule& r = GetParam();
   {
     // The unmodified call is valid and writes, so the failure is the mutation's.
-    Fixture ok(r.q_len);
+    Fixture ok(r.q_len, r.fp8_keys);
     Stage stage;
     ASSERT_TRUE(CreateAndRun(ok, &stage).ok());
     ASSERT_NE(ok.out, ok.c.out);
   }
-  Fixture f(r.q_len);
+  Fixture f(r.q_len, r.fp8_keys);
   r.mutate(f);
   const std::vector<uint8_t> in = f.in, out = f.out;
   Stage stage;
@@ -248,7 +283,7 @@ TEST_P(AttentionValidationTest, RejectsNamingTheArgumentAndWritesNothing) {
 
 TEST_P(AttentionValidationTest, FunctionalFormRejectsTheSame) {
   const Rule& r = GetParam();
-  Fixture f(r.q_len);
+  Fixture f(r.q_len, r.fp8_keys);
   r.mutate(f);
   const std::vector<uint8_t> out = f.out;
   ExpectRejected(r, DecodeAttentionPaged(f.o, f.a, f.cache, f.workspace, f.workspace_bytes));
@@ -259,6 +294,22 @@ INSTANTIATE_TEST_SUITE_P(Rules, AttentionValidationTest, ::testing::ValuesIn(Rul
                          [](const ::testing::TestParamInfo<Rule>& i) {
                            return std::string(i.param.name);
                          });
+INSTANTIATE_TEST_SUITE_P(Fp8KeyRules, AttentionValidationTest, ::testing::ValuesIn(Fp8KeyRules()),
+                         [](const ::testing::TestParamInfo<Rule>& i) {
+                           return std::string(i.param.name);
+                         });
+
+TEST(AttentionValidation, Fp8KeysTakeU8OrE4m3Data) {
+  Fixture f(3, /*fp8_keys=*/true);
+  ASSERT_EQ(f.o.geometry.key_format, KeyFormat::kFp8);
+  ASSERT_TRUE(DecodeAttentionPaged(f.o, f.a, f.cache, nullptr, 0).ok());
+  const std::vector<uint8_t> u8_out = f.out;
+  ASSERT_NE(u8_out, f.c.out);
+  f.out = f.c.out;
+  f.cache.k_data.dtype = DType::kE4M3;
+  ASSERT_TRUE(DecodeAttentionPaged(f.o, f.a, f.cache, nullptr, 0).ok());
+  EXPECT_EQ(f.out, u8_out);
+}
 
 TEST(AttentionValidation, CudaWithoutGpuFailsCleanly) {
   std::string why;

@@ -4,14 +4,17 @@
 // place (same addresses). Outputs are poisoned before every run;
 // CompareAttentionOutputs checks per-(row, head) relative L2 error against
 // the reference's unrounded fp64 outputs, lse, and that every byte the
-// contract leaves alone is still poison.
+// contract leaves alone is still poison. NVFP4 and FP8 E4M3 keys alike.
 #include <cuda_runtime_api.h>
 
+#include <cmath>
 #include <cstdint>
 #include <string>
 #include <vector>
 
 #include "fp4kv/attention.h"
+#include "fp4kv/device/page_reader.cuh"
+#include "fp4kv/format.h"
 #include "gtest/gtest.h"
 #include "testing/attention_case.h"
 #include "testing/test_util.h"
@@ -121,6 +124,80 @@ TEST_P(GpuAttentionRealKvTest, MatchesReferenceEagerAndInGraphs) {
 INSTANTIATE_TEST_SUITE_P(RealKv, GpuAttentionRealKvTest,
                          ::testing::ValuesIn(testing::RealKvSweep()),
                          [](const auto& info) { return info.param.Name(); });
+
+// FP8 E4M3 keys with NVFP4 values: the same sweeps, the same tolerances.
+INSTANTIATE_TEST_SUITE_P(Fp8KeySweep, GpuAttentionTest,
+                         ::testing::ValuesIn(testing::WithFp8Keys(testing::AttentionSweep())),
+                         [](const auto& info) { return info.param.Name(); });
+INSTANTIATE_TEST_SUITE_P(Fp8KeyPage16, GpuAttentionTest,
+                         ::testing::ValuesIn(testing::Fp8KeyPage16Sweep()),
+                         [](const auto& info) { return info.param.Name(); });
+INSTANTIATE_TEST_SUITE_P(Fp8KeyRealKv, GpuAttentionRealKvTest,
+                         ::testing::ValuesIn(testing::WithFp8Keys(testing::RealKvSweep())),
+                         [](const auto& info) { return info.param.Name(); });
+
+// The public FP8 key readers of page_reader.cuh over all 256 codes, laid
+// out as one key row of a pool: Fp8KeyWordToHalf2 (times Fp8KeyHalfScale())
+// and LoadFp8KeyFloat must give e4m3(code) exactly for every finite code.
+__global__ void Fp8KeyReaderKernel(const uint8_t* row, uint32_t* words, float* loaded,
+                                   float* half_scale) {
+  const int t = threadIdx.x;  // 64 threads: one word of 4 codes each
+  device::PagePool pool;
+  pool.data = row;
+  uint32_t lo, hi;
+  device::Fp8KeyWordToHalf2(reinterpret_cast<const uint32_t*>(row)[t], &lo, &hi);
+  words[2 * t] = lo;
+  words[2 * t + 1] = hi;
+  for (int j = 0; j < 4; ++j) loaded[4 * t + j] = device::LoadFp8KeyFloat(pool, 0, 0, 0, 4 * t + j);
+  if (t == 0) *half_scale = device::Fp8KeyHalfScale();
+}
+
+TEST(GpuPageReader, Fp8KeyReadersDecodeEveryCode) {
+  FP4KV_SKIP_WITHOUT_GPU();
+  std::vector<uint8_t> codes(256);
+  for (int i = 0; i < 256; ++i) codes[i] = static_cast<uint8_t>((i * 77 + 5) % 256);  // a permutation
+  testing::DeviceBuffer row(256), words(128 * 4), loaded(256 * 4), scale(4);
+  ASSERT_TRUE(row.ok() && words.ok() && loaded.ok() && scale.ok());
+  ASSERT_TRUE(row.Upload(codes));
+  ASSERT_TRUE(words.Fill(testing::kPoison) && loaded.Fill(testing::kPoison));
+  Fp8KeyReaderKernel<<<1, 64>>>(static_cast<const uint8_t*>(row.get()),
+                                static_cast<uint32_t*>(words.get()),
+                                static_cast<float*>(loaded.get()), static_cast<float*>(scale.get()));
+  FP4KV_ASSERT_CUDA(cudaGetLastError());
+  FP4KV_ASSERT_CUDA(cudaDeviceSynchronize());
+  const std::vector<uint32_t> w = words.DownloadAs<uint32_t>(128);
+  const std::vector<float> l = loaded.DownloadAs<float>(256);
+  const std::vector<float> hs = scale.DownloadAs<float>(1);
+  ASSERT_EQ(w.size(), 128u);
+  ASSERT_EQ(l.size(), 256u);
+  ASSERT_EQ(hs.size(), 1u);
+  int dev = 0, major = 0, minor = 0;
+  FP4KV_ASSERT_CUDA(cudaGetDevice(&dev));
+  FP4KV_ASSERT_CUDA(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  FP4KV_ASSERT_CUDA(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
+  const bool hw = major * 10 + minor >= 89;
+  EXPECT_EQ(hs[0], hw ? 1.0f : 256.0f);
+  for (int i = 0; i < 256; ++i) {
+    const uint8_t code = codes[i];
+    // Value i of the row: word i / 4, register {v0, v1} or {v2, v3}.
+    const uint32_t reg = w[2 * (i / 4) + (i % 4) / 2];
+    const uint16_t bits = static_cast<uint16_t>(i % 2 ? reg >> 16 : reg & 0xffffu);
+    const double from_word = static_cast<double>(HalfBitsToFloat(bits)) * hs[0];
+    const float want = E4m3Decode(code);
+    if ((code & 0x7f) == 0x7f) {  // NaN: NaN on sm_89+, +-480 by bit placement on sm_80
+      EXPECT_TRUE(std::isnan(l[i])) << "code 0x" << std::hex << int{code};
+      if (hw) {
+        EXPECT_TRUE(std::isnan(from_word)) << "code 0x" << std::hex << int{code};
+      } else {
+        EXPECT_EQ(from_word, code & 0x80 ? -480.0 : 480.0) << "code 0x" << std::hex << int{code};
+      }
+      continue;
+    }
+    EXPECT_EQ(from_word, static_cast<double>(want)) << "code 0x" << std::hex << int{code};
+    EXPECT_EQ(l[i], want) << "code 0x" << std::hex << int{code};
+    EXPECT_EQ(std::signbit(from_word), std::signbit(want)) << "code 0x" << std::hex << int{code};
+  }
+}
 
 }  // namespace
 }  // namespace fp4kv

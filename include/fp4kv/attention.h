@@ -1,4 +1,5 @@
-// Decode attention that reads NVFP4 pages directly.
+// Decode attention that reads NVFP4 pages directly (keys NVFP4 or, with
+// geometry.key_format kFp8, FP8 E4M3; values NVFP4).
 //
 // For each request b of a batch and each query head h, with query rows
 // q_indptr[b] .. q_indptr[b+1] (qlen_b of them, 1 .. max_q_len; one row per
@@ -9,6 +10,7 @@
 //       0 <= t <= p                            (causal among the new tokens)
 //       t >= p - window_left                   (only when window_left >= 0)
 //   logit_t = sm_scale * g_k * (q . kq_t)     kq_t = e2m1(code) * e4m3(block scale)
+//                                             (FP8 keys: kq_t = e4m3(code))
 //   logit_t = cap * tanh(logit_t / cap)       (only when logits_soft_cap > 0)
 //   out     = g_v * sum_t w_t vq_t,  w_t = exp(logit_t - m) / Z,
 //   Z       = sum_t exp(logit_t - m) (+ exp(sink_h - m) with sinks),
@@ -16,7 +18,9 @@
 //
 // where h's KV head is h / (num_qo_heads / num_kv_heads). The global decode
 // scales g_k, g_v enter once per logit and once per output (the dequantized
-// tile e2m1 * e4m3 is exact in f16 and bf16). Softmax and accumulation are
+// tile e2m1 * e4m3, and an FP8 key e4m3(code), is exact in f16). An FP8 key
+// code 0x7f / 0xff (E4M3 NaN; the encoder makes it only from NaN input)
+// gives unspecified outputs for the rows that attend it. Softmax and accumulation are
 // fp32 in the CUDA kernel and fp64 in the CPU reference, so the two agree to
 // rounding, not bit for bit.
 //
@@ -66,7 +70,8 @@ class DecodeAttention {
  public:
   DecodeAttention() = default;  // Run() fails until assigned from Create()
   struct Options {
-    CacheGeometry geometry;  // head_dim_k and head_dim_v in {64, 128, 256}; equal on CUDA
+    CacheGeometry geometry;  // head_dim_k and head_dim_v in {64, 128, 256}; equal on CUDA;
+                             // key_format NVFP4 or FP8 (the cache given to Run must match)
     int num_qo_heads = 0;    // a positive multiple of geometry.num_kv_heads
     DType dtype = DType::kBF16;        // of q and out: f16 or bf16
     DType table_dtype = DType::kI32;   // of block_tables

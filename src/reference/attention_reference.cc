@@ -25,10 +25,16 @@ void StoreHalf(void* base, DType t, int64_t i, double x) {
   static_cast<uint16_t*>(base)[i] = t == DType::kF16 ? FloatToHalfBits(f) : FloatToBf16Bits(f);
 }
 
-// Decodes one pool row to e2m1(code) * e4m3(block scale), exact in fp32; the
-// global scale is applied by the caller.
-void DecodeRow(const PoolPtrs& pool, int64_t page, int64_t entry, int64_t head, float* out) {
+// Decodes one pool row to e2m1(code) * e4m3(block scale), or to e4m3(code)
+// for an FP8 key row (`fp8`), exact in fp32; the global scale is applied by
+// the caller (in fp64, once per logit or output).
+void DecodeRow(const PoolPtrs& pool, bool fp8, int64_t page, int64_t entry, int64_t head,
+               float* out) {
   const uint8_t* data = pool.data + pool.DataOffset(page, entry, head);
+  if (fp8) {
+    for (int d = 0; d < pool.head_dim; ++d) out[d] = E4m3Decode(data[d]);
+    return;
+  }
   const uint8_t* scales = pool.scales + pool.ScaleOffset(page, entry, head);
   for (int blk = 0; blk < pool.head_dim / kBlockSize; ++blk) {
     const float s = E4m3Decode(scales[blk]);
@@ -60,8 +66,8 @@ void DecodeRequest(const AttentionParams& p, int b, int64_t tokens, int kv_head,
     if (page < 0 || page >= p.num_pages) continue;
     r->readable[t] = true;
     const int64_t entry = t % p.page_size;
-    DecodeRow(p.k, page, entry, kv_head, &r->k[t * dk]);
-    DecodeRow(p.v, page, entry, kv_head, &r->v[t * dv]);
+    DecodeRow(p.k, p.fp8_keys, page, entry, kv_head, &r->k[t * dk]);
+    DecodeRow(p.v, /*fp8=*/false, page, entry, kv_head, &r->v[t * dv]);
   }
 }
 

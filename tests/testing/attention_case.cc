@@ -252,13 +252,16 @@ void FillCase(AttentionCase& c, uint64_t seed, bool first) {
     NormalizeRows(vbits, s.dtype, D, rng);
   }
 
-  // Global scales from the rows' amax; pointer scales move by a factor
-  // 0.5 / 1 / 2 on rewrites (0.5 saturates the largest blocks a little).
+  // Global scales from the rows' amax (FP8 keys: amax on E4M3's top);
+  // pointer scales move by a factor 0.5 / 1 / 2 on rewrites (0.5 saturates
+  // the largest blocks, or FP8 keys, a little).
   const float factors[] = {0.5f, 1.0f, 2.0f};
+  const bool fp8 = g.fp8_keys();
   for (auto [scale, bits] :
        {std::pair<ScaleSpec*, const std::vector<uint16_t>*>{&c.k_scale, &kbits},
         std::pair<ScaleSpec*, const std::vector<uint16_t>*>{&c.v_scale, &vbits}}) {
-    const float base = ScaleFor(AmaxOf(*bits, s.dtype));
+    const float amax = AmaxOf(*bits, s.dtype);
+    const float base = fp8 && scale == &c.k_scale ? MakeFp8KeyScale(amax) : ScaleFor(amax);
     if (first) {
       scale->value = base;
     } else if (scale->offset >= 0) {
@@ -268,14 +271,22 @@ void FillCase(AttentionCase& c, uint64_t seed, bool first) {
   }
 
   // Quantize every pool row.
-  const PagedCache cache = c.pool.At(c.in.data(), Device::Cpu());
+  const PagedCache cache = c.Cache(c.in.data(), Device::Cpu());
+  const float k_mul = Fp8KeyEncodeMultiplier(c.k_scale.value);
   for (int64_t page = 0; page < P; ++page) {
     for (int64_t e = 0; e < S; ++e) {
       for (int h = 0; h < H; ++h) {
         const int64_t row = ((page * S + e) * H + h) * D;
-        QuantizeRowInto(kbits.data() + row, s.dtype, D, c.k_scale.value,
-                        RowBytes(cache.k_data, g.layout, page, e, h),
-                        RowBytes(cache.k_scales, g.layout, page, e, h));
+        if (fp8) {
+          uint8_t* dst = RowBytes(cache.k_data, g.layout, page, e, h);
+          for (int d = 0; d < D; ++d) {
+            dst[d] = QuantizeFp8Key(HalfValue(s.dtype, kbits[row + d]), k_mul);
+          }
+        } else {
+          QuantizeRowInto(kbits.data() + row, s.dtype, D, c.k_scale.value,
+                          RowBytes(cache.k_data, g.layout, page, e, h),
+                          RowBytes(cache.k_scales, g.layout, page, e, h));
+        }
         QuantizeRowInto(vbits.data() + row, s.dtype, D, c.v_scale.value,
                         RowBytes(cache.v_data, g.layout, page, e, h),
                         RowBytes(cache.v_scales, g.layout, page, e, h));
@@ -401,7 +412,7 @@ std::string AttentionSpec::Name() const {
       window_left >= 0 ? absl::StrCat("_win", window_left) : "", sinks ? "_sinks" : "",
       lse ? "_lse" : "", pointer_scales ? "_ptr" : "", oob_pages ? "_oob" : "",
       realkv ? "_realkv" : "", extra_pages > 0 ? absl::StrCat("_x", extra_pages) : "",
-      padded ? "_padded" : "");
+      padded ? "_padded" : "", fp8_keys ? "_k8" : "");
 }
 
 AttentionCase MakeAttentionCase(const AttentionSpec& spec_in, uint64_t seed) {
@@ -416,17 +427,30 @@ AttentionCase MakeAttentionCase(const AttentionSpec& spec_in, uint64_t seed) {
     s.min_seq_len = std::min(s.min_seq_len, s.max_seq_len);
   }
   s.min_seq_len = std::clamp(s.min_seq_len, 0, s.max_seq_len);
+  if (s.fp8_keys) s.stacked = false;
   const int64_t B = s.batch + (s.padding_rows ? kPaddingRows : 0);
   const int64_t M = (s.max_seq_len + s.page_size - 1) / s.page_size;
   const int Hq = s.num_kv_heads * s.group;
   c.geometry = CacheGeometry{
       s.num_kv_heads, s.head_dim, s.head_dim, s.page_size, s.batch * M + 1 + s.extra_pages,
-      s.layout};
+      s.layout, s.fp8_keys ? KeyFormat::kFp8 : KeyFormat::kNvfp4};
   const int64_t total_q = s.q_len > 1 ? B * s.q_len + kSpareQRows : B;
   const int64_t pad = s.padded ? 8 : 0;  // 16 bytes of f16/bf16
 
   BlobLayout in;
-  c.pool = AddPool(in, c.geometry, s.stacked);
+  if (s.fp8_keys) {
+    // K rows of Dk E4M3 bytes, no K scales (pool.k_scales stays unset).
+    const CacheGeometry& g = c.geometry;
+    const int64_t a = g.layout == Layout::kNHD ? g.page_size : g.num_kv_heads;
+    const int64_t b = g.layout == Layout::kNHD ? g.num_kv_heads : g.page_size;
+    c.pool.geometry = g;
+    c.pool.stacked = false;
+    c.pool.k_data = in.Add(DType::kU8, {g.num_pages, a, b, g.head_dim_k});
+    c.pool.v_data = in.Add(DType::kU8, {g.num_pages, a, b, g.head_dim_v / 2});
+    c.pool.v_scales = in.Add(DType::kE4M3, {g.num_pages, a, b, g.head_dim_v / kBlockSize});
+  } else {
+    c.pool = AddPool(in, c.geometry, s.stacked);
+  }
   c.q = in.Add(s.dtype, {total_q, Hq, s.head_dim}, pad);
   if (s.q_len > 1) c.q_indptr = in.Add(DType::kI32, {B + 1});
   c.block_tables = in.Add(s.table_dtype, {B, M}, 3);
@@ -445,6 +469,14 @@ AttentionCase MakeAttentionCase(const AttentionSpec& spec_in, uint64_t seed) {
 }
 
 void AttentionCase::Rewrite(uint64_t seed) { FillCase(*this, seed, false); }
+
+PagedCache AttentionCase::Cache(uint8_t* in_base, Device device) const {
+  if (geometry.fp8_keys()) {
+    return PagedCache::Fp8Keys(pool.k_data.At(in_base, device), pool.v_data.At(in_base, device),
+                               pool.v_scales.At(in_base, device), geometry.layout);
+  }
+  return pool.At(in_base, device);
+}
 
 DecodeAttention::Options AttentionCase::Options(Device device) const {
   DecodeAttention::Options o;
@@ -737,6 +769,47 @@ std::vector<AttentionSpec> RealKvSweep() {
   s.lse = true;
   s.padded = true;
   out.push_back(s);
+  return out;
+}
+
+std::vector<AttentionSpec> WithFp8Keys(const std::vector<AttentionSpec>& specs) {
+  std::vector<AttentionSpec> out;
+  std::set<std::string> seen;
+  for (AttentionSpec s : specs) {
+    s.fp8_keys = true;
+    s.stacked = false;
+    if (seen.insert(s.Name()).second) out.push_back(s);
+  }
+  return out;
+}
+
+std::vector<AttentionSpec> Fp8KeyPage16Sweep() {
+  std::vector<AttentionSpec> out;
+  constexpr int kGroups[] = {1, 4, 8, 3};
+  constexpr int kQLens[] = {1, 4, 8, 1};
+  for (int i = 0; i < 8; ++i) {
+    AttentionSpec s;
+    s.fp8_keys = true;
+    s.head_dim = 128;
+    s.page_size = 16;
+    s.batch = i % 2 ? 5 : 2;
+    s.num_kv_heads = i % 3 == 0 ? 2 : 1;
+    s.group = kGroups[i % 4];
+    s.q_len = kQLens[(i / 2) % 4];
+    s.min_seq_len = i % 2 ? 1 : 600;
+    s.max_seq_len = i % 2 ? 700 : 5000;  // long ones split
+    s.layout = i % 4 < 2 ? Layout::kNHD : Layout::kHND;
+    s.dtype = i % 2 ? DType::kF16 : DType::kBF16;
+    s.table_dtype = i % 3 == 1 ? DType::kI64 : DType::kI32;
+    s.window_left = i == 2 ? 300 : -1;
+    s.soft_cap = i == 3 ? 30.0f : 0.0f;
+    s.sinks = i % 3 == 2;
+    s.lse = i % 2 == 0;
+    s.oob_pages = i == 5;
+    s.padded = i == 6;
+    s.pointer_scales = i == 7;
+    out.push_back(s);
+  }
   return out;
 }
 

@@ -3,11 +3,12 @@
 // (`in`), all outputs in another (`out`, kPoison with gaps), tensors described
 // by offsets so the same case is viewed at host or device bases.
 //
-// The pools hold real NVFP4 data: f16/bf16 rows (RandomHalfBits rescaled to
-// comparable row norms, or the real model rows of /work/shared/data/realkv)
-// quantized with QuantizeBlock under a global scale derived from the rows'
-// amax. Block tables give every request
-// its own pages, drawn from a random permutation of the pool.
+// The pools hold real NVFP4 data (keys in FP8 E4M3 with fp8_keys): f16/bf16
+// rows (RandomHalfBits rescaled to comparable row norms, or the real model
+// rows of /work/shared/data/realkv) quantized with QuantizeBlock (FP8 keys:
+// QuantizeFp8Key) under a global scale derived from the rows' amax. Block
+// tables give every request its own pages, drawn from a random permutation
+// of the pool.
 #ifndef FP4KV_TESTS_TESTING_ATTENTION_CASE_H_
 #define FP4KV_TESTS_TESTING_ATTENTION_CASE_H_
 
@@ -56,6 +57,10 @@ struct AttentionSpec {
   int extra_pages = 0;  // pool pages beyond what the tables can reference
   // q, out and lse with padded row and head strides (16-byte multiples).
   bool padded = false;
+  // FP8 E4M3 keys (KeyFormat::kFp8; tuple pools only, so `stacked` is
+  // ignored): K rows encoded with QuantizeFp8Key under MakeFp8KeyScale of
+  // the rows' amax; values NVFP4 as always.
+  bool fp8_keys = false;
   std::string Name() const;  // unique per sweep entry, a valid test name
 };
 
@@ -75,7 +80,8 @@ struct AttentionCase {
   // max_batch = B + 1, max_pages_per_seq = M, sm_scale 0 (1/sqrt(D)).
   DecodeAttention::Options Options(Device device) const;
   DecodeAttentionArgs Args(uint8_t* in_base, uint8_t* out_base, Device device) const;
-  PagedCache Cache(uint8_t* in_base, Device device) const { return pool.At(in_base, device); }
+  // The pool's views (PagedCache::Fp8Keys for FP8 keys, pool.k_scales unset).
+  PagedCache Cache(uint8_t* in_base, Device device) const;
   // New data, lengths (within capacity), padding rows, tables, q_indptr,
   // sinks and pointer-scale values in place, same shapes and offsets (fixed
   // scale values stay, as a captured graph keeps them).
@@ -119,6 +125,13 @@ std::string CompareAttentionOutputs(const AttentionCase& c, const std::vector<ui
 std::vector<AttentionSpec> AttentionSweep();
 // Specs over the real model rows (skip when !RealKvAvailable()).
 std::vector<AttentionSpec> RealKvSweep();
+// The same specs with FP8 keys (fp8_keys set; stacked ones become tuples).
+std::vector<AttentionSpec> WithFp8Keys(const std::vector<AttentionSpec>& specs);
+// FP8-key specs at head dim 128, page 16 (the 16-byte copy path the serving
+// shapes take, which the mixed sweep reaches only in its long case): GQA
+// groups 1..8, q_len 1..8, both layouts, f16/bf16, i32/i64 tables, window,
+// soft cap, sinks, lse, out-of-range pages, padded views, splits.
+std::vector<AttentionSpec> Fp8KeyPage16Sweep();
 
 // Real attention rows: 1025 positions of 9 query heads and 3 KV heads, head
 // dim 64, bf16 bits, for the layers in kRealKvLayers.

@@ -21,8 +21,12 @@
 // matrix-multiply consumer permutes its other operand the same way; the
 // scalar helpers (DecodeBlockFloat, DecodeBlockBf16x2) return natural order.
 //
+// FP8 key rows (E4M3 keys, NVFP4 values) have their own readers below
+// (Fp8KeyWordToHalf2, LoadFp8KeyFloat).
+//
 // Requirements: compiled by nvcc for sm_80 or newer; code rows 8-byte
-// aligned (the cache contract), scale bytes any alignment.
+// aligned (the cache contract; FP8 key rows 16-byte), scale bytes any
+// alignment.
 #ifndef FP4KV_DEVICE_PAGE_READER_CUH_
 #define FP4KV_DEVICE_PAGE_READER_CUH_
 
@@ -157,6 +161,47 @@ __device__ __forceinline__ void DecodeWordPairHalf2(uint32_t codes_a, uint32_t c
     out[4 * i + 2] = Half2Mul(l1, scale_mul);
     out[4 * i + 3] = Half2Mul(h1, scale_mul);
   }
+}
+
+// ---------------------------------------------------------------------------
+// FP8 key rows (KeyFormat::kFp8): Dk E4M3 bytes per (page, entry, head) row,
+// byte d the code of value d, no block scales; a PagePool of such keys has
+// scales == nullptr and its data strides locate the rows as above. Values
+// are e4m3(code) * g_k (DequantFp8Key), g_k applied by the caller.
+//
+// Fp8KeyWordToHalf2 turns one 32-bit word of a row (values v0..v3, v0 in
+// the low byte) into f16x2 {v0, v1} and {v2, v3}, scaled by
+// 2^kFp8KeyHalfExponent(): exactly e4m3 on sm_89+ (cvt.rn.f16x2.e4m3x2),
+// e4m3 * 2^-8 on sm_80 (bit placement: s|eeee|mmm becomes the f16 bits
+// s|0eeee|mmm0000000, exact for every finite code, subnormals included).
+// Multiply by Fp8KeyHalfScale() once, outside the inner loop. The NaN
+// codes 0x7f / 0xff (the encoder makes them only from NaN input) decode to
+// f16 NaN on sm_89+ and to the finite +-480 on sm_80: a consumer's result
+// over a NaN key is unspecified.
+// ---------------------------------------------------------------------------
+__device__ __forceinline__ constexpr int Fp8KeyHalfExponent() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 890
+  return -8;
+#else
+  return 0;
+#endif
+}
+__device__ __forceinline__ constexpr float Fp8KeyHalfScale() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 890
+  return 256.0f;
+#else
+  return 1.0f;
+#endif
+}
+
+__device__ __forceinline__ void Fp8KeyWordToHalf2(uint32_t four_codes, uint32_t* lo, uint32_t* hi) {
+  E4m3x4ToHalf2x2Raw(four_codes, lo, hi);
+}
+
+// Value d of an FP8 key row as f32, e4m3(code) exactly (NaN for 0x7f/0xff).
+__device__ __forceinline__ float LoadFp8KeyFloat(const PagePool& pool, int64_t page, int64_t entry,
+                                                 int64_t head, int d) {
+  return E4m3Decode(__ldg(pool.DataRow(page, entry, head) + d));
 }
 
 // ---------------------------------------------------------------------------
