@@ -11,6 +11,7 @@
 #include <optional>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "fp4kv/attention.h"
@@ -34,7 +35,9 @@ constexpr int kGroup = 3;
 constexpr int kQoHeads = kKvHeads * kGroup;
 constexpr int kDim = 64;
 
-KVCacheOptions Options(Device device) {
+// key_format kFp8: an FP8-key cache (K8V4); its key scales leave room for
+// the factory's keys under E4M3's top of 448.
+KVCacheOptions Options(Device device, KeyFormat key_format = KeyFormat::kNvfp4) {
   KVCacheOptions o;
   o.num_layers = kLayers;
   o.geometry.num_kv_heads = kKvHeads;
@@ -44,7 +47,9 @@ KVCacheOptions Options(Device device) {
   o.geometry.layout = Layout::kHND;
   o.geometry.num_pages = 96;
   o.device = device;
+  o.geometry.key_format = key_format;
   o.k_global_scales = {0.004f, 0.006f};  // explicit: CPU and GPU caches hold the same bytes
+  if (key_format == KeyFormat::kFp8) o.k_global_scales = {0.024f, 0.036f};
   o.v_global_scales = {0.003f, 0.002f};
   o.max_seqs_per_step = 5;
   o.max_tokens_per_step = 160;
@@ -148,18 +153,20 @@ std::string Compare(const std::vector<uint16_t>& want, const std::vector<float>&
   return "";
 }
 
-class CacheAttentionTest : public ::testing::TestWithParam<bool> {
+// (on the GPU, key format)
+class CacheAttentionTest : public ::testing::TestWithParam<std::tuple<bool, KeyFormat>> {
  protected:
   void SetUp() override {
-    if (GetParam()) FP4KV_SKIP_WITHOUT_GPU();
+    if (std::get<0>(GetParam())) FP4KV_SKIP_WITHOUT_GPU();
   }
-  Device device() const { return GetParam() ? Device::Cuda(0) : Device::Cpu(); }
+  Device device() const { return std::get<0>(GetParam()) ? Device::Cuda(0) : Device::Cpu(); }
+  KVCacheOptions options() const { return Options(device(), std::get<1>(GetParam())); }
 };
 
 // Steps of decode (max_q_len 1) and of speculative verification
 // (max_q_len 4, entries adding 1..4 tokens), each checked layer by layer.
 TEST_P(CacheAttentionTest, MatchesTheReferenceOnDecodeAndSpeculativeSteps) {
-  KVCache c = *KVCache::Create(Options(device()));
+  KVCache c = *KVCache::Create(options());
   absl::StatusOr<CacheAppender> app = c.appender(DType::kBF16);
   ASSERT_TRUE(app.ok()) << app.status();
   CacheAttentionOptions ao;
@@ -229,7 +236,7 @@ TEST_P(CacheAttentionTest, MatchesTheReferenceOnDecodeAndSpeculativeSteps) {
 }
 
 TEST_P(CacheAttentionTest, RejectsBadRowsAndPrefillChunksAndChangesNothing) {
-  KVCache c = *KVCache::Create(Options(device()));
+  KVCache c = *KVCache::Create(options());
   CacheAttentionOptions ao;
   ao.num_qo_heads = 5;  // not a multiple of 2 KV heads
   EXPECT_EQ(c.attention(ao).status().code(), absl::StatusCode::kInvalidArgument);
@@ -264,15 +271,26 @@ TEST_P(CacheAttentionTest, RejectsBadRowsAndPrefillChunksAndChangesNothing) {
   EXPECT_EQ(ob.DownloadAs<uint8_t>(ob.size()), before);
 }
 
-INSTANTIATE_TEST_SUITE_P(Cpu, CacheAttentionTest, ::testing::Values(false));
-INSTANTIATE_TEST_SUITE_P(KVCacheAttentionGpu, CacheAttentionTest, ::testing::Values(true));
+std::string KeyFormatParamName(const ::testing::TestParamInfo<std::tuple<bool, KeyFormat>>& i) {
+  return std::get<1>(i.param) == KeyFormat::kFp8 ? "Fp8Keys" : "Nvfp4Keys";
+}
+INSTANTIATE_TEST_SUITE_P(Cpu, CacheAttentionTest,
+                         ::testing::Combine(::testing::Values(false),
+                                            ::testing::Values(KeyFormat::kNvfp4, KeyFormat::kFp8)),
+                         KeyFormatParamName);
+INSTANTIATE_TEST_SUITE_P(KVCacheAttentionGpu, CacheAttentionTest,
+                         ::testing::Combine(::testing::Values(true),
+                                            ::testing::Values(KeyFormat::kNvfp4, KeyFormat::kFp8)),
+                         KeyFormatParamName);
 
 // A whole decode step — append + attention of every layer — captured once on
 // a stream and replayed for later steps whose lengths, tables and sequence
 // set change: equal to the reference each time.
-TEST(KVCacheAttentionGpu, CapturedStepReplaysForLaterSteps) {
+class CapturedStepTest : public ::testing::TestWithParam<KeyFormat> {};
+
+TEST_P(CapturedStepTest, CapturedStepReplaysForLaterSteps) {
   FP4KV_SKIP_WITHOUT_GPU();
-  KVCache c = *KVCache::Create(Options(Device::Cuda(0)));
+  KVCache c = *KVCache::Create(Options(Device::Cuda(0), GetParam()));
   absl::StatusOr<CacheAppender> app = c.appender(DType::kBF16);
   CacheAttentionOptions ao;
   ao.num_qo_heads = kQoHeads;
@@ -347,6 +365,13 @@ TEST(KVCacheAttentionGpu, CapturedStepReplaysForLaterSteps) {
   FP4KV_ASSERT_CUDA(cudaGraphDestroy(graph));
   FP4KV_ASSERT_CUDA(cudaStreamDestroy(stream));
 }
+
+
+INSTANTIATE_TEST_SUITE_P(KVCacheAttentionGpu, CapturedStepTest,
+                         ::testing::Values(KeyFormat::kNvfp4, KeyFormat::kFp8),
+                         [](const ::testing::TestParamInfo<KeyFormat>& i) {
+                           return i.param == KeyFormat::kFp8 ? "Fp8Keys" : "Nvfp4Keys";
+                         });
 
 }  // namespace
 }  // namespace fp4kv
