@@ -3,6 +3,7 @@
 #include "fp4kv/kv_cache.h"
 
 #include <cuda_runtime_api.h>
+#include <xxhash.h>
 
 #include <algorithm>
 #include <climits>
@@ -95,6 +96,10 @@ struct StepLayout {
   int64_t flags = 0, calib = 0, events = 0, old_scales = 0;
   // ReadSequence's block table [max_pages_per_seq] i32 and length [1] i32.
   int64_t readback = 0;
+  // Page ids of an export or import [max_pages_per_seq] i32 (the caller's
+  // stream), of a swap [2, max_pages_per_seq] i32 (the copy stream), and an
+  // image's scale table [L, 4] f32 + [L, 2] i32.
+  int64_t xfer_ids = 0, swap_ids = 0, import_scales = 0, adopt_mask = 0;  // mask [L, 2] u8
   int64_t device_bytes = 0;
 };
 
@@ -114,7 +119,11 @@ StepLayout ComputeStepLayout(int64_t seqs, int64_t tokens, int64_t pages_per_seq
   s.events = RoundUp(s.calib + 4 * 4 * L, 16);
   s.old_scales = RoundUp(s.events + 8 * 4 * L, 16);
   s.readback = RoundUp(s.old_scales + 4 * 2 * L, 16);
-  s.device_bytes = s.readback + 4 * (pages_per_seq + 1);
+  s.xfer_ids = RoundUp(s.readback + 4 * (pages_per_seq + 1), 16);
+  s.swap_ids = RoundUp(s.xfer_ids + 4 * pages_per_seq, 16);
+  s.import_scales = RoundUp(s.swap_ids + 4 * 2 * pages_per_seq, 16);
+  s.adopt_mask = RoundUp(s.import_scales + 24 * L, 16);
+  s.device_bytes = s.adopt_mask + 2 * L;
   return s;
 }
 
@@ -247,6 +256,14 @@ absl::Status CheckScale(float v, const char* name, int layer) {
 
 }  // namespace
 
+class KVCacheState;
+
+// What an ImportReservation handle points at: alive exactly as long as the
+// cache state (handles hold weak references).
+struct ReservationBook {
+  KVCacheState* state = nullptr;
+};
+
 // The whole state of a KVCache; heap-allocated so that its address (held by
 // the bound op objects) survives moves of the KVCache.
 class KVCacheState {
@@ -261,6 +278,15 @@ class KVCacheState {
     uint64_t epoch = 0;
     uint64_t mark = 0;  // step stamp: duplicate detection
     TokenChain chain;   // page hashes (prefix caching)
+    // Host tier: swapped out (pages empty once the copy is seen done;
+    // host_pages holds ceil(length / page_size) host pages).
+    bool swapped = false;
+    std::vector<int32_t> host_pages;
+    int swapin_event = -1;  // copy of a SwapIn not yet waited for by a stream
+  };
+  struct Reservation {
+    SequenceImageHeader header;
+    std::vector<int32_t> pages;
   };
   // What row b of the staging block tables holds: the first `count` pages of
   // sequence `seq` as of `epoch`.
@@ -273,6 +299,15 @@ class KVCacheState {
   KVCacheState(int32_t num_pages, size_t max_events)
       : events(max_events), allocator(num_pages, &events) {}
   ~KVCacheState() {
+    if (book != nullptr) book->state = nullptr;
+    if (copy_stream != nullptr) {
+      ScopedDevice d;
+      (void)d.Set(options.device);
+      (void)cudaStreamSynchronize(copy_stream);  // copies read the pools and the host tier
+      for (cudaEvent_t e : swap_events) (void)cudaEventDestroy(e);
+      if (copy_ready != nullptr) (void)cudaEventDestroy(copy_ready);
+      (void)cudaStreamDestroy(copy_stream);
+    }
     if (upload_done != nullptr) {
       ScopedDevice d;
       (void)d.Set(options.device);
@@ -352,12 +387,13 @@ class KVCacheState {
     };
     std::unordered_map<int32_t, Partial> partial;
     for (const Sequence& q : seqs) {
-      if (!q.live || q.length % ps == 0) continue;
+      if (!q.live || q.length % ps == 0 || q.pages.empty()) continue;
       Partial& p = partial[q.pages.back()];
       ++p.owners;
       p.fill = std::max<int64_t>(p.fill, q.length % ps);
     }
-    int64_t n = (allocator.used_count() - static_cast<int64_t>(partial.size())) * ps;
+    int64_t n =
+        (allocator.used_count() - reserved_pages - static_cast<int64_t>(partial.size())) * ps;
     for (const auto& [page, p] : partial) n += p.owners < allocator.RefCount(page) ? ps : p.fill;
     return n;
   }
@@ -379,6 +415,14 @@ class KVCacheState {
   }
 
   absl::Status CheckScaleChange(int layer, StoredTokens stored, bool* reencode) const {
+    SequenceId swapped = 0;
+    if (const int64_t t = SwappedTokens(&swapped); t > 0) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "layer ", layer, ": sequence ", swapped, " (and ", t,
+          " swapped-out tokens in all) is swapped out to the host tier under the current "
+          "scales, which a scale change cannot re-encode there (SwapIn or release it first); "
+          "nothing changed"));
+    }
     const int64_t held = TokensHeld(layer);
     *reencode = held > 0;
     if (held > 0 && stored != StoredTokens::kReencode) {
@@ -506,6 +550,222 @@ class KVCacheState {
   // sequence: a page's ids travel with it (forks, matches, truncations).
   std::vector<int32_t> page_tokens;
   std::vector<uint32_t> unhashed;  // sequence slots with completed, unhashed pages
+
+  // Export and import.
+  std::shared_ptr<ReservationBook> book;
+  std::unordered_map<uint64_t, Reservation> reservations;
+  uint64_t next_reservation = 1;
+  int64_t reserved_pages = 0;
+  mutable int64_t bytes_exported = 0;
+  int64_t bytes_imported = 0;
+  // Scales the host knows ([L, 4] as d_scales; known[l]: given at Create or
+  // by UpdateGlobalScales, not computed on the device since).
+  std::vector<float> known_scales;
+  std::vector<uint8_t> known;
+
+  // Host tier (options.host_tier): pinned host pages laid out like the
+  // pools ([L][K data, V data, K scales, V scales][host pages]).
+  int64_t host_pages_total = 0;
+  PoolLayout host_layout;
+  Memory host_pool;
+  uint8_t* host_pool_dev = nullptr;  // its device address (CUDA) or itself
+  std::vector<int32_t> host_free;    // stack of free host pages
+  cudaStream_t copy_stream = nullptr;
+  cudaEvent_t copy_ready = nullptr;  // recorded on the caller's stream, waited by the copy stream
+  std::vector<cudaEvent_t> swap_events;
+  std::vector<int> free_events;
+  std::vector<int> event_refs;  // sequences waiting on a SwapIn event
+  // SwapOut copies in flight, in copy-stream order. seq 0: the sequence was
+  // swapped back in (keeping its pages) or released (orphan: its pages,
+  // dropped when the copy is done).
+  struct SwapOutCopy {
+    int event = -1;
+    SequenceId seq = 0;
+    std::vector<int32_t> orphan;
+  };
+  std::vector<SwapOutCopy> outs;
+  int64_t bytes_swapped_out = 0, bytes_swapped_in = 0;
+
+  int64_t PageBytesAllLayers() const { return geometry.PageBytes() * options.num_layers; }
+
+  PageCopyParams HostCopy(const int32_t* src, const int32_t* dst, int64_t n, bool to_host) const {
+    PageCopyParams p;
+    const PoolLayout& a = to_host ? pool : host_layout;
+    const PoolLayout& b = to_host ? host_layout : pool;
+    p.src = to_host ? pools.get() : host_pool_dev;
+    p.dst = to_host ? host_pool_dev : pools.get();
+    p.src_layer_stride = a.layer_bytes;
+    p.dst_layer_stride = b.layer_bytes;
+    for (int r = 0; r < 4; ++r) {
+      p.src_region[r] = a.regions[r].offset;
+      p.dst_region[r] = b.regions[r].offset;
+      p.page_bytes[r] = pool.regions[r].page_bytes;
+    }
+    p.src_ids = src;
+    p.dst_ids = dst;
+    p.num_pages = n;
+    p.num_layers = options.num_layers;
+    return p;
+  }
+  PageCopyParams PoolToHost(const int32_t* pages, const int32_t* host, int64_t n) const {
+    return HostCopy(pages, host, n, true);
+  }
+  PageCopyParams HostToPool(const int32_t* host, const int32_t* pages, int64_t n) const {
+    return HostCopy(host, pages, n, false);
+  }
+
+  absl::Status TakeEvent(int* out) {
+    if (free_events.empty()) {
+      cudaEvent_t e = nullptr;
+      FP4KV_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+      swap_events.push_back(e);
+      event_refs.push_back(0);
+      free_events.push_back(static_cast<int>(swap_events.size()) - 1);
+    }
+    *out = free_events.back();
+    free_events.pop_back();
+    return absl::OkStatus();
+  }
+
+  // Copies pages between the pool and the host tier on the copy stream,
+  // after the work on `stream` so far; *event is recorded after the copy.
+  absl::Status EnqueueSwapCopy(const std::vector<int32_t>& pages,
+                               const std::vector<int32_t>& host, bool to_host, Stream stream,
+                               int* event) {
+    int e = -1;
+    FP4KV_KV_RETURN_IF_ERROR(TakeEvent(&e));
+    absl::Status st = [&]() -> absl::Status {
+      const int64_t n = static_cast<int64_t>(pages.size());
+      FP4KV_CUDA_RETURN_IF_ERROR(
+          cudaEventRecord(copy_ready, reinterpret_cast<cudaStream_t>(stream)));
+      FP4KV_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(copy_stream, copy_ready, 0));
+      const int M = options.max_pages_per_seq;
+      int32_t* d_ids = reinterpret_cast<int32_t*>(d_step + step_layout.swap_ids);
+      std::vector<int32_t> ids(2 * static_cast<size_t>(M));
+      std::copy(pages.begin(), pages.end(), ids.begin());
+      std::copy(host.begin(), host.end(), ids.begin() + M);
+      // From pageable memory: staged before the call returns.
+      FP4KV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(d_ids, ids.data(), ids.size() * sizeof(int32_t),
+                                                 cudaMemcpyHostToDevice, copy_stream));
+      const Stream side = reinterpret_cast<Stream>(copy_stream);
+      FP4KV_KV_RETURN_IF_ERROR(LaunchPageCopy(
+          to_host ? PoolToHost(d_ids, d_ids + M, n) : HostToPool(d_ids + M, d_ids, n), side));
+      FP4KV_CUDA_RETURN_IF_ERROR(cudaEventRecord(swap_events[e], copy_stream));
+      return absl::OkStatus();
+    }();
+    if (!st.ok()) {
+      free_events.push_back(e);
+      return st;
+    }
+    *event = e;
+    return absl::OkStatus();
+  }
+
+  // Drops the sequence's device page references.
+  void ReleasePages(Sequence& q) {
+    for (size_t j = q.pages.size(); j-- > 0;) allocator.Release(q.pages[j]);
+    q.pages.clear();
+    ++q.epoch;
+  }
+
+  void FinishOut(SwapOutCopy& c) {
+    if (c.seq != 0) {
+      Sequence* q = Find(c.seq);
+      if (q != nullptr && q->swapped) ReleasePages(*q);
+    }
+    for (size_t j = c.orphan.size(); j-- > 0;) allocator.Release(c.orphan[j]);
+    c.orphan.clear();
+    free_events.push_back(c.event);
+  }
+
+  // Drops the device pages of the SwapOut copies that are done (event
+  // queries, no sync).
+  void PollSwaps() {
+    size_t k = 0;
+    while (k < outs.size()) {
+      const cudaError_t e = cudaEventQuery(swap_events[outs[k].event]);
+      if (e == cudaErrorNotReady) break;
+      if (e != cudaSuccess) (void)cudaGetLastError();
+      FinishOut(outs[k]);
+      ++k;
+    }
+    if (k > 0) outs.erase(outs.begin(), outs.begin() + static_cast<std::ptrdiff_t>(k));
+  }
+
+  absl::Status WaitSwapOuts() {
+    if (outs.empty()) return absl::OkStatus();
+    ScopedDevice d;
+    FP4KV_KV_RETURN_IF_ERROR(d.Set(options.device));
+    for (SwapOutCopy& c : outs) {
+      FP4KV_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(swap_events[c.event]));
+    }
+    for (SwapOutCopy& c : outs) FinishOut(c);
+    outs.clear();
+    return absl::OkStatus();
+  }
+
+  int64_t PagesSwapPending() const {
+    int64_t n = 0;
+    for (const SwapOutCopy& c : outs) {
+      n += static_cast<int64_t>(c.orphan.size());
+      if (c.seq != 0) {
+        const Sequence* q = Find(c.seq);
+        if (q != nullptr && q->swapped) n += static_cast<int64_t>(q->pages.size());
+      }
+    }
+    return n;
+  }
+
+  void DropSwapIn(Sequence& q) {
+    if (q.swapin_event < 0) return;
+    if (--event_refs[q.swapin_event] == 0) free_events.push_back(q.swapin_event);
+    q.swapin_event = -1;
+  }
+
+  // Makes `stream` wait for the SwapIn copy that filled q's pages, if any.
+  absl::Status OrderAfterSwapIn(const Sequence& q, Stream stream) const {
+    if (q.swapin_event < 0) return absl::OkStatus();
+    return CudaStatus(cudaStreamWaitEvent(reinterpret_cast<cudaStream_t>(stream),
+                                          swap_events[q.swapin_event], 0),
+                      "cudaStreamWaitEvent(swap in)");
+  }
+
+  // Tokens of swapped-out sequences, and one of them.
+  int64_t SwappedTokens(SequenceId* any = nullptr) const {
+    int64_t n = 0;
+    for (const Sequence& q : seqs) {
+      if (q.live && q.swapped && q.length > 0) {
+        n += q.length;
+        if (any != nullptr) *any = q.id;
+      }
+    }
+    return n;
+  }
+
+  // Frees pages held by finished SwapOut copies, waits for unfinished ones
+  // when they are needed; ResourceExhausted when n pages are not there.
+  absl::Status MakeAvailable(int64_t n, const char* what) {
+    PollSwaps();
+    if (n > allocator.available_count() && !outs.empty()) {
+      FP4KV_KV_RETURN_IF_ERROR(WaitSwapOuts());
+    }
+    if (n > allocator.available_count()) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          what, ": needs ", n, " free pages, the pool has ", allocator.free_count(), " free and ",
+          allocator.cached_count(), " evictable cached of ", allocator.num_pages(),
+          "; nothing changed"));
+    }
+    return absl::OkStatus();
+  }
+
+  // XXH3-64 of every layer's scales when the host knows them all.
+  bool ScaleFingerprint(uint64_t* out) const {
+    for (uint8_t k : known) {
+      if (k == 0) return false;
+    }
+    *out = XXH3_64bits(known_scales.data(), known_scales.size() * sizeof(float));
+    return true;
+  }
 
   // True once the host has seen every layer's scales calibrated: only then
   // are pages indexed (bytes written under a pending layer's placeholder
@@ -656,6 +916,11 @@ absl::Status CheckStepEntries(KVCacheState& s, absl::Span<const StepEntry> entri
     if (q == nullptr) {
       return KVCacheState::Unknown(absl::StrCat("entries[", i, "].seq").c_str(), e.seq);
     }
+    if (q->swapped) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("entries[", i, "].seq: sequence ", e.seq,
+                       " is swapped out to the host tier (SwapIn it first); nothing changed"));
+    }
     if (q->mark == stamp) {
       return absl::InvalidArgumentError(absl::StrCat(
           "entries[", i, "].seq: expected each sequence at most once per step, got id ", e.seq,
@@ -804,6 +1069,45 @@ absl::StatusOr<KVCache> KVCache::Create(const KVCacheOptions& o) {
   }
   FP4KV_KV_RETURN_IF_ERROR(internal::CheckDeviceAvailable(o.device));
 
+  const HostTierOptions& ht = o.host_tier;
+  if (ht.host_pages < 0 || ht.host_bytes < 0 || (ht.host_pages > 0 && ht.host_bytes > 0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "host_tier: expected host_pages >= 0 and host_bytes >= 0, at most one of them positive, "
+        "got host_pages ", ht.host_pages, " and host_bytes ", ht.host_bytes));
+  }
+  int64_t host_pages = ht.host_pages;
+  internal::PoolLayout host_layout;
+  if (ht.host_bytes > 0) {
+    int64_t per_page = 0;
+    if (__builtin_mul_overflow(g.PageBytes(), int64_t{o.num_layers}, &per_page)) per_page = INT64_MAX;
+    host_pages = std::min<int64_t>(ht.host_bytes / per_page, INT32_MAX);
+    for (; host_pages >= 1; --host_pages) {
+      CacheGeometry t = g;
+      t.num_pages = host_pages;
+      if (internal::ComputePoolLayout(t, o.num_layers, &host_layout) &&
+          host_layout.total_bytes <= ht.host_bytes) {
+        break;
+      }
+    }
+    if (host_pages < 1) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "host_tier.host_bytes: expected at least ", one_page.total_bytes,
+          " bytes (one page of every layer), got ", ht.host_bytes));
+    }
+  }
+  if (host_pages > INT32_MAX) {
+    return absl::InvalidArgumentError(absl::StrCat("host_tier.host_pages: expected at most ",
+                                                   INT32_MAX, ", got ", host_pages));
+  }
+  if (host_pages > 0) {
+    CacheGeometry t = g;
+    t.num_pages = host_pages;
+    if (!internal::ComputePoolLayout(t, o.num_layers, &host_layout)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "host_tier.host_pages: expected a host pool whose size in bytes fits in int64, got ",
+          host_pages));
+    }
+  }
   if (o.prefix_cache.max_pending_events < 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "prefix_cache.max_pending_events: expected >= 0, got ", o.prefix_cache.max_pending_events));
@@ -833,6 +1137,27 @@ absl::StatusOr<KVCache> KVCache::Create(const KVCacheOptions& o) {
       s->pools.Allocate(s->cuda ? Kind::kDevice : Kind::kHost, s->pool.total_bytes, "the pools"));
   FP4KV_KV_RETURN_IF_ERROR(s->device_step.Allocate(s->cuda ? Kind::kDevice : Kind::kHost,
                                                    sl.device_bytes, "the step buffers"));
+  if (host_pages > 0) {
+    s->host_pages_total = host_pages;
+    s->host_layout = host_layout;
+    FP4KV_KV_RETURN_IF_ERROR(s->host_pool.Allocate(s->cuda ? Kind::kPinnedMapped : Kind::kHost,
+                                                   host_layout.total_bytes, "the host tier"));
+    s->host_pool_dev = s->host_pool.get();
+    if (s->cuda) {
+      void* dev_ptr = nullptr;
+      FP4KV_CUDA_RETURN_IF_ERROR(cudaHostGetDevicePointer(&dev_ptr, s->host_pool.get(), 0));
+      s->host_pool_dev = static_cast<uint8_t*>(dev_ptr);
+      FP4KV_CUDA_RETURN_IF_ERROR(
+          cudaStreamCreateWithFlags(&s->copy_stream, cudaStreamNonBlocking));
+      FP4KV_CUDA_RETURN_IF_ERROR(
+          cudaEventCreateWithFlags(&s->copy_ready, cudaEventDisableTiming));
+    }
+    s->host_free.resize(static_cast<size_t>(host_pages));
+    // Popped from the back: host pages are handed out in increasing order.
+    for (int64_t i = 0; i < host_pages; ++i) {
+      s->host_free[i] = static_cast<int32_t>(host_pages - 1 - i);
+    }
+  }
   uint8_t* host = s->device_step.get();
   if (s->cuda) {
     FP4KV_KV_RETURN_IF_ERROR(
@@ -894,6 +1219,11 @@ absl::StatusOr<KVCache> KVCache::Create(const KVCacheOptions& o) {
   }
   s->layer_append_serial.assign(L, 0);
   s->layer_captured.assign(L, 0);
+  s->known_scales = scales;
+  s->known.assign(L, 0);
+  for (int l = 0; l < L; ++l) s->known[l] = flags[2 * l] != 0 && flags[2 * l + 1] != 0;
+  s->book = std::make_shared<internal::ReservationBook>();
+  s->book->state = s.get();
 
   const Device dev = o.device;
   uint8_t* d = s->d_step;
@@ -964,6 +1294,10 @@ absl::StatusOr<SequenceId> KVCache::ForkSequence(SequenceId parent) {
   KVCacheState& s = *state_;
   s.FlushIndex();
   if (s.Find(parent) == nullptr) return KVCacheState::Unknown("parent", parent);
+  if (s.Find(parent)->swapped) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "ForkSequence: sequence ", parent, " is swapped out to the host tier (SwapIn it first)"));
+  }
   const SequenceId child = CreateSequence();  // may move s.seqs: look the parent up again
   const KVCacheState::Sequence& p = *s.Find(parent);
   KVCacheState::Sequence& c = *s.Find(child);
@@ -971,6 +1305,8 @@ absl::StatusOr<SequenceId> KVCache::ForkSequence(SequenceId parent) {
   c.pages = p.pages;
   c.chain = p.chain;
   for (int32_t page : c.pages) s.allocator.Retain(page);
+  c.swapin_event = p.swapin_event;  // its pages arrive with the parent's copy
+  if (c.swapin_event >= 0) ++s.event_refs[c.swapin_event];
   return child;
 }
 
@@ -980,6 +1316,10 @@ absl::Status KVCache::Truncate(SequenceId seq, int64_t new_len) {
   s.FlushIndex();
   KVCacheState::Sequence* q = s.Find(seq);
   if (q == nullptr) return KVCacheState::Unknown("seq", seq);
+  if (q->swapped) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "Truncate: sequence ", seq, " is swapped out to the host tier (SwapIn it first)"));
+  }
   if (new_len < 0 || new_len > q->length) {
     return absl::InvalidArgumentError(absl::StrCat("new_len: expected in [0, ", q->length,
                                                    "] (the sequence's length), got ", new_len));
@@ -1002,6 +1342,22 @@ absl::Status KVCache::ReleaseSequence(SequenceId seq) {
   s.FlushIndex();
   KVCacheState::Sequence* q = s.Find(seq);
   if (q == nullptr) return KVCacheState::Unknown("seq", seq);
+  if (q->swapped) {
+    // Host pages are only rewritten by later copies on the copy stream.
+    for (int32_t h : q->host_pages) s.host_free.push_back(h);
+    q->host_pages.clear();
+    q->swapped = false;
+    if (!q->pages.empty()) {  // its copy is in flight: the pages go when it is done
+      for (KVCacheState::SwapOutCopy& c : s.outs) {
+        if (c.seq == seq) {
+          c.seq = 0;
+          c.orphan = std::move(q->pages);
+        }
+      }
+      q->pages.clear();
+    }
+  }
+  s.DropSwapIn(*q);
   // Last page first: of pages that become cached, the deepest is evicted first.
   for (size_t j = q->pages.size(); j-- > 0;) s.allocator.Release(q->pages[j]);
   q->pages.clear();  // keeps the capacity for the next sequence in this slot
@@ -1020,6 +1376,7 @@ absl::StatusOr<SequenceId> KVCache::ImportSequence(absl::Span<const HalfPagedCac
                                                    int64_t length, Stream stream) {
   FP4KV_KV_RETURN_IF_MOVED_FROM();
   KVCacheState& s = *state_;
+  s.PollSwaps();
   const int L = s.options.num_layers;
   const int64_t ps = s.geometry.page_size;
   if (static_cast<int64_t>(layers.size()) != L) {
@@ -1095,6 +1452,9 @@ absl::StatusOr<SequenceId> KVCache::ImportSequence(absl::Span<const HalfPagedCac
     }
     params[l] = *p;
   }
+  if (n > s.allocator.available_count() && !s.outs.empty()) {
+    FP4KV_KV_RETURN_IF_ERROR(s.WaitSwapOuts());
+  }
   if (n > s.allocator.available_count()) {
     return absl::ResourceExhaustedError(absl::StrCat("ImportSequence: needs ", n,
                                                      " free pages, the pool has ",
@@ -1157,6 +1517,7 @@ absl::StatusOr<PrefixSequence> KVCache::CreateSequenceFromPrefix(absl::Span<cons
         "CreateSequenceFromPrefix: expected a cache with prefix_cache.enabled, got one without");
   }
   s.FlushIndex();
+  s.PollSwaps();
   s.MatchPages(prompt, extra_key, &s.match_hashes, &s.match_pages);
   const SequenceId id = CreateSequence();
   KVCacheState::Sequence& q = *s.Find(id);
@@ -1215,6 +1576,10 @@ absl::Status KVCache::ReadSequence(int layer, SequenceId seq, const TensorView& 
   FP4KV_KV_RETURN_IF_ERROR(s.CheckLayer(layer));
   const KVCacheState::Sequence* q = s.Find(seq);
   if (q == nullptr) return KVCacheState::Unknown("seq", seq);
+  if (q->swapped) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "ReadSequence: sequence ", seq, " is swapped out to the host tier (SwapIn it first)"));
+  }
   const CacheGeometry& g = s.geometry;
   // Shapes here; dtype, alignment and device through the Dequantizer below.
   for (const auto& [t, name, dim] :
@@ -1271,6 +1636,7 @@ absl::Status KVCache::ReadSequence(int layer, SequenceId seq, const TensorView& 
   if (!p.ok()) return p.status();
   internal::ScopedDevice scoped;
   FP4KV_KV_RETURN_IF_ERROR(scoped.Set(dev));
+  FP4KV_KV_RETURN_IF_ERROR(s.OrderAfterSwapIn(*q, stream));
   std::vector<int32_t> host(q->pages.begin(), q->pages.end());
   host.resize(s.options.max_pages_per_seq + 1, 0);
   host.back() = len;
@@ -1292,9 +1658,14 @@ absl::StatusOr<StepInfo> KVCache::PrepareStep(absl::Span<const StepEntry> entrie
 
   // Pass 1: check everything and count the pages; change nothing (claims and
   // marks are scratch).
+  s.PollSwaps();
   internal::ClaimReset claim_reset{s};
   int64_t need = 0;
   FP4KV_KV_RETURN_IF_ERROR(internal::CheckStepEntries(s, entries, &need));
+  if (need > s.allocator.available_count() && !s.outs.empty()) {
+    // Pages still held by SwapOut copies in flight: wait for them.
+    FP4KV_KV_RETURN_IF_ERROR(s.WaitSwapOuts());
+  }
   if (need > s.allocator.available_count()) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "PrepareStep: needs ", need, " free pages (", s.cow_src.size(),
@@ -1310,6 +1681,13 @@ absl::StatusOr<StepInfo> KVCache::PrepareStep(absl::Span<const StepEntry> entrie
     if (s.upload_pending) {
       FP4KV_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(s.upload_done));
       s.upload_pending = false;
+    }
+    // Sequences swapped back in: the step's stream waits for their copies.
+    for (int i = 0; i < n; ++i) {
+      KVCacheState::Sequence& q = *s.step_seqs[i];
+      if (q.swapin_event < 0) continue;
+      FP4KV_KV_RETURN_IF_ERROR(s.OrderAfterSwapIn(q, stream));
+      s.DropSwapIn(q);
     }
   }
 
@@ -1421,7 +1799,8 @@ absl::StatusOr<StepInfo> KVCache::PrepareStep(absl::Span<const StepEntry> entrie
 
 absl::StatusOr<StepPlan> KVCache::PlanStep(absl::Span<const StepEntry> entries) const {
   FP4KV_KV_RETURN_IF_MOVED_FROM();
-  KVCacheState& s = *state_;  // only scratch is written
+  KVCacheState& s = *state_;  // only scratch is written (and finished swaps)
+  s.PollSwaps();
   internal::ClaimReset claim_reset{s};
   int64_t need = 0;
   FP4KV_KV_RETURN_IF_ERROR(internal::CheckStepEntries(s, entries, &need));
@@ -1726,16 +2105,47 @@ void KVCache::ResetPrefixCache() {
 absl::Status KVCache::CheckInvariants() const {
   FP4KV_KV_RETURN_IF_MOVED_FROM();
   state_->FlushIndex();  // logically part of the earlier steps
+  state_->PollSwaps();
   const KVCacheState& s = *state_;
   const int ps = s.geometry.page_size;
   FP4KV_KV_RETURN_IF_ERROR(s.allocator.Validate());
   std::vector<int32_t> refs(s.allocator.num_pages(), 0);
   std::vector<uint8_t> scratch;
+  std::vector<uint8_t> host_owner(static_cast<size_t>(s.host_pages_total), 0);
+  for (int32_t h : s.host_free) {
+    if (h < 0 || h >= s.host_pages_total || host_owner[h]++ != 0) {
+      return absl::InternalError(absl::StrCat("host page ", h, ": free twice or out of range"));
+    }
+  }
+  for (const auto& [rid, r] : s.reservations) {
+    if (static_cast<int64_t>(r.pages.size()) != r.header.num_pages) {
+      return absl::InternalError(absl::StrCat("reservation ", rid, ": holds ", r.pages.size(),
+                                              " pages for an image of ", r.header.num_pages));
+    }
+    for (int32_t page : r.pages) ++refs[page];
+  }
+  for (const KVCacheState::SwapOutCopy& c : s.outs) {
+    for (int32_t page : c.orphan) ++refs[page];
+  }
   for (size_t slot = 0; slot < s.seqs.size(); ++slot) {
     const KVCacheState::Sequence& q = s.seqs[slot];
     if (!q.live) continue;
     const SequenceId id = q.id;
-    if (static_cast<int64_t>(q.pages.size()) != CeilDiv(q.length, ps)) {
+    const int64_t want = CeilDiv(q.length, ps);
+    if (q.swapped) {
+      if (static_cast<int64_t>(q.host_pages.size()) != want ||
+          (!q.pages.empty() && static_cast<int64_t>(q.pages.size()) != want)) {
+        return absl::InternalError(absl::StrCat("swapped sequence ", id, ": length ", q.length,
+                                                " holds ", q.host_pages.size(), " host pages and ",
+                                                q.pages.size(), " device pages"));
+      }
+      for (int32_t h : q.host_pages) {
+        if (h < 0 || h >= s.host_pages_total || host_owner[h]++ != 0) {
+          return absl::InternalError(
+              absl::StrCat("swapped sequence ", id, ": host page ", h, " is not its own"));
+        }
+      }
+    } else if (static_cast<int64_t>(q.pages.size()) != want || !q.host_pages.empty()) {
       return absl::InternalError(absl::StrCat("sequence ", id, ": length ", q.length, " holds ",
                                               q.pages.size(), " pages"));
     }
@@ -1758,6 +2168,11 @@ absl::Status KVCache::CheckInvariants() const {
         return absl::InternalError(absl::StrCat("sequence ", id, " page ", j, " (page ",
                                                 q.pages[j], ") is indexed under another hash"));
       }
+    }
+  }
+  for (int64_t h = 0; h < s.host_pages_total; ++h) {
+    if (host_owner[h] != 1) {
+      return absl::InternalError(absl::StrCat("host page ", h, ": neither free nor held"));
     }
   }
   for (int32_t p = 0; p < s.allocator.num_pages(); ++p) {
@@ -1836,6 +2251,8 @@ absl::Status KVCache::UpdateGlobalScalesRange(int first, int count, const float*
   for (int i = 0; i < count; ++i) {
     if (reencode[i]) FP4KV_KV_RETURN_IF_ERROR(s.Reencode(first + i, stream));
   }
+  std::copy(vals.begin(), vals.end(), s.known_scales.begin() + 4 * first);
+  std::fill(s.known.begin() + first, s.known.begin() + first + count, 1);
   return s.MarkCalibrated(first, count, stream);
 }
 
@@ -1889,6 +2306,7 @@ absl::Status KVCache::CalibrateGlobalScales(int layer, const TensorView& k, cons
   s.ClearPrefixIndex();  // cached bytes are only valid under the old scales
   if (reencode) FP4KV_KV_RETURN_IF_ERROR(s.SaveOldScales(layer, stream));
   float* scales = s.d_scales + 4 * layer;
+  s.known[layer] = 0;  // computed on the device
   FP4KV_KV_RETURN_IF_ERROR(calibrator.Run(k, nullptr, scales + 0, stream, scales + 2));
   FP4KV_KV_RETURN_IF_ERROR(calibrator.Run(v, nullptr, scales + 1, stream, scales + 3));
   if (reencode) FP4KV_KV_RETURN_IF_ERROR(s.Reencode(layer, stream));
@@ -1993,9 +2411,22 @@ Device KVCache::device() const { return state_ ? state_->options.device : Device
 KVCacheStats KVCache::Stats() const {
   if (state_ == nullptr) return KVCacheStats();
   state_->FlushIndex();  // logically part of the earlier steps
+  state_->PollSwaps();
   const KVCacheState& s = *state_;
   const int ps = s.geometry.page_size;
   KVCacheStats st;
+  st.pages_reserved = s.reserved_pages;
+  st.reservations = static_cast<int64_t>(s.reservations.size());
+  st.bytes_exported = s.bytes_exported;
+  st.bytes_imported = s.bytes_imported;
+  st.host_pages_total = s.host_pages_total;
+  st.host_pages_free = static_cast<int64_t>(s.host_free.size());
+  st.host_pages_used = st.host_pages_total - st.host_pages_free;
+  st.host_bytes = s.host_pages_total > 0 ? s.host_layout.total_bytes : 0;
+  st.swaps_in_flight = static_cast<int64_t>(s.outs.size());
+  st.pages_swap_pending = s.PagesSwapPending();
+  st.bytes_swapped_out = s.bytes_swapped_out;
+  st.bytes_swapped_in = s.bytes_swapped_in;
   st.pages_total = s.allocator.num_pages();
   st.pages_free = s.allocator.free_count();
   st.pages_used = s.allocator.used_count();
@@ -2016,6 +2447,7 @@ KVCacheStats KVCache::Stats() const {
     const KVCacheState::Sequence& q = s.seqs[slot];
     if (!q.live) continue;
     st.tokens_stored += q.length;
+    st.sequences_swapped += q.swapped ? 1 : 0;
     st.sequence_lengths.emplace_back(q.id, q.length);
   }
   std::sort(st.sequence_lengths.begin(), st.sequence_lengths.end());
@@ -2028,6 +2460,724 @@ KVCacheStats KVCache::Stats() const {
   st.tokens_resident = s.TokensResident();
   st.wasted_slots = st.pages_used * ps - st.tokens_resident;
   return st;
+}
+
+
+// ------------------------------------------------------- export and import
+namespace internal {
+namespace {
+
+enum class MemKind { kDevice, kPinned, kPageable };
+
+// Where `p` lives for cache `s`, and the address a kernel uses (device and
+// pinned memory). The CPU device: pageable host memory.
+absl::Status ClassifyMemory(const KVCacheState& s, const void* p, const char* name,
+                            MemKind* kind, const uint8_t** dev) {
+  *kind = MemKind::kPageable;
+  *dev = nullptr;
+  if (!s.cuda) return absl::OkStatus();
+  cudaPointerAttributes a{};
+  if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return absl::OkStatus();
+  }
+  if (a.type == cudaMemoryTypeDevice) {
+    if (a.device != s.options.device.ordinal) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          name, ": expected memory of the cache's device ", s.options.device.ToString(),
+          " or host memory, got memory of cuda:", a.device));
+    }
+    *kind = MemKind::kDevice;
+    *dev = static_cast<const uint8_t*>(p);
+  } else if (a.type == cudaMemoryTypeManaged) {
+    *kind = MemKind::kDevice;
+    *dev = static_cast<const uint8_t*>(p);
+  } else if (a.type == cudaMemoryTypeHost && a.devicePointer != nullptr) {
+    *kind = MemKind::kPinned;
+    *dev = static_cast<const uint8_t*>(a.devicePointer);
+  }
+  return absl::OkStatus();
+}
+
+// The header of q's image as this cache writes it.
+absl::StatusOr<SequenceImageHeader> ImageHeaderOf(const KVCacheState& s,
+                                                  const KVCacheState::Sequence& q) {
+  uint64_t flags = 0, fingerprint = 0;
+  int64_t key_bytes = 0;
+  if (s.prefix && q.chain.tracked) {
+    flags |= kSequenceImageHasTokens;
+    key_bytes = static_cast<int64_t>(q.chain.extra_key.size());
+  }
+  if (s.ScaleFingerprint(&fingerprint)) flags |= kSequenceImageScalesKnown;
+  return MakeSequenceImageHeader(s.geometry, s.options.num_layers, s.options.recipe, q.length,
+                                 flags, key_bytes, fingerprint);
+}
+
+// Offsets inside a tokens section.
+int64_t TokenIdsOffset(const SequenceImageHeader& h) { return RoundUp(h.extra_key_bytes, 16); }
+int64_t TokenHashesOffset(const SequenceImageHeader& h) {
+  return TokenIdsOffset(h) + RoundUp(4 * h.length, 16);
+}
+
+// The tokens section of q's image (h.tokens_bytes bytes).
+void WriteTokens(const KVCacheState& s, const KVCacheState::Sequence& q,
+                 const SequenceImageHeader& h, uint8_t* out) {
+  std::memset(out, 0, static_cast<size_t>(h.tokens_bytes));
+  std::memcpy(out, q.chain.extra_key.data(), q.chain.extra_key.size());
+  const int64_t ps = s.geometry.page_size;
+  uint8_t* ids = out + TokenIdsOffset(h);
+  for (int64_t t = 0; t < q.length; ++t) {
+    const int32_t id = s.page_tokens[static_cast<int64_t>(q.pages[t / ps]) * ps + t % ps];
+    std::memcpy(ids + 4 * t, &id, 4);
+  }
+  uint8_t* hashes = out + TokenHashesOffset(h);
+  for (size_t j = 0; j < q.chain.hashes.size(); ++j) {
+    std::memcpy(hashes + 16 * j, &q.chain.hashes[j].low, 8);
+    std::memcpy(hashes + 16 * j + 8, &q.chain.hashes[j].high, 8);
+  }
+}
+
+// Per-page copies between the pool and a pageable host image (the kernel
+// cannot reach pageable memory); runs of consecutive page ids are merged.
+absl::Status PageableCopy(const KVCacheState& s, const SequenceImageHeader& h, uint8_t* image,
+                          absl::Span<const int32_t> pages, bool to_image, cudaStream_t cs) {
+  const int64_t n = static_cast<int64_t>(pages.size());
+  for (int l = 0; l < s.options.num_layers; ++l) {
+    for (int r = 0; r < 4; ++r) {
+      const int64_t pb = s.pool.regions[r].page_bytes;
+      uint8_t* pool = s.pools.get() + l * s.pool.layer_bytes + s.pool.regions[r].offset;
+      uint8_t* img = image + h.layers_offset + l * h.layer_bytes + h.region_offset[r];
+      for (int64_t i = 0; i < n;) {
+        int64_t j = i + 1;
+        while (j < n && pages[j] == pages[j - 1] + 1) ++j;
+        uint8_t* a = img + i * pb;
+        uint8_t* b = pool + static_cast<int64_t>(pages[i]) * pb;
+        FP4KV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
+            to_image ? a : b, to_image ? b : a, static_cast<size_t>((j - i) * pb),
+            to_image ? cudaMemcpyDeviceToHost : cudaMemcpyHostToDevice, cs));
+        i = j;
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+PageCopyParams PoolToImage(const KVCacheState& s, const SequenceImageHeader& h, uint8_t* image,
+                           const int32_t* ids, int64_t n) {
+  PageCopyParams p;
+  p.src = s.pools.get();
+  p.src_layer_stride = s.pool.layer_bytes;
+  p.dst = image + h.layers_offset;
+  p.dst_layer_stride = h.layer_bytes;
+  for (int r = 0; r < 4; ++r) {
+    p.src_region[r] = s.pool.regions[r].offset;
+    p.dst_region[r] = h.region_offset[r];
+    p.page_bytes[r] = s.pool.regions[r].page_bytes;
+  }
+  p.src_ids = ids;
+  p.num_pages = n;
+  p.num_layers = s.options.num_layers;
+  return p;
+}
+
+PageCopyParams ImageToPool(const KVCacheState& s, const SequenceImageHeader& h,
+                           const uint8_t* image, const int32_t* ids, int64_t n) {
+  PageCopyParams p;
+  p.src = image + h.layers_offset;
+  p.src_layer_stride = h.layer_bytes;
+  p.dst = s.pools.get();
+  p.dst_layer_stride = s.pool.layer_bytes;
+  for (int r = 0; r < 4; ++r) {
+    p.src_region[r] = h.region_offset[r];
+    p.dst_region[r] = s.pool.regions[r].offset;
+    p.page_bytes[r] = s.pool.regions[r].page_bytes;
+  }
+  p.dst_ids = ids;
+  p.num_pages = n;
+  p.num_layers = s.options.num_layers;
+  return p;
+}
+
+absl::Status CheckImagePointer(const void* p, const char* name) {
+  if (p == nullptr) return absl::InvalidArgumentError(absl::StrCat(name, ": expected memory, got null"));
+  if (reinterpret_cast<uintptr_t>(p) % 16 != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, ": expected a 16-byte aligned address, got 0x",
+                     absl::Hex(reinterpret_cast<uintptr_t>(p))));
+  }
+  return absl::OkStatus();
+}
+
+void CancelReservation(KVCacheState& s, uint64_t id) {
+  auto it = s.reservations.find(id);
+  if (it == s.reservations.end()) return;
+  for (size_t j = it->second.pages.size(); j-- > 0;) s.allocator.Release(it->second.pages[j]);
+  s.reserved_pages -= static_cast<int64_t>(it->second.pages.size());
+  s.reservations.erase(it);
+}
+
+}  // namespace
+}  // namespace internal
+
+void ImportReservation::Drop() {
+  if (id_ != 0) {
+    if (std::shared_ptr<internal::ReservationBook> b = book_.lock(); b && b->state != nullptr) {
+      internal::CancelReservation(*b->state, id_);
+    }
+  }
+  id_ = 0;
+  book_.reset();
+}
+
+absl::StatusOr<int64_t> KVCache::ExportedBytes(SequenceId seq) const {
+  FP4KV_KV_RETURN_IF_MOVED_FROM();
+  KVCacheState& s = *state_;
+  s.FlushIndex();
+  const KVCacheState::Sequence* q = s.Find(seq);
+  if (q == nullptr) return KVCacheState::Unknown("seq", seq);
+  absl::StatusOr<SequenceImageHeader> h = internal::ImageHeaderOf(s, *q);
+  if (!h.ok()) return h.status();
+  return h->image_bytes;
+}
+
+absl::Status KVCache::ExportSequence(SequenceId seq, void* dst, int64_t dst_bytes,
+                                     Stream stream) const {
+  FP4KV_KV_RETURN_IF_MOVED_FROM();
+  KVCacheState& s = *state_;
+  s.FlushIndex();
+  KVCacheState::Sequence* q = s.Find(seq);
+  if (q == nullptr) return KVCacheState::Unknown("seq", seq);
+  if (q->swapped) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "ExportSequence: sequence ", seq, " is swapped out to the host tier (SwapIn it first)"));
+  }
+  absl::StatusOr<SequenceImageHeader> hs = internal::ImageHeaderOf(s, *q);
+  if (!hs.ok()) return hs.status();
+  const SequenceImageHeader& h = *hs;
+  FP4KV_KV_RETURN_IF_ERROR(internal::CheckImagePointer(dst, "dst"));
+  if (dst_bytes < h.image_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat("dst_bytes: expected at least ", h.image_bytes,
+                                                   " (ExportedBytes of sequence ", seq, "), got ",
+                                                   dst_bytes));
+  }
+  internal::ScopedDevice scoped;
+  FP4KV_KV_RETURN_IF_ERROR(scoped.Set(s.options.device));
+  internal::MemKind kind;
+  const uint8_t* dev = nullptr;
+  FP4KV_KV_RETURN_IF_ERROR(internal::ClassifyMemory(s, dst, "dst", &kind, &dev));
+  uint8_t* out = static_cast<uint8_t*>(dst);
+  uint8_t header[kSequenceImageHeaderBytes];
+  SerializeSequenceImageHeader(h, header);
+  std::vector<uint8_t> tokens;
+  if (h.has_tokens()) {
+    tokens.resize(static_cast<size_t>(h.tokens_bytes));
+    internal::WriteTokens(s, *q, h, tokens.data());
+  }
+  const int L = s.options.num_layers;
+  const int64_t n = static_cast<int64_t>(q->pages.size());
+  if (!s.cuda) {
+    std::memcpy(out, header, sizeof(header));
+    std::memcpy(out + h.scales_offset, s.d_scales, 16 * static_cast<size_t>(L));
+    std::memcpy(out + h.scales_offset + 16 * L, s.d_flags, 8 * static_cast<size_t>(L));
+    if (!tokens.empty()) std::memcpy(out + h.tokens_offset, tokens.data(), tokens.size());
+    internal::ReferencePageCopy(internal::PoolToImage(s, h, out, q->pages.data(), n));
+    s.bytes_exported += h.image_bytes;
+    return absl::OkStatus();
+  }
+  const cudaStream_t cs = reinterpret_cast<cudaStream_t>(stream);
+  FP4KV_KV_RETURN_IF_ERROR(s.OrderAfterSwapIn(*q, stream));
+  if (kind == internal::MemKind::kDevice) {
+    // From pageable memory: staged before the calls return.
+    FP4KV_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(out, header, sizeof(header), cudaMemcpyHostToDevice, cs));
+    if (!tokens.empty()) {
+      FP4KV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(out + h.tokens_offset, tokens.data(),
+                                                 tokens.size(), cudaMemcpyHostToDevice, cs));
+    }
+  } else {
+    std::memcpy(out, header, sizeof(header));
+    if (!tokens.empty()) std::memcpy(out + h.tokens_offset, tokens.data(), tokens.size());
+  }
+  FP4KV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(out + h.scales_offset, s.d_scales,
+                                             16 * static_cast<size_t>(L), cudaMemcpyDefault, cs));
+  FP4KV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(out + h.scales_offset + 16 * L, s.d_flags,
+                                             8 * static_cast<size_t>(L), cudaMemcpyDefault, cs));
+  if (n > 0) {
+    if (kind == internal::MemKind::kPageable) {
+      FP4KV_KV_RETURN_IF_ERROR(internal::PageableCopy(s, h, out, q->pages, true, cs));
+    } else {
+      int32_t* ids = reinterpret_cast<int32_t*>(s.d_step + s.step_layout.xfer_ids);
+      FP4KV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(ids, q->pages.data(), 4 * static_cast<size_t>(n),
+                                                 cudaMemcpyHostToDevice, cs));
+      FP4KV_KV_RETURN_IF_ERROR(internal::LaunchPageCopy(
+          internal::PoolToImage(s, h, const_cast<uint8_t*>(dev), ids, n), stream));
+    }
+  }
+  s.bytes_exported += h.image_bytes;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<ImportReservation> KVCache::ReserveImport(const SequenceImageHeader& header) {
+  FP4KV_KV_RETURN_IF_MOVED_FROM();
+  KVCacheState& s = *state_;
+  s.FlushIndex();
+  // The fields must be those of a well-formed image.
+  uint8_t wire[kSequenceImageHeaderBytes];
+  SerializeSequenceImageHeader(header, wire);
+  absl::StatusOr<SequenceImageHeader> parsed = ParseSequenceImageHeader(wire, sizeof(wire));
+  if (!parsed.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("header: ", parsed.status().message()));
+  }
+  const SequenceImageHeader& h = *parsed;
+  const CacheGeometry& g = s.geometry;
+  const CacheGeometry& ig = h.geometry;
+  const struct {
+    const char* name;
+    int64_t want, got;
+  } fields[] = {
+      {"num_layers", s.options.num_layers, h.num_layers},
+      {"geometry.num_kv_heads", g.num_kv_heads, ig.num_kv_heads},
+      {"geometry.head_dim_k", g.head_dim_k, ig.head_dim_k},
+      {"geometry.head_dim_v", g.head_dim_v, ig.head_dim_v},
+      {"geometry.page_size", g.page_size, ig.page_size},
+      {"geometry.layout", static_cast<int64_t>(g.layout), static_cast<int64_t>(ig.layout)},
+      {"key_format", kKeyFormatNvfp4, h.key_format},
+  };
+  for (const auto& f : fields) {
+    if (f.want != f.got) {
+      return absl::InvalidArgumentError(absl::StrCat("header.", f.name, ": expected this cache's ",
+                                                     f.want, ", got ", f.got,
+                                                     " (an image of another cache geometry)"));
+    }
+  }
+  if (!(h.recipe == s.options.recipe)) {
+    return absl::InvalidArgumentError(absl::StrCat("header.recipe: expected this cache's ",
+                                                   RecipeName(s.options.recipe), ", got ",
+                                                   RecipeName(h.recipe)));
+  }
+  const int64_t n = h.num_pages;
+  if (n > s.options.max_pages_per_seq) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("header.length: expected at most max_pages_per_seq * page_size = ",
+                     int64_t{s.options.max_pages_per_seq} * g.page_size, " tokens, got ", h.length));
+  }
+  FP4KV_KV_RETURN_IF_ERROR(s.MakeAvailable(n, "ReserveImport"));
+  internal::KVCacheState::Reservation r;
+  r.header = h;
+  r.pages.reserve(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) r.pages.push_back(s.allocator.Allocate());
+  const uint64_t id = s.next_reservation++;
+  s.reserved_pages += n;
+  s.reservations.emplace(id, std::move(r));
+  ImportReservation out;
+  out.book_ = s.book;
+  out.id_ = id;
+  out.header_ = h;
+  return out;
+}
+
+absl::Status KVCache::CancelImport(ImportReservation reservation) {
+  FP4KV_KV_RETURN_IF_MOVED_FROM();
+  KVCacheState& s = *state_;
+  if (reservation.id_ == 0 || reservation.book_.lock() != s.book ||
+      s.reservations.count(reservation.id_) == 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "reservation: expected an open reservation of this cache, got id ", reservation.id_,
+        reservation.id_ == 0 ? " (empty)" : ""));
+  }
+  internal::CancelReservation(s, reservation.id_);
+  reservation.id_ = 0;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<SequenceId> KVCache::CommitImport(ImportReservation reservation, const void* image,
+                                                 int64_t image_bytes,
+                                                 const ImportOptions& options, Stream stream) {
+  FP4KV_KV_RETURN_IF_MOVED_FROM();
+  KVCacheState& s = *state_;
+  s.FlushIndex();
+  auto it = s.reservations.end();
+  if (reservation.id_ != 0 && reservation.book_.lock() == s.book) {
+    it = s.reservations.find(reservation.id_);
+  }
+  if (it == s.reservations.end()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "reservation: expected an open reservation of this cache, got id ", reservation.id_,
+        reservation.id_ == 0 ? " (empty)" : ""));
+  }
+  const SequenceImageHeader h = it->second.header;
+  const int L = s.options.num_layers;
+  const int64_t n = h.num_pages;
+  const int64_t ps = s.geometry.page_size;
+  FP4KV_KV_RETURN_IF_ERROR(internal::CheckImagePointer(image, "image"));
+  if (image_bytes < h.image_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat("image_bytes: expected at least ",
+                                                   h.image_bytes, " (the reserved image's size), got ",
+                                                   image_bytes));
+  }
+  if (options.on_scale_mismatch != ScaleMismatch::kRefuse &&
+      options.on_scale_mismatch != ScaleMismatch::kRequantize) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("options.on_scale_mismatch: expected kRefuse (0) or kRequantize (1), got ",
+                     static_cast<int>(options.on_scale_mismatch)));
+  }
+  internal::ScopedDevice scoped;
+  FP4KV_KV_RETURN_IF_ERROR(scoped.Set(s.options.device));
+  internal::MemKind kind;
+  const uint8_t* dev = nullptr;
+  FP4KV_KV_RETURN_IF_ERROR(internal::ClassifyMemory(s, image, "image", &kind, &dev));
+  const uint8_t* in = static_cast<const uint8_t*>(image);
+  const bool host_image = kind != internal::MemKind::kDevice;
+  const cudaStream_t cs = reinterpret_cast<cudaStream_t>(stream);
+  if (host_image) {
+    uint8_t want[kSequenceImageHeaderBytes];
+    SerializeSequenceImageHeader(h, want);
+    if (std::memcmp(want, in, sizeof(want)) != 0) {
+      absl::StatusOr<SequenceImageHeader> got = ParseSequenceImageHeader(in, sizeof(want));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "image: expected the image whose header was reserved, got one whose header differs",
+          got.ok() ? "" : absl::StrCat(" (", got.status().message(), ")")));
+    }
+  }
+
+  // Scales, per layer and side: adopt (a pending side holding no tokens),
+  // else equal (proven by the host-known fingerprints, or checked) or
+  // requantized.
+  std::vector<uint8_t> adopt(2 * static_cast<size_t>(L), 0);
+  bool any_adopt = false, any_kept = false;
+  const bool swapped_tokens = s.SwappedTokens() > 0;
+  for (int l = 0; l < L; ++l) {
+    const bool empty = s.TokensHeld(l) == 0 && !swapped_tokens;
+    for (int kv = 0; kv < 2; ++kv) {
+      adopt[2 * l + kv] = empty && s.h_flags[2 * l + kv] == 0;
+      any_adopt |= adopt[2 * l + kv] != 0;
+      any_kept |= adopt[2 * l + kv] == 0;
+    }
+  }
+  uint64_t fingerprint = 0;
+  const bool proven = (h.flags & kSequenceImageScalesKnown) != 0 && s.ScaleFingerprint(&fingerprint) &&
+                      fingerprint == h.scale_fingerprint;
+  bool requantize = false;
+  if (any_kept && !proven) {
+    if (options.on_scale_mismatch == ScaleMismatch::kRequantize) {
+      requantize = true;
+    } else {
+      // Read both tables: a host sync.
+      std::vector<float> image_scales(4 * static_cast<size_t>(L)), target(4 * static_cast<size_t>(L));
+      const size_t table = 16 * static_cast<size_t>(L);
+      if (!s.cuda) {
+        std::memcpy(image_scales.data(), in + h.scales_offset, table);
+        std::memcpy(target.data(), s.d_scales, table);
+      } else {
+        FP4KV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(target.data(), s.d_scales, table,
+                                                   cudaMemcpyDeviceToHost, cs));
+        if (!host_image) {
+          FP4KV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(image_scales.data(), in + h.scales_offset,
+                                                     table, cudaMemcpyDeviceToHost, cs));
+        }
+        FP4KV_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(cs));
+        if (host_image) std::memcpy(image_scales.data(), in + h.scales_offset, table);
+      }
+      for (int l = 0; l < L; ++l) {
+        for (int kv = 0; kv < 2; ++kv) {
+          const float a = image_scales[4 * l + kv], b = target[4 * l + kv];
+          if (adopt[2 * l + kv] == 0 && FloatBits(a) != FloatBits(b)) {
+            return absl::FailedPreconditionError(absl::StrCat(
+                "CommitImport: layer ", l, kv == 0 ? " K" : " V", ": the image's global scale ", a,
+                " differs from this cache's ", b,
+                " (pass ImportOptions{ScaleMismatch::kRequantize} to requantize the pages); the "
+                "reservation is cancelled, nothing else changed"));
+          }
+        }
+      }
+    }
+  }
+
+  // Tokens (prefix caching): read and checked before anything changes.
+  const bool tokens = s.prefix && h.has_tokens();
+  std::vector<uint8_t> tok;
+  std::vector<BlockHash> hashes;
+  if (tokens) {
+    tok.resize(static_cast<size_t>(h.tokens_bytes));
+    if (host_image) {
+      std::memcpy(tok.data(), in + h.tokens_offset, tok.size());
+    } else {
+      FP4KV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(tok.data(), in + h.tokens_offset, tok.size(),
+                                                 cudaMemcpyDeviceToHost, cs));
+      FP4KV_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(cs));
+    }
+    const absl::string_view key(reinterpret_cast<const char*>(tok.data()),
+                                static_cast<size_t>(h.extra_key_bytes));
+    const int32_t* ids = reinterpret_cast<const int32_t*>(tok.data() + internal::TokenIdsOffset(h));
+    const uint8_t* stored = tok.data() + internal::TokenHashesOffset(h);
+    for (int64_t j = 0; j < h.length / ps; ++j) {
+      const BlockHash hj = internal::HashPage(
+          j == 0 ? nullptr : &hashes.back(),
+          absl::Span<const int32_t>(ids + j * ps, static_cast<size_t>(ps)), key, &s.hash_scratch);
+      BlockHash want;
+      std::memcpy(&want.low, stored + 16 * j, 8);
+      std::memcpy(&want.high, stored + 16 * j + 8, 8);
+      if (hj != want) {
+        return absl::DataLossError(absl::StrCat(
+            "image: page ", j, " of the tokens section: stored hash ", want.ToHex(),
+            ", its token ids hash to ", hj.ToHex(), "; the reservation is cancelled"));
+      }
+      hashes.push_back(hj);
+    }
+  }
+
+  // Commit: the reserved pages become the sequence.
+  std::vector<int32_t> pages = std::move(it->second.pages);
+  s.reservations.erase(it);
+  s.reserved_pages -= n;
+  reservation.id_ = 0;
+  const SequenceId id = CreateSequence();
+  KVCacheState::Sequence& q = *s.Find(id);
+  q.pages = std::move(pages);
+  q.length = h.length;
+  q.chain.Reset(tokens, tokens ? absl::string_view(reinterpret_cast<const char*>(tok.data()),
+                                                   static_cast<size_t>(h.extra_key_bytes))
+                               : absl::string_view());
+  if (tokens) {
+    const int32_t* ids = reinterpret_cast<const int32_t*>(tok.data() + internal::TokenIdsOffset(h));
+    for (int64_t t = 0; t < h.length; ++t) {
+      s.page_tokens[static_cast<int64_t>(q.pages[t / ps]) * ps + t % ps] = ids[t];
+    }
+    // Indexed by the next FlushIndex, like pages a step completed.
+    if (!s.Calibrated()) q.chain.index_from = static_cast<size_t>(h.length / ps);
+    if (h.length / ps > 0) {
+      q.chain.queued = true;
+      s.unhashed.push_back(s.slot_of[id]);
+    }
+  }
+  for (int l = 0; l < L; ++l) {
+    if (adopt[2 * l] || adopt[2 * l + 1]) s.known[l] = 0;
+  }
+
+  float* d_import = reinterpret_cast<float*>(s.d_step + s.step_layout.import_scales);
+  uint8_t* d_mask = s.d_step + s.step_layout.adopt_mask;
+  int32_t* ids = reinterpret_cast<int32_t*>(s.d_step + s.step_layout.xfer_ids);
+  internal::AdoptScalesParams ap;
+  ap.image_scales = d_import;
+  ap.image_flags = reinterpret_cast<const int32_t*>(d_import + 4 * L);
+  ap.mask = d_mask;
+  ap.scales = s.d_scales;
+  ap.flags = s.d_flags;
+  ap.host_flags = s.cuda ? s.h_flags_dev : nullptr;
+  ap.num_layers = L;
+  internal::RequantizePagesParams rp;
+  rp.pool = s.pools.get();
+  rp.layer_stride = s.pool.layer_bytes;
+  for (int r = 0; r < 4; ++r) {
+    rp.region[r] = s.pool.regions[r].offset;
+    rp.page_bytes[r] = s.pool.regions[r].page_bytes;
+  }
+  rp.pages = s.cuda ? ids : q.pages.data();
+  rp.num_pages = n;
+  rp.num_layers = L;
+  rp.src_scales = d_import;
+  rp.dst_scales = s.d_scales;
+  rp.recipe = s.options.recipe;
+  if (!s.cuda) {
+    if (any_adopt || requantize) {
+      std::memcpy(d_import, in + h.scales_offset, 24 * static_cast<size_t>(L));
+    }
+    if (any_adopt) {
+      std::memcpy(d_mask, adopt.data(), adopt.size());
+      internal::ReferenceAdoptScales(ap);
+    }
+    internal::ReferencePageCopy(internal::ImageToPool(s, h, in, q.pages.data(), n));
+    if (requantize) internal::ReferenceRequantizePages(rp);
+    s.bytes_imported += h.image_bytes;
+    return id;
+  }
+  absl::Status st = absl::OkStatus();
+  auto run = [&](absl::Status x) {
+    if (st.ok()) st = x;
+  };
+  if (any_adopt || requantize) {
+    run(internal::CudaStatus(cudaMemcpyAsync(d_import, in + h.scales_offset,
+                                             24 * static_cast<size_t>(L), cudaMemcpyDefault, cs),
+                             "cudaMemcpyAsync(image scales)"));
+  }
+  if (any_adopt && st.ok()) {
+    run(internal::CudaStatus(
+        cudaMemcpyAsync(d_mask, adopt.data(), adopt.size(), cudaMemcpyHostToDevice, cs),
+        "cudaMemcpyAsync(adopt mask)"));
+    if (st.ok()) run(internal::LaunchAdoptScales(ap, stream));
+  }
+  if (n > 0 && st.ok()) {
+    run(internal::CudaStatus(cudaMemcpyAsync(ids, q.pages.data(), 4 * static_cast<size_t>(n),
+                                             cudaMemcpyHostToDevice, cs),
+                             "cudaMemcpyAsync(import page ids)"));
+    if (st.ok()) {
+      if (host_image && kind == internal::MemKind::kPageable) {
+        run(internal::PageableCopy(s, h, const_cast<uint8_t*>(in), q.pages, false, cs));
+      } else {
+        run(internal::LaunchPageCopy(internal::ImageToPool(s, h, dev, ids, n), stream));
+      }
+    }
+    if (requantize && st.ok()) run(internal::LaunchRequantizePages(rp, stream));
+  }
+  if (!st.ok()) {
+    (void)ReleaseSequence(id);
+    return absl::InternalError(absl::StrCat("CommitImport: ", st.message()));
+  }
+  s.bytes_imported += h.image_bytes;
+  return id;
+}
+
+absl::StatusOr<SequenceId> KVCache::ImportSequence(const void* image, int64_t image_bytes,
+                                                   const ImportOptions& options, Stream stream) {
+  FP4KV_KV_RETURN_IF_MOVED_FROM();
+  KVCacheState& s = *state_;
+  FP4KV_KV_RETURN_IF_ERROR(internal::CheckImagePointer(image, "image"));
+  if (image_bytes < kSequenceImageHeaderBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("image_bytes: expected at least ",
+                                                   kSequenceImageHeaderBytes,
+                                                   " (a header), got ", image_bytes));
+  }
+  internal::ScopedDevice scoped;
+  FP4KV_KV_RETURN_IF_ERROR(scoped.Set(s.options.device));
+  internal::MemKind kind;
+  const uint8_t* dev = nullptr;
+  FP4KV_KV_RETURN_IF_ERROR(internal::ClassifyMemory(s, image, "image", &kind, &dev));
+  uint8_t header[kSequenceImageHeaderBytes];
+  if (kind == internal::MemKind::kDevice) {
+    const cudaStream_t cs = reinterpret_cast<cudaStream_t>(stream);
+    FP4KV_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(header, image, sizeof(header), cudaMemcpyDeviceToHost, cs));
+    FP4KV_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(cs));
+  } else {
+    std::memcpy(header, image, sizeof(header));
+  }
+  absl::StatusOr<SequenceImageHeader> h = ParseSequenceImageHeader(header, sizeof(header));
+  if (!h.ok()) return h.status();
+  if (image_bytes < h->image_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat("image_bytes: expected at least ",
+                                                   h->image_bytes, " (the header's image_bytes), got ",
+                                                   image_bytes));
+  }
+  absl::StatusOr<ImportReservation> r = ReserveImport(*h);
+  if (!r.ok()) return r.status();
+  return CommitImport(*std::move(r), image, image_bytes, options, stream);
+}
+
+// ---------------------------------------------------------------- host tier
+absl::StatusOr<bool> KVCache::IsSwappedOut(SequenceId seq) const {
+  FP4KV_KV_RETURN_IF_MOVED_FROM();
+  const KVCacheState::Sequence* q = state_->Find(seq);
+  if (q == nullptr) return KVCacheState::Unknown("seq", seq);
+  return q->swapped;
+}
+
+absl::Status KVCache::SynchronizeSwaps() {
+  FP4KV_KV_RETURN_IF_MOVED_FROM();
+  KVCacheState& s = *state_;
+  if (s.copy_stream != nullptr) {
+    internal::ScopedDevice scoped;
+    FP4KV_KV_RETURN_IF_ERROR(scoped.Set(s.options.device));
+    FP4KV_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s.copy_stream));
+  }
+  return s.WaitSwapOuts();
+}
+
+absl::Status KVCache::SwapOut(SequenceId seq, Stream stream) {
+  FP4KV_KV_RETURN_IF_MOVED_FROM();
+  KVCacheState& s = *state_;
+  s.FlushIndex();
+  s.PollSwaps();
+  KVCacheState::Sequence* q = s.Find(seq);
+  if (q == nullptr) return KVCacheState::Unknown("seq", seq);
+  if (s.host_pages_total == 0) {
+    return absl::FailedPreconditionError(
+        "SwapOut: expected a cache with a host tier (KVCacheOptions::host_tier), got one without");
+  }
+  if (q->swapped) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("SwapOut: sequence ", seq, " is already swapped out"));
+  }
+  const int64_t n = static_cast<int64_t>(q->pages.size());
+  if (n > static_cast<int64_t>(s.host_free.size())) {
+    return absl::ResourceExhaustedError(absl::StrCat("SwapOut: sequence ", seq, " needs ", n,
+                                                     " host pages, the host tier has ",
+                                                     s.host_free.size(), " free of ",
+                                                     s.host_pages_total, "; nothing changed"));
+  }
+  internal::ScopedDevice scoped;
+  FP4KV_KV_RETURN_IF_ERROR(scoped.Set(s.options.device));
+  std::vector<int32_t> host(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) host[i] = s.host_free[s.host_free.size() - 1 - i];
+  int event = -1;
+  if (s.cuda && n > 0) {
+    FP4KV_KV_RETURN_IF_ERROR(s.EnqueueSwapCopy(q->pages, host, /*to_host=*/true, stream, &event));
+  } else if (n > 0) {
+    internal::ReferencePageCopy(s.PoolToHost(q->pages.data(), host.data(), n));
+  }
+  // Committed.
+  s.host_free.resize(s.host_free.size() - static_cast<size_t>(n));
+  s.DropSwapIn(*q);
+  q->swapped = true;
+  q->host_pages = std::move(host);
+  if (q->chain.tracked) q->chain.Untrack();
+  s.bytes_swapped_out += n * s.PageBytesAllLayers();
+  if (event >= 0) {
+    s.outs.push_back(KVCacheState::SwapOutCopy{event, seq, {}});  // pages dropped when it is done
+  } else {
+    s.ReleasePages(*q);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status KVCache::SwapIn(SequenceId seq, Stream stream) {
+  FP4KV_KV_RETURN_IF_MOVED_FROM();
+  KVCacheState& s = *state_;
+  s.FlushIndex();
+  s.PollSwaps();
+  KVCacheState::Sequence* q = s.Find(seq);
+  if (q == nullptr) return KVCacheState::Unknown("seq", seq);
+  if (!q->swapped) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("SwapIn: sequence ", seq, " is not swapped out"));
+  }
+  if (!q->pages.empty()) {
+    // Its copy to the host is still in flight: the device pages still hold
+    // the data, so keep them; the host pages are only ever rewritten by
+    // later copies on the copy stream, which come after this one.
+    for (KVCacheState::SwapOutCopy& c : s.outs) {
+      if (c.seq == seq) c.seq = 0;
+    }
+    for (int32_t h : q->host_pages) s.host_free.push_back(h);
+    q->host_pages.clear();
+    q->swapped = false;
+    return absl::OkStatus();
+  }
+  const int64_t n = static_cast<int64_t>(q->host_pages.size());
+  FP4KV_KV_RETURN_IF_ERROR(s.MakeAvailable(n, "SwapIn"));
+  internal::ScopedDevice scoped;
+  FP4KV_KV_RETURN_IF_ERROR(scoped.Set(s.options.device));
+  std::vector<int32_t> pages;
+  pages.reserve(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) pages.push_back(s.allocator.Allocate());
+  int event = -1;
+  if (s.cuda && n > 0) {
+    if (absl::Status st = s.EnqueueSwapCopy(pages, q->host_pages, /*to_host=*/false, stream, &event);
+        !st.ok()) {
+      for (size_t j = pages.size(); j-- > 0;) s.allocator.Release(pages[j]);
+      return st;
+    }
+  } else if (n > 0) {
+    internal::ReferencePageCopy(s.HostToPool(q->host_pages.data(), pages.data(), n));
+  }
+  for (int32_t h : q->host_pages) s.host_free.push_back(h);
+  q->host_pages.clear();
+  q->pages = std::move(pages);
+  ++q->epoch;
+  q->swapped = false;
+  q->swapin_event = event;
+  if (event >= 0) s.event_refs[event] = 1;
+  s.bytes_swapped_in += n * s.PageBytesAllLayers();
+  return absl::OkStatus();
 }
 
 }  // namespace fp4kv

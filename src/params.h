@@ -161,6 +161,58 @@ struct ReencodeParams {
   Recipe recipe;
 };
 
+// Copies whole pages between two page stores of the same geometry (pools,
+// sequence images, the host tier). A store holds, per layer l and region r
+// (K data, V data, K scales, V scales), pages of page_bytes[r] at
+//   base + l * layer_stride + region[r] + id * page_bytes[r].
+// List position i copies page src_ids[i] of src to page dst_ids[i] of dst
+// (a null list: id = i), for every layer and region. The stores must not
+// overlap. Either side may be mapped pinned host memory (device addresses).
+struct PageCopyParams {
+  const uint8_t* src = nullptr;
+  uint8_t* dst = nullptr;
+  int64_t src_layer_stride = 0, dst_layer_stride = 0;
+  int64_t src_region[4] = {0, 0, 0, 0};
+  int64_t dst_region[4] = {0, 0, 0, 0};
+  int64_t page_bytes[4] = {0, 0, 0, 0};
+  const int32_t* src_ids = nullptr;
+  const int32_t* dst_ids = nullptr;
+  int64_t num_pages = 0;  // list positions
+  int num_layers = 0;
+};
+
+// Requantizes the blocks of listed pages of a pool, per layer and side, from
+// the global scale src_scales[4 l + kv] to the pool's dst_scales[4 l + kv]
+// (bit-equal scales: untouched). Blocks as in ReencodeParams: page p of a
+// side holds blocks_per_page[kv] blocks, data at region[kv] + p *
+// page_bytes[kv] + 8 b, scale byte at region[2 + kv] + p * page_bytes[2 + kv] + b.
+struct RequantizePagesParams {
+  uint8_t* pool = nullptr;
+  int64_t layer_stride = 0;
+  int64_t region[4] = {0, 0, 0, 0};
+  int64_t page_bytes[4] = {0, 0, 0, 0};
+  const int32_t* pages = nullptr;  // [num_pages]
+  int64_t num_pages = 0;
+  int num_layers = 0;
+  const float* src_scales = nullptr;  // [L, 4], read when the op runs
+  const float* dst_scales = nullptr;  // [L, 4]
+  Recipe recipe;
+};
+
+// An import's adoption of an image's scales by pending layers: for every
+// (l, kv) with mask[2 l + kv] set, the global and FP8 scales
+// (scales[4 l + kv], scales[4 l + 2 + kv]), the calibrated flag and its host
+// mirror take the image's values (image_scales [L, 4] f32, image_flags [L, 2]).
+struct AdoptScalesParams {
+  const float* image_scales = nullptr;
+  const int32_t* image_flags = nullptr;
+  const uint8_t* mask = nullptr;  // [L, 2]
+  float* scales = nullptr;        // [L, 4]
+  int32_t* flags = nullptr;       // [L, 2]
+  int32_t* host_flags = nullptr;  // [L, 2] mapped mirror, or null
+  int num_layers = 0;
+};
+
 // Quantization of an unquantized (f16/bf16) paged cache into a paged NVFP4
 // cache. Row r (a token slot) is entry r % page_size of list position
 // r / page_size: source page src_pages[i] (i itself without lists) goes to
@@ -304,6 +356,9 @@ void ReferenceQuantizeLinear(const LinearQuantParams& p);
 void ReferenceDequantizeLinear(const LinearDequantParams& p);
 void ReferenceCalibrateRows(const RowCalibrationParams& p);
 void ReferenceReencode(const ReencodeParams& p);
+void ReferencePageCopy(const PageCopyParams& p);
+void ReferenceAdoptScales(const AdoptScalesParams& p);
+void ReferenceRequantizePages(const RequantizePagesParams& p);
 void ReferenceQuantizeCache(const QuantizeCacheParams& p);
 
 // CUDA launchers (kernels/). Enqueue on `stream`, allocate nothing, never
@@ -315,6 +370,9 @@ absl::Status LaunchQuantizeLinear(const LinearQuantParams& p, Stream stream);
 absl::Status LaunchDequantizeLinear(const LinearDequantParams& p, Stream stream);
 absl::Status LaunchCalibrateRows(const RowCalibrationParams& p, Stream stream);
 absl::Status LaunchReencode(const ReencodeParams& p, Stream stream);
+absl::Status LaunchPageCopy(const PageCopyParams& p, Stream stream);
+absl::Status LaunchAdoptScales(const AdoptScalesParams& p, Stream stream);
+absl::Status LaunchRequantizePages(const RequantizePagesParams& p, Stream stream);
 // Scale computation (when p.compute_scales) and quantization, in order.
 absl::Status LaunchQuantizeCache(const QuantizeCacheParams& p, Stream stream);
 

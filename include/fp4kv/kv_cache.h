@@ -54,6 +54,7 @@
 #include "fp4kv/geometry.h"
 #include "fp4kv/kv_events.h"
 #include "fp4kv/ops.h"
+#include "fp4kv/sequence_image.h"
 #include "fp4kv/tensor.h"
 
 namespace fp4kv {
@@ -127,6 +128,21 @@ struct KVCacheStats {
   double prefix_hit_rate = 0;       // prefix_hit_tokens / prefix_query_tokens (0 when none)
   int64_t events_pending = 0;       // queued for TakeEvents
   int64_t events_dropped = 0;       // lost to a full queue, ever
+  // Export and import.
+  int64_t pages_reserved = 0;       // held by import reservations (counted in pages_used)
+  int64_t reservations = 0;         // open import reservations
+  int64_t bytes_exported = 0;       // image bytes written by ExportSequence, ever
+  int64_t bytes_imported = 0;       // image bytes read by CommitImport, ever
+  // Host tier (KVCacheOptions::host_tier; all 0 when off).
+  int64_t host_pages_total = 0;
+  int64_t host_pages_free = 0;
+  int64_t host_pages_used = 0;      // holding swapped-out sequences
+  int64_t host_bytes = 0;           // of the pinned host pool
+  int64_t sequences_swapped = 0;    // swapped out (also while the copy is in flight)
+  int64_t swaps_in_flight = 0;      // SwapOut copies whose device pages are not yet free
+  int64_t pages_swap_pending = 0;   // device pages those copies still hold
+  int64_t bytes_swapped_out = 0;    // device -> host, ever
+  int64_t bytes_swapped_in = 0;     // host -> device, ever
 };
 
 // Prefix caching (docs/kv_cache.md, "Prefix caching"): full pages of
@@ -137,6 +153,16 @@ struct PrefixCacheOptions {
   bool enabled = false;
   // Bound of the KV event queue (TakeEvents); 0: no events are kept.
   int64_t max_pending_events = 0;
+};
+
+// The pinned host tier of a cache (SwapOut / SwapIn; docs/kv_cache.md,
+// "Host tier"): host pages of the cache's page size (every layer, K and V,
+// data and scales), allocated at Create with cudaHostAlloc (mapped) on CUDA
+// and plain memory on the CPU. Give host_pages or host_bytes (the most whole
+// pages that fit), not both; 0 and 0 (the default): no host tier.
+struct HostTierOptions {
+  int64_t host_pages = 0;
+  int64_t host_bytes = 0;
 };
 
 struct KVCacheOptions {
@@ -171,6 +197,7 @@ struct KVCacheOptions {
   // (max_seqs_per_step * max_pages_per_seq i32) and the FP8 workspace.
   int max_pages_per_seq = 0;
   PrefixCacheOptions prefix_cache;  // off by default
+  HostTierOptions host_tier;        // off by default
 };
 
 // What MatchPrefix found: the longest cached prefix of whole pages.
@@ -434,6 +461,88 @@ class KVCache {
   absl::StatusOr<SequenceId> ImportSequence(absl::Span<const HalfPagedCache> layers,
                                             absl::Span<const int32_t> src_pages, int64_t length,
                                             Stream stream = nullptr);
+
+  // ------------------------------------------------- export and import
+  // A sequence image (include/fp4kv/sequence_image.h, docs/format.md
+  // "Sequence images") holds one sequence's pages (whole pages: a partial
+  // last page's unused slots travel too), the source's scales and, with
+  // prefix caching, its token ids and page hashes. Not graph-capturable.
+  //
+  // The size of `seq`'s image. NotFound for an unknown sequence.
+  absl::StatusOr<int64_t> ExportedBytes(SequenceId seq) const;
+  // Writes `seq`'s image to dst (16-byte aligned, dst_bytes >= ExportedBytes)
+  // on `stream`: device memory of the cache's device, pinned host memory
+  // (written by one kernel through its mapped address) or pageable host
+  // memory (per-page copies that block the host) on CUDA; host memory on the
+  // CPU (synchronous). The host-known parts (header, tokens section) are
+  // written by the host during the call for a host destination, by copies
+  // staged during the call for a device one; the scale table and the pages
+  // by work on `stream`, after the work already enqueued there. Uses a fixed
+  // device table of page ids: exports and imports must all use one stream
+  // (as ReadSequence). Errors (nothing written): NotFound; FailedPrecondition
+  // for a swapped-out sequence; InvalidArgument naming dst or dst_bytes.
+  absl::Status ExportSequence(SequenceId seq, void* dst, int64_t dst_bytes,
+                              Stream stream = nullptr) const;
+  // Two-phase import. ReserveImport checks that the image fits this cache
+  // (InvalidArgument naming the differing field: layers, heads, head dims,
+  // page size, layout, recipe, key format; InvalidArgument past
+  // max_pages_per_seq) and takes its pages (ResourceExhausted when free and
+  // evictable pages do not suffice; nothing changes). The pages count in
+  // Stats' pages_reserved and pages_used; no sequence exists yet.
+  absl::StatusOr<ImportReservation> ReserveImport(const SequenceImageHeader& header);
+  // Fills the reserved pages from `image` (the image whose header was
+  // reserved; the header is compared when the image is host memory) on
+  // `stream` and makes them a new sequence of the image's length. Scales per
+  // layer: equal to the image's: bytes copied; a pending target layer that
+  // holds no tokens adopts the image's scales and calibrated flags (device
+  // copies, no sync); otherwise options.on_scale_mismatch (ScaleMismatch).
+  // With prefix caching, an image with tokens makes a tracked sequence whose
+  // full pages are indexed (once every layer is calibrated), like appended
+  // ones; a device image's tokens section is read with a synchronous copy.
+  // The image must stay valid until the stream gets there. On error the
+  // reservation is cancelled and nothing else changed: InvalidArgument
+  // (reservation of another cache or already used; image, image_bytes),
+  // FailedPrecondition (scales differ under kRefuse), DataLoss (the tokens
+  // section's hashes do not match its token ids).
+  absl::StatusOr<SequenceId> CommitImport(ImportReservation reservation, const void* image,
+                                          int64_t image_bytes, const ImportOptions& options = {},
+                                          Stream stream = nullptr);
+  // Frees the reservation's pages; changes nothing else. InvalidArgument
+  // for a reservation of another cache or one already used.
+  absl::Status CancelImport(ImportReservation reservation);
+  // ParseSequenceImageHeader + ReserveImport + CommitImport. The header of
+  // a device image is read with one small synchronous copy (after the work
+  // on `stream`).
+  absl::StatusOr<SequenceId> ImportSequence(const void* image, int64_t image_bytes,
+                                            const ImportOptions& options = {},
+                                            Stream stream = nullptr);
+
+  // ------------------------------------------------------------ host tier
+  // Copies `seq`'s pages to host pages (KVCacheOptions::host_tier) on the
+  // cache's copy stream, after the work enqueued on `stream` so far (an
+  // event), and returns without waiting: the sequence is swapped out at
+  // once (it cannot join a step, be read, forked, truncated or exported:
+  // FailedPrecondition naming it), and its device page references are
+  // dropped when a later call sees the copy done (an event query, no sync):
+  // PrepareStep, PlanStep, the allocating calls, Stats, CheckInvariants.
+  // Pages shared with other sequences stay theirs, unchanged. A call that
+  // needs pages that only such copies still hold waits for them. With prefix
+  // caching the sequence stops being tracked. Errors (nothing changed):
+  // NotFound; FailedPrecondition (no host tier, already swapped out);
+  // ResourceExhausted (host pages).
+  absl::Status SwapOut(SequenceId seq, Stream stream = nullptr);
+  // Brings a swapped-out sequence back into newly allocated device pages
+  // (sharing is not restored) on the copy stream, after the work on
+  // `stream`; the first step (or read, export) that uses it makes its
+  // stream wait for the copy (an event), so other sequences' steps do not.
+  // All or nothing: ResourceExhausted when the free and evictable pages do
+  // not suffice. NotFound; FailedPrecondition when `seq` is not swapped out.
+  absl::Status SwapIn(SequenceId seq, Stream stream = nullptr);
+  // Whether `seq` is swapped out (NotFound for an unknown one).
+  absl::StatusOr<bool> IsSwappedOut(SequenceId seq) const;
+  // Waits until every copy of the host tier is done and drops the device
+  // pages of finished swap-outs (host sync; for tests and shutdown).
+  absl::Status SynchronizeSwaps();
 
   absl::StatusOr<int64_t> SequenceLength(SequenceId seq) const;
   // The sequence's block table (page ids, ceil(length / page_size) of them);

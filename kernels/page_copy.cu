@@ -1,0 +1,125 @@
+// Whole-page copies between page stores (pools, sequence images, the host
+// tier) and the requantization of imported pages; CPU references in
+// src/reference/page_copy_reference.cc produce the same bytes.
+#include <cuda_runtime_api.h>
+
+#include "absl/status/status.h"
+#include "fp4kv/format.h"
+#include "fp4kv/recipe.h"
+#include "src/cuda_util.h"
+#include "src/params.h"
+
+namespace fp4kv {
+namespace internal {
+namespace {
+
+constexpr int kCopyThreads = 256;
+constexpr int64_t kMaxCtas = 4096;
+constexpr int kRequantThreads = 256;
+
+// One CTA copies one (layer, region, page) unit at a time: 16-byte words
+// when both addresses and the size allow, else 4-byte words, else bytes.
+__global__ void __launch_bounds__(kCopyThreads) PageCopyKernel(const PageCopyParams p) {
+  const int64_t units = p.num_pages * 4 * p.num_layers;
+  for (int64_t u = blockIdx.x; u < units; u += gridDim.x) {
+    const int64_t i = u % p.num_pages;
+    const int r = static_cast<int>((u / p.num_pages) % 4);
+    const int64_t l = u / (p.num_pages * 4);
+    const int64_t bytes = p.page_bytes[r];
+    if (bytes == 0) continue;
+    const int64_t s = p.src_ids != nullptr ? p.src_ids[i] : i;
+    const int64_t d = p.dst_ids != nullptr ? p.dst_ids[i] : i;
+    const uint8_t* from = p.src + l * p.src_layer_stride + p.src_region[r] + s * bytes;
+    uint8_t* to = p.dst + l * p.dst_layer_stride + p.dst_region[r] + d * bytes;
+    const uintptr_t a = reinterpret_cast<uintptr_t>(from) | reinterpret_cast<uintptr_t>(to) |
+                        static_cast<uintptr_t>(bytes);
+    if ((a & 15) == 0) {
+      const uint4* f = reinterpret_cast<const uint4*>(from);
+      uint4* t = reinterpret_cast<uint4*>(to);
+      const int64_t n = bytes / 16;
+      for (int64_t k = threadIdx.x; k < n; k += blockDim.x) t[k] = f[k];
+    } else if ((a & 3) == 0) {
+      const uint32_t* f = reinterpret_cast<const uint32_t*>(from);
+      uint32_t* t = reinterpret_cast<uint32_t*>(to);
+      const int64_t n = bytes / 4;
+      for (int64_t k = threadIdx.x; k < n; k += blockDim.x) t[k] = f[k];
+    } else {
+      for (int64_t k = threadIdx.x; k < bytes; k += blockDim.x) to[k] = from[k];
+    }
+  }
+}
+
+// Thread per block of one side (kv) of every listed page of every layer.
+__global__ void __launch_bounds__(kRequantThreads)
+    RequantizePagesKernel(const RequantizePagesParams p, int kv) {
+  const int64_t per_page = p.page_bytes[2 + kv];  // one scale byte per block
+  const int64_t total = p.num_layers * p.num_pages * per_page;
+  for (int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; t < total;
+       t += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t b = t % per_page;
+    const int64_t i = (t / per_page) % p.num_pages;
+    const int64_t l = t / (per_page * p.num_pages);
+    const float old_g = p.src_scales[4 * l + kv];
+    const float new_g = p.dst_scales[4 * l + kv];
+    if (FloatBits(old_g) == FloatBits(new_g)) continue;
+    const int64_t page = p.pages[i];
+    uint8_t* base = p.pool + l * p.layer_stride;
+    uint8_t* data = base + p.region[kv] + page * p.page_bytes[kv] + b * kBlockBytes;
+    uint8_t* scale = base + p.region[2 + kv] + page * per_page + b;
+    const uint2 w = *reinterpret_cast<const uint2*>(data);
+    uint32_t packed[2] = {w.x, w.y};
+    float x[kBlockSize];
+    DequantizeBlock(packed, *scale, old_g, x);
+    *scale = QuantizeBlock(x, new_g, p.recipe, packed);
+    *reinterpret_cast<uint2*>(data) = make_uint2(packed[0], packed[1]);
+  }
+}
+
+__global__ void AdoptScalesKernel(const AdoptScalesParams p) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;  // 2 l + kv
+  if (i >= 2 * p.num_layers || p.mask[i] == 0) return;
+  const int l = i / 2, kv = i % 2;
+  p.scales[4 * l + kv] = p.image_scales[4 * l + kv];
+  p.scales[4 * l + 2 + kv] = p.image_scales[4 * l + 2 + kv];
+  __threadfence();
+  p.flags[i] = p.image_flags[i];
+  if (p.host_flags != nullptr) {
+    __threadfence_system();
+    *reinterpret_cast<volatile int32_t*>(p.host_flags + i) = p.image_flags[i];
+  }
+}
+
+}  // namespace
+
+absl::Status LaunchAdoptScales(const AdoptScalesParams& p, Stream stream) {
+  if (p.num_layers <= 0) return absl::OkStatus();
+  const int threads = 128;
+  const int ctas = (2 * p.num_layers + threads - 1) / threads;
+  AdoptScalesKernel<<<ctas, threads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(p);
+  return CudaStatus(cudaGetLastError(), "AdoptScalesKernel launch");
+}
+
+absl::Status LaunchPageCopy(const PageCopyParams& p, Stream stream) {
+  const int64_t units = p.num_pages * 4 * p.num_layers;
+  if (units <= 0) return absl::OkStatus();
+  const int64_t ctas = units < kMaxCtas ? units : kMaxCtas;
+  PageCopyKernel<<<static_cast<unsigned>(ctas), kCopyThreads, 0,
+                   reinterpret_cast<cudaStream_t>(stream)>>>(p);
+  return CudaStatus(cudaGetLastError(), "PageCopyKernel launch");
+}
+
+absl::Status LaunchRequantizePages(const RequantizePagesParams& p, Stream stream) {
+  for (int kv = 0; kv < 2; ++kv) {
+    const int64_t total = p.num_layers * p.num_pages * p.page_bytes[2 + kv];
+    if (total <= 0) continue;
+    int64_t ctas = (total + kRequantThreads - 1) / kRequantThreads;
+    if (ctas > 65536) ctas = 65536;
+    RequantizePagesKernel<<<static_cast<unsigned>(ctas), kRequantThreads, 0,
+                            reinterpret_cast<cudaStream_t>(stream)>>>(p, kv);
+    FP4KV_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace internal
+}  // namespace fp4kv
