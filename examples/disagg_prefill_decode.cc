@@ -245,7 +245,7 @@ int Prefill(const Flags& f, const fp4kv::NcclUniqueId& id) {
   // The slot size must match on both sides: tell rank 1 first.
   int64_t hello[2] = {biggest, f.seqs};
   int64_t* pinned = nullptr;
-  CHECK_CUDA(cudaMallocHost(&pinned, sizeof(hello)));
+  CHECK_CUDA(cudaMallocHost(reinterpret_cast<void**>(&pinned), sizeof(hello)));
   std::memcpy(pinned, hello, sizeof(hello));
   absl::StatusOr<fp4kv::Transport::OpId> op = (*link)->SendControl(pinned, sizeof(hello));
   CHECK_OK(op.status());
@@ -277,8 +277,8 @@ int Prefill(const Flags& f, const fp4kv::NcclUniqueId& id) {
   CHECK_OK(sender->Close());
   // The check table, as one more control message.
   Check* table = nullptr;
-  CHECK_CUDA(cudaMallocHost(&table, sizeof(Check) * kMaxSeqs));
-  std::memset(table, 0, sizeof(Check) * kMaxSeqs);
+  CHECK_CUDA(cudaMallocHost(reinterpret_cast<void**>(&table), sizeof(Check) * kMaxSeqs));
+  for (int i = 0; i < kMaxSeqs; ++i) table[i] = Check();
   for (size_t i = 0; i < seqs.size(); ++i) {
     table[i] = {ids[i], 0, hashes[i]};
   }
@@ -304,7 +304,7 @@ int Decode(const Flags& f, const fp4kv::NcclUniqueId& id) {
   cudaStream_t stream = nullptr;
   CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   int64_t* hello = nullptr;
-  CHECK_CUDA(cudaMallocHost(&hello, 2 * sizeof(int64_t)));
+  CHECK_CUDA(cudaMallocHost(reinterpret_cast<void**>(&hello), 2 * sizeof(int64_t)));
   absl::StatusOr<fp4kv::Transport::OpId> op = (*link)->RecvControl(hello, 2 * sizeof(int64_t));
   CHECK_OK(op.status());
   while (!*(*link)->Poll(*op)) {
@@ -320,7 +320,7 @@ int Decode(const Flags& f, const fp4kv::NcclUniqueId& id) {
   std::vector<fp4kv::TransferResult> got = receiver->TakeResults();
   while (!receiver->closed()) CHECK_OK(receiver->Progress());
   Check* table = nullptr;
-  CHECK_CUDA(cudaMallocHost(&table, sizeof(Check) * kMaxSeqs));
+  CHECK_CUDA(cudaMallocHost(reinterpret_cast<void**>(&table), sizeof(Check) * kMaxSeqs));
   op = (*link)->RecvControl(table, sizeof(Check) * kMaxSeqs);
   CHECK_OK(op.status());
   while (!*(*link)->Poll(*op)) {

@@ -152,8 +152,8 @@ TEST(GpuNcclTransportTest, SelfSendRecvMovesDeviceAndControlBytes) {
   // the receive is posted first: nothing is issued until its send exists.
   char* hello = nullptr;
   char* got = nullptr;
-  FP4KV_ASSERT_CUDA(cudaMallocHost(&hello, 64));
-  FP4KV_ASSERT_CUDA(cudaMallocHost(&got, 64));
+  FP4KV_ASSERT_CUDA(cudaMallocHost(reinterpret_cast<void**>(&hello), 64));
+  FP4KV_ASSERT_CUDA(cudaMallocHost(reinterpret_cast<void**>(&got), 64));
   std::memset(got, 0, 64);
   std::snprintf(hello, 32, "control bytes through NCCL");
   std::snprintf(hello + 32, 16, "second message");

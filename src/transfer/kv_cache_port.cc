@@ -6,16 +6,11 @@
 #include "fp4kv/kv_cache.h"
 #include "src/transfer/transfer_internal.h"
 
-#if __has_include("fp4kv/sequence_image.h")
 #include "fp4kv/sequence_image.h"
-#define FP4KV_TRANSFER_HAVE_IMAGES 1
-#endif
 
 namespace fp4kv {
 namespace internal {
 namespace {
-
-#ifdef FP4KV_TRANSFER_HAVE_IMAGES
 
 class KVCachePort : public TransferCachePort {
  public:
@@ -70,33 +65,6 @@ class KVCachePort : public TransferCachePort {
   absl::flat_hash_map<uint64_t, ImportReservation> reserved_;
 };
 
-#else  // the cache has no export/import in this tree
-
-class KVCachePort : public TransferCachePort {
- public:
-  explicit KVCachePort(KVCache* cache) : cache_(cache) {}
-  Device device() const override { return cache_->device(); }
-  int64_t header_bytes() const override { return 256; }
-  absl::StatusOr<int64_t> ExportedBytes(SequenceId) const override { return No(); }
-  absl::StatusOr<int64_t> Length(SequenceId seq) const override {
-    return cache_->SequenceLength(seq);
-  }
-  absl::Status Export(SequenceId, void*, int64_t, Stream) const override { return No(); }
-  absl::Status Release(SequenceId seq) override { return cache_->ReleaseSequence(seq); }
-  absl::StatusOr<Reserved> Reserve(const void*, int64_t) override { return No(); }
-  absl::StatusOr<SequenceId> Commit(uint64_t, const void*, int64_t, Stream) override {
-    return No();
-  }
-  absl::Status Cancel(uint64_t) override { return No(); }
-
- private:
-  static absl::Status No() {
-    return absl::UnimplementedError("KVCache has no sequence export/import in this build");
-  }
-  KVCache* cache_;
-};
-
-#endif
 
 }  // namespace
 
