@@ -134,6 +134,29 @@ absl::Status CheckOptions(const TransferOptions& o, const Transport* t,
   return absl::OkStatus();
 }
 
+// Makes a CUDA device current for a scope (the protocol's calls may come
+// with another device current, e.g. one thread driving both ranks).
+class DeviceScope {
+ public:
+  explicit DeviceScope(Device d) : active_(d.is_cuda()) {
+    if (active_ && cudaGetDevice(&prev_) == cudaSuccess && prev_ != d.ordinal) {
+      cudaSetDevice(d.ordinal);
+    } else {
+      active_ = false;
+    }
+  }
+  ~DeviceScope() {
+    if (active_) cudaSetDevice(prev_);
+  }
+
+ private:
+  bool active_;
+  int prev_ = 0;
+};
+
+// Slots start 256-byte aligned (images are written with 16-byte accesses).
+inline int64_t SlotStride(int64_t slot_bytes) { return (slot_bytes + 255) / 256 * 256; }
+
 // Device memory for the slots, pinned host memory for frames and headers.
 class Buffers {
  public:
@@ -165,6 +188,8 @@ class Buffers {
       }
     }
     std::memset(host_, 0, static_cast<size_t>(host_bytes));
+    // The CPU slots come from malloc (16-byte aligned); every slot is at a
+    // multiple of 256 from there.
     return absl::OkStatus();
   }
   ~Buffers() {
@@ -236,7 +261,7 @@ struct SequenceSender::Impl {
   absl::Status broken;
 
   unsigned char* slot_ptr(int s) const {
-    return static_cast<unsigned char*>(buf.slots_) + static_cast<int64_t>(s) * o.slot_bytes;
+    return static_cast<unsigned char*>(buf.slots_) + static_cast<int64_t>(s) * internal::SlotStride(o.slot_bytes);
   }
   Entry* Find(TransferId id) {
     for (Entry& e : entries) {
@@ -545,7 +570,7 @@ absl::StatusOr<SequenceSender> internal::CreateSender(std::unique_ptr<TransferCa
       2 * impl->frame_bytes + 2 * static_cast<int64_t>(sizeof(FrameHead)) +
       options.num_slots * impl->hdr;
   FP4KV_RETURN_IF_ERROR_T(
-      impl->buf.Allocate(port->device(), options.slot_bytes, options.num_slots, host_bytes));
+      impl->buf.Allocate(port->device(), internal::SlotStride(options.slot_bytes), options.num_slots, host_bytes));
   auto* h = static_cast<unsigned char*>(impl->buf.host_);
   impl->out = h;
   impl->in = h + impl->frame_bytes;
@@ -624,6 +649,7 @@ absl::Status SequenceSender::Cancel(TransferId id) {
 
 absl::Status SequenceSender::Progress() {
   FP4KV_TRANSFER_RETURN_IF_MOVED_FROM();
+  internal::DeviceScope scope(impl_->port->device());
   // A few steps per call, so that a frame that is already there is answered
   // at once.
   for (int i = 0; i < 6; ++i) {
@@ -733,7 +759,7 @@ struct SequenceReceiver::Impl {
   absl::Status broken;
 
   unsigned char* slot_ptr(int s) const {
-    return static_cast<unsigned char*>(buf.slots_) + static_cast<int64_t>(s) * o.slot_bytes;
+    return static_cast<unsigned char*>(buf.slots_) + static_cast<int64_t>(s) * internal::SlotStride(o.slot_bytes);
   }
   void Arm() { deadline = o.timeout_ms > 0 ? internal::NowMs() + o.timeout_ms : 0; }
 
@@ -1031,7 +1057,7 @@ absl::StatusOr<SequenceReceiver> internal::CreateReceiver(std::unique_ptr<Transf
   const int64_t host_bytes =
       2 * impl->frame_bytes + 2 * static_cast<int64_t>(sizeof(FrameHead));
   FP4KV_RETURN_IF_ERROR_T(
-      impl->buf.Allocate(port->device(), options.slot_bytes, options.num_slots, host_bytes));
+      impl->buf.Allocate(port->device(), internal::SlotStride(options.slot_bytes), options.num_slots, host_bytes));
   auto* h = static_cast<unsigned char*>(impl->buf.host_);
   impl->out = h;
   impl->in = h + impl->frame_bytes;
@@ -1077,6 +1103,7 @@ absl::Status SequenceReceiver::Cancel(TransferId id) {
 
 absl::Status SequenceReceiver::Progress() {
   FP4KV_TRANSFER_RETURN_IF_MOVED_FROM();
+  internal::DeviceScope scope(impl_->port->device());
   for (int i = 0; i < 6; ++i) {
     const auto phase = impl_->phase;
     const uint64_t round = impl_->round;
