@@ -151,6 +151,10 @@ class NcclCommunicator {
                                                                   Device device);
   // Wraps a caller's ncclComm_t (not destroyed here).
   static absl::StatusOr<std::unique_ptr<NcclCommunicator>> Wrap(void* nccl_comm, Device device);
+  // An owned communicator: ncclCommDestroy, or ncclCommAbort when one of
+  // its endpoints failed or was destroyed with an operation still waiting
+  // for its peer (destroying would wait forever). Destroy the endpoints
+  // first.
   ~NcclCommunicator();
   int rank() const;
   int num_ranks() const;

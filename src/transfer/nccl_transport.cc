@@ -173,6 +173,7 @@ struct NcclCommunicator::Impl {
   Device device;
   int rank = 0;
   int num_ranks = 0;
+  bool broken = false;  // an endpoint failed: destroy by ncclCommAbort
 };
 
 bool NcclAvailable(std::string* why) { return LoadNccl(why) != nullptr; }
@@ -191,7 +192,13 @@ NcclCommunicator::NcclCommunicator(std::unique_ptr<Impl> impl) : impl_(std::move
 NcclCommunicator::~NcclCommunicator() {
   if (impl_ != nullptr && impl_->owned && impl_->comm != nullptr) {
     DeviceGuard g(impl_->device.ordinal);
-    impl_->api->CommDestroy(impl_->comm);
+    // After a failure an operation may wait forever for its peer: abort
+    // instead of waiting for it.
+    if (impl_->broken) {
+      impl_->api->CommAbort(impl_->comm);
+    } else {
+      impl_->api->CommDestroy(impl_->comm);
+    }
   }
 }
 
@@ -289,6 +296,12 @@ class NcclEndpoint : public Transport {
   ~NcclEndpoint() override {
     DeviceGuard g(comm_->device.ordinal);
     if (self_ != nullptr) self_->ends[self_side_] = nullptr;
+    // Issued ops still pending (a peer that never answered): the
+    // communicator must be aborted, not destroyed.
+    for (size_t i = 0; i < unissued_ && i < ops_.size(); ++i) {
+      if (cudaEventQuery(ops_[i].done) == cudaErrorNotReady) comm_->broken = true;
+    }
+    cudaGetLastError();
     // Ops still in flight (only after a failure: a clean protocol ends with
     // none) keep their staging: freeing it would wait for them.
     for (NcclOp& op : ops_) {
@@ -324,6 +337,7 @@ class NcclEndpoint : public Transport {
     comm_->api->CommGetAsyncError(comm_->comm, &async);
     if (async != ncclSuccess && async != ncclInProgress) {
       broken_ = NcclStatus(comm_->api, async, "NCCL (asynchronous error)");
+      comm_->broken = true;
       return broken_;
     }
     while (!ops_.empty() && completed_ < op) {
@@ -334,6 +348,7 @@ class NcclEndpoint : public Transport {
       if (e != cudaSuccess) {
         cudaGetLastError();
         broken_ = internal::CudaStatus(e, "cudaEventQuery(NCCL op)");
+        comm_->broken = true;
         return broken_;
       }
       completed_ = front.id;
@@ -403,6 +418,7 @@ class NcclEndpoint : public Transport {
     absl::Status s = self_ == nullptr ? IssueOwn() : IssueSelf();
     if (!s.ok()) {
       broken_ = s;
+      comm_->broken = true;
       return s;
     }
     return op.id;

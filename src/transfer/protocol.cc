@@ -330,8 +330,7 @@ struct SequenceSender::Impl {
   absl::Status Exports() {
     for (Entry& e : entries) {
       if (e.state == TransferState::kQueued) {
-        if (e.cancel) continue;
-        if (free_slots.empty()) break;
+        if (e.cancel || free_slots.empty()) continue;
         e.slot = free_slots.back();
         free_slots.pop_back();
         absl::Status s = port->Export(e.seq, slot_ptr(e.slot), o.slot_bytes, o.cache_stream);
