@@ -64,7 +64,8 @@ class Transport {
   virtual absl::StatusOr<OpId> Recv(void* buf, int64_t bytes) = 0;
   // Control messages: the same, from and to host memory (the transport
   // stages them through device memory when it must); `host` must stay valid
-  // until the op completes.
+  // until the op completes, and on a CUDA transport be pinned
+  // (cudaMallocHost) so that the staging copies stay asynchronous.
   virtual absl::StatusOr<OpId> SendControl(const void* host, int64_t bytes) = 0;
   virtual absl::StatusOr<OpId> RecvControl(void* host, int64_t bytes) = 0;
   // Non-blocking: true once op `op` (and so every op posted before it) has
