@@ -17,8 +17,54 @@ constexpr int kCopyThreads = 256;
 constexpr int64_t kMaxCtas = 4096;
 constexpr int kRequantThreads = 256;
 
-// One CTA copies one (layer, region, page) unit at a time: 16-byte words
-// when both addresses and the size allow, else 4-byte words, else bytes.
+constexpr int kUnroll = 4;  // 16-byte words each thread has in flight
+
+// The usual case (every region's page size and base a multiple of 16
+// bytes): one CTA copies all four regions of one (layer, page) at a time, as
+// one run of 16-byte words with kUnroll loads in flight per thread before
+// the stores (scale pages alone are too small to keep a CTA busy).
+__global__ void __launch_bounds__(kCopyThreads) PageCopyVecKernel(const PageCopyParams p) {
+  __shared__ const uint4* src[4];
+  __shared__ uint4* dst[4];
+  const int64_t w1 = p.page_bytes[0] / 16, w2 = w1 + p.page_bytes[1] / 16,
+                w3 = w2 + p.page_bytes[2] / 16, words = w3 + p.page_bytes[3] / 16;
+  const int64_t units = p.num_pages * p.num_layers;
+  for (int64_t u = blockIdx.x; u < units; u += gridDim.x) {
+    const int64_t i = u % p.num_pages;
+    const int64_t l = u / p.num_pages;
+    if (threadIdx.x < 4) {
+      const int r = threadIdx.x;
+      const int64_t s = p.src_ids != nullptr ? p.src_ids[i] : i;
+      const int64_t d = p.dst_ids != nullptr ? p.dst_ids[i] : i;
+      src[r] = reinterpret_cast<const uint4*>(p.src + l * p.src_layer_stride + p.src_region[r] +
+                                              s * p.page_bytes[r]);
+      dst[r] = reinterpret_cast<uint4*>(p.dst + l * p.dst_layer_stride + p.dst_region[r] +
+                                        d * p.page_bytes[r]);
+    }
+    __syncthreads();
+    for (int64_t k0 = threadIdx.x; k0 < words; k0 += kUnroll * blockDim.x) {
+      uint4 v[kUnroll];
+      int r[kUnroll];
+      int64_t off[kUnroll];
+#pragma unroll
+      for (int j = 0; j < kUnroll; ++j) {
+        const int64_t k = k0 + j * static_cast<int64_t>(blockDim.x);
+        r[j] = (k >= w1) + (k >= w2) + (k >= w3);
+        off[j] = k - (r[j] == 0 ? 0 : r[j] == 1 ? w1 : r[j] == 2 ? w2 : w3);
+        if (k < words) v[j] = src[r[j]][off[j]];
+      }
+#pragma unroll
+      for (int j = 0; j < kUnroll; ++j) {
+        if (k0 + j * static_cast<int64_t>(blockDim.x) < words) dst[r[j]][off[j]] = v[j];
+      }
+    }
+    __syncthreads();  // before the next unit's pointers
+  }
+}
+
+// Any other sizes: one CTA copies one (layer, region, page) unit at a time:
+// 16-byte words when both addresses and the size allow, else 4-byte words,
+// else bytes.
 __global__ void __launch_bounds__(kCopyThreads) PageCopyKernel(const PageCopyParams p) {
   const int64_t units = p.num_pages * 4 * p.num_layers;
   for (int64_t u = blockIdx.x; u < units; u += gridDim.x) {
@@ -102,9 +148,22 @@ absl::Status LaunchAdoptScales(const AdoptScalesParams& p, Stream stream) {
 absl::Status LaunchPageCopy(const PageCopyParams& p, Stream stream) {
   const int64_t units = p.num_pages * 4 * p.num_layers;
   if (units <= 0) return absl::OkStatus();
-  const int64_t ctas = units < kMaxCtas ? units : kMaxCtas;
-  PageCopyKernel<<<static_cast<unsigned>(ctas), kCopyThreads, 0,
-                   reinterpret_cast<cudaStream_t>(stream)>>>(p);
+  const int64_t cap = p.max_ctas > 0 ? p.max_ctas : kMaxCtas;
+  bool vec = (reinterpret_cast<uintptr_t>(p.src) | reinterpret_cast<uintptr_t>(p.dst) |
+              static_cast<uintptr_t>(p.src_layer_stride) |
+              static_cast<uintptr_t>(p.dst_layer_stride)) % 16 == 0;
+  for (int r = 0; r < 4; ++r) {
+    vec = vec && (p.src_region[r] | p.dst_region[r] | p.page_bytes[r]) % 16 == 0;
+  }
+  const cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
+  if (vec) {
+    const int64_t pages = p.num_pages * p.num_layers;
+    const int64_t ctas = pages < cap ? pages : cap;
+    PageCopyVecKernel<<<static_cast<unsigned>(ctas), kCopyThreads, 0, s>>>(p);
+    return CudaStatus(cudaGetLastError(), "PageCopyVecKernel launch");
+  }
+  const int64_t ctas = units < cap ? units : cap;
+  PageCopyKernel<<<static_cast<unsigned>(ctas), kCopyThreads, 0, s>>>(p);
   return CudaStatus(cudaGetLastError(), "PageCopyKernel launch");
 }
 

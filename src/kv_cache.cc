@@ -39,6 +39,8 @@ constexpr int64_t kRegionAlign = 256;  // every pool region and step buffer
 constexpr int64_t kHostAlign = 256;    // as cudaMalloc: regions stay 256-byte aligned
 // Longest sequence of the default max_pages_per_seq (KVCacheOptions).
 constexpr int64_t kDefaultMaxSeqTokens = 32768;
+// CTAs of a page copy to or from host memory (PCIe-bound; see PageCopyParams).
+constexpr int kHostCopyCtas = 512;
 
 int64_t RoundUp(int64_t x, int64_t a) { return (x + a - 1) / a * a; }
 
@@ -306,6 +308,7 @@ class KVCacheState {
       (void)cudaStreamSynchronize(copy_stream);  // copies read the pools and the host tier
       for (cudaEvent_t e : swap_events) (void)cudaEventDestroy(e);
       if (copy_ready != nullptr) (void)cudaEventDestroy(copy_ready);
+      if (copy_drained != nullptr) (void)cudaEventDestroy(copy_drained);
       (void)cudaStreamDestroy(copy_stream);
     }
     if (upload_done != nullptr) {
@@ -572,6 +575,7 @@ class KVCacheState {
   std::vector<int32_t> host_free;    // stack of free host pages
   cudaStream_t copy_stream = nullptr;
   cudaEvent_t copy_ready = nullptr;  // recorded on the caller's stream, waited by the copy stream
+  cudaEvent_t copy_drained = nullptr;  // recorded on the copy stream, waited by the caller's
   std::vector<cudaEvent_t> swap_events;
   std::vector<int> free_events;
   std::vector<int> event_refs;  // sequences waiting on a SwapIn event
@@ -605,6 +609,7 @@ class KVCacheState {
     p.dst_ids = dst;
     p.num_pages = n;
     p.num_layers = options.num_layers;
+    p.max_ctas = kHostCopyCtas;
     return p;
   }
   PageCopyParams PoolToHost(const int32_t* pages, const int32_t* host, int64_t n) const {
@@ -720,6 +725,16 @@ class KVCacheState {
     if (q.swapin_event < 0) return;
     if (--event_refs[q.swapin_event] == 0) free_events.push_back(q.swapin_event);
     q.swapin_event = -1;
+  }
+
+  // Makes `stream` wait for everything enqueued on the copy stream so far
+  // (before a kernel that rewrites the whole pool: a re-encode).
+  absl::Status OrderAfterCopies(Stream stream) {
+    if (copy_stream == nullptr) return absl::OkStatus();
+    FP4KV_CUDA_RETURN_IF_ERROR(cudaEventRecord(copy_drained, copy_stream));
+    return CudaStatus(
+        cudaStreamWaitEvent(reinterpret_cast<cudaStream_t>(stream), copy_drained, 0),
+        "cudaStreamWaitEvent(copy stream)");
   }
 
   // Makes `stream` wait for the SwapIn copy that filled q's pages, if any.
@@ -1151,6 +1166,8 @@ absl::StatusOr<KVCache> KVCache::Create(const KVCacheOptions& o) {
           cudaStreamCreateWithFlags(&s->copy_stream, cudaStreamNonBlocking));
       FP4KV_CUDA_RETURN_IF_ERROR(
           cudaEventCreateWithFlags(&s->copy_ready, cudaEventDisableTiming));
+      FP4KV_CUDA_RETURN_IF_ERROR(
+          cudaEventCreateWithFlags(&s->copy_drained, cudaEventDisableTiming));
     }
     s->host_free.resize(static_cast<size_t>(host_pages));
     // Popped from the back: host pages are handed out in increasing order.
@@ -2248,6 +2265,10 @@ absl::Status KVCache::UpdateGlobalScalesRange(int first, int count, const float*
   } else {
     std::memcpy(s.d_scales + 4 * first, vals.data(), vals.size() * sizeof(float));
   }
+  if (std::find(reencode.begin(), reencode.end(), 1) != reencode.end()) {
+    // SwapIn copies still filling pages come first.
+    FP4KV_KV_RETURN_IF_ERROR(s.OrderAfterCopies(stream));
+  }
   for (int i = 0; i < count; ++i) {
     if (reencode[i]) FP4KV_KV_RETURN_IF_ERROR(s.Reencode(first + i, stream));
   }
@@ -2309,6 +2330,7 @@ absl::Status KVCache::CalibrateGlobalScales(int layer, const TensorView& k, cons
   s.known[layer] = 0;  // computed on the device
   FP4KV_KV_RETURN_IF_ERROR(calibrator.Run(k, nullptr, scales + 0, stream, scales + 2));
   FP4KV_KV_RETURN_IF_ERROR(calibrator.Run(v, nullptr, scales + 1, stream, scales + 3));
+  if (reencode) FP4KV_KV_RETURN_IF_ERROR(s.OrderAfterCopies(stream));
   if (reencode) FP4KV_KV_RETURN_IF_ERROR(s.Reencode(layer, stream));
   return s.MarkCalibrated(layer, 1, stream);
 }
@@ -2709,8 +2731,9 @@ absl::Status KVCache::ExportSequence(SequenceId seq, void* dst, int64_t dst_byte
       int32_t* ids = reinterpret_cast<int32_t*>(s.d_step + s.step_layout.xfer_ids);
       FP4KV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(ids, q->pages.data(), 4 * static_cast<size_t>(n),
                                                  cudaMemcpyHostToDevice, cs));
-      FP4KV_KV_RETURN_IF_ERROR(internal::LaunchPageCopy(
-          internal::PoolToImage(s, h, const_cast<uint8_t*>(dev), ids, n), stream));
+      internal::PageCopyParams p = internal::PoolToImage(s, h, const_cast<uint8_t*>(dev), ids, n);
+      if (kind == internal::MemKind::kPinned) p.max_ctas = internal::kHostCopyCtas;
+      FP4KV_KV_RETURN_IF_ERROR(internal::LaunchPageCopy(p, stream));
     }
   }
   s.bytes_exported += h.image_bytes;
@@ -3014,7 +3037,9 @@ absl::StatusOr<SequenceId> KVCache::CommitImport(ImportReservation reservation, 
       if (host_image && kind == internal::MemKind::kPageable) {
         run(internal::PageableCopy(s, h, const_cast<uint8_t*>(in), q.pages, false, cs));
       } else {
-        run(internal::LaunchPageCopy(internal::ImageToPool(s, h, dev, ids, n), stream));
+        internal::PageCopyParams p = internal::ImageToPool(s, h, dev, ids, n);
+        if (kind == internal::MemKind::kPinned) p.max_ctas = internal::kHostCopyCtas;
+        run(internal::LaunchPageCopy(p, stream));
       }
     }
     if (requantize && st.ok()) run(internal::LaunchRequantizePages(rp, stream));

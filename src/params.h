@@ -179,6 +179,10 @@ struct PageCopyParams {
   const int32_t* dst_ids = nullptr;
   int64_t num_pages = 0;  // list positions
   int num_layers = 0;
+  // CUDA: at most this many CTAs (0: the default); copies that cross PCIe
+  // need far fewer in flight than device copies and leave the SMs to
+  // concurrent kernels.
+  int max_ctas = 0;
 };
 
 // Requantizes the blocks of listed pages of a pool, per layer and side, from

@@ -140,6 +140,31 @@ absl::Status RecipesCalibrate(int64_t n, const fp4kv::Recipe& cache_recipe,
   // end snippet
 }
 
+// docs/kv_cache.md, "Export and import" (run on the CPU device below).
+absl::StatusOr<fp4kv::SequenceId> KvCacheExportImport(const fp4kv::KVCache& src,
+                                                      fp4kv::SequenceId seq,
+                                                      fp4kv::KVCache& dst_cache,
+                                                      fp4kv::Stream stream) {
+  // snippet: docs/kv_cache.md
+  // Source: the image into caller-owned memory (device, pinned or pageable host).
+  absl::StatusOr<int64_t> bytes = src.ExportedBytes(seq);
+  if (!bytes.ok()) return bytes.status();
+  std::vector<uint8_t> image(*bytes + 16);
+  void* dst = image.data() + (16 - reinterpret_cast<uintptr_t>(image.data()) % 16) % 16;
+  absl::Status exported = src.ExportSequence(seq, dst, *bytes, stream);
+  if (!exported.ok()) return exported;
+  // Target: reserve the pages first (the header is host-known), then fill them.
+  absl::StatusOr<fp4kv::SequenceImageHeader> header =
+      fp4kv::ParseSequenceImageHeader(dst, *bytes);
+  if (!header.ok()) return header.status();
+  absl::StatusOr<fp4kv::ImportReservation> reserved = dst_cache.ReserveImport(*header);
+  if (!reserved.ok()) return reserved.status();
+  absl::StatusOr<fp4kv::SequenceId> copy =
+      dst_cache.CommitImport(*std::move(reserved), dst, *bytes, {}, stream);
+  // end snippet
+  return copy;
+}
+
 }  // namespace fp4kv_doc_snippets
 
 namespace {
@@ -309,3 +334,17 @@ TEST(DocSnippets, RecipeNameAndCodeAreWhatTheDocSays) {
 }
 
 }  // namespace
+
+TEST(DocSnippets, KvCacheExportImportRunsOnTheCpu) {
+  absl::StatusOr<fp4kv::KVCache> src = fp4kv::KVCache::Create(SmallCpuOptions());
+  absl::StatusOr<fp4kv::KVCache> dst = fp4kv::KVCache::Create(SmallCpuOptions());
+  ASSERT_TRUE(src.ok() && dst.ok());
+  const fp4kv::SequenceId seq = src->CreateSequence();
+  ASSERT_TRUE(src->PrepareStep({{seq, 7}}).ok());
+  absl::StatusOr<fp4kv::SequenceId> copy =
+      fp4kv_doc_snippets::KvCacheExportImport(*src, seq, *dst, nullptr);
+  ASSERT_TRUE(copy.ok()) << copy.status();
+  EXPECT_EQ(*dst->SequenceLength(*copy), 7);
+  EXPECT_EQ(dst->Stats().bytes_imported, *src->ExportedBytes(seq));
+  EXPECT_TRUE(dst->CheckInvariants().ok());
+}

@@ -667,6 +667,54 @@ TEST_P(ExportTest, ReservationsCancelCommitOnceAndNeverLeak) {
   EXPECT_TRUE(dst.CheckInvariants().ok());
 }
 
+TEST_P(ExportTest, FailedExportsWriteNothingAndMovedFromCachesRefuse) {
+  const Config c{2, 2, 64, 64, 4, Layout::kNHD, Recipe()};
+  KVCache src = MakeCache(Options(c, device_));
+  Writer w(&src, stream_);
+  const SequenceId id = src.CreateSequence();
+  ASSERT_TRUE(w.Append(id, 6).ok());
+  Sync();
+  const int64_t bytes = *src.ExportedBytes(id);
+  std::vector<uint8_t> poison(static_cast<size_t>(bytes), testing::kPoison);
+  Image img(ImageMemory::kPageable, bytes);
+  std::memcpy(img.get(), poison.data(), poison.size());
+  EXPECT_EQ(src.ExportSequence(id, img.get(), bytes - 16, stream_).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(src.ExportSequence(id + 100, img.get(), bytes, stream_).code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_EQ(src.ExportSequence(id, static_cast<uint8_t*>(img.get()) + 8, bytes - 16, stream_)
+                .code(),
+            absl::StatusCode::kInvalidArgument);
+  Sync();
+  EXPECT_EQ(std::memcmp(img.get(), poison.data(), poison.size()), 0);
+  EXPECT_EQ(src.Stats().bytes_exported, 0);
+  // A moved-from cache refuses every new call.
+  KVCache moved = std::move(src);
+  const SequenceImageHeader h = *MakeSequenceImageHeader(moved.geometry(), 2, Recipe(), 6);
+  EXPECT_EQ(src.ExportedBytes(id).status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(src.ExportSequence(id, img.get(), bytes).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(src.ReserveImport(h).status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(src.CommitImport(ImportReservation(), img.get(), bytes).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(src.CancelImport(ImportReservation()).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(src.ImportSequence(img.get(), bytes).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(src.SwapOut(id).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(src.SwapIn(id).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(src.IsSwappedOut(id).status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(src.SynchronizeSwaps().code(), absl::StatusCode::kFailedPrecondition);
+  // The moved-to cache still exports, and its reservations survive the move.
+  absl::StatusOr<ImportReservation> r = moved.ReserveImport(h);
+  ASSERT_TRUE(r.ok()) << r.status();
+  KVCache moved_again = std::move(moved);
+  EXPECT_EQ(moved_again.Stats().pages_reserved, 2);
+  ASSERT_TRUE(moved_again.CancelImport(*std::move(r)).ok());
+  EXPECT_EQ(moved_again.Stats().pages_reserved, 0);
+  ASSERT_TRUE(moved_again.ExportSequence(id, img.get(), bytes, stream_).ok());
+  Sync();
+  EXPECT_TRUE(ParseSequenceImageHeader(img.get(), bytes).ok());
+}
+
 INSTANTIATE_TEST_SUITE_P(Cpu, ExportTest, ::testing::Values(false));
 INSTANTIATE_TEST_SUITE_P(Gpu, ExportTest, ::testing::Values(true));
 

@@ -109,7 +109,8 @@ struct StepViews {
 struct KVCacheStats {
   int64_t pages_total = 0;
   int64_t pages_free = 0;    // on the free list
-  int64_t pages_used = 0;    // referenced by a sequence: pages_total - pages_free - pages_cached
+  int64_t pages_used = 0;    // referenced by a sequence, an import reservation or an
+                             // unfinished SwapOut: pages_total - pages_free - pages_cached
   int64_t pages_shared = 0;  // used pages referenced by more than one sequence
   int64_t num_sequences = 0;
   int64_t tokens_stored = 0;    // sum of sequence lengths (shared prefixes counted per sequence)

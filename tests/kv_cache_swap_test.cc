@@ -1,0 +1,450 @@
+// KVCache's host tier: SwapOut / SwapIn round trips byte for byte, shared
+// pages staying valid for the other holders, swapped sequences refused by
+// steps and reads (FailedPrecondition naming them), all-or-nothing
+// allocation, scale changes refused while tokens are swapped out, Stats,
+// and a fuzz of swaps interleaved with steps, forks, truncations, releases
+// and export/import against a model of every sequence's tokens. Cases run
+// on the CPU device and, named Gpu/..., on a GPU (skipped without one).
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <map>
+#include <optional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "fp4kv/kv_cache.h"
+#include "gtest/gtest.h"
+#include "testing/kv_cache_harness.h"
+#include "testing/test_util.h"
+
+namespace fp4kv {
+namespace {
+
+using testing::DiffSnapshots;
+using testing::DownloadPools;
+using testing::TakeSnapshot;
+using testing::Token;
+using testing::TokenFactory;
+
+KVCacheOptions SwapOptions(Device device, int64_t pages, int64_t host_pages,
+                           Layout layout = Layout::kNHD, int page_size = 4) {
+  KVCacheOptions o;
+  o.num_layers = 2;
+  o.geometry.num_kv_heads = 2;
+  o.geometry.head_dim_k = 64;
+  o.geometry.head_dim_v = 32;
+  o.geometry.page_size = page_size;
+  o.geometry.layout = layout;
+  o.geometry.num_pages = pages;
+  o.device = device;
+  o.k_global_scales = {0.5f, 1.5f};
+  o.v_global_scales = {0.75f, 2.0f};
+  o.max_seqs_per_step = 6;
+  o.max_tokens_per_step = 48;
+  o.max_pages_per_seq = 16;
+  o.host_tier.host_pages = host_pages;
+  return o;
+}
+
+KVCache MakeCache(const KVCacheOptions& o) {
+  absl::StatusOr<KVCache> c = KVCache::Create(o);
+  if (!c.ok()) {
+    ADD_FAILURE() << c.status();
+    std::abort();
+  }
+  return *std::move(c);
+}
+
+class SwapTest : public ::testing::TestWithParam<bool> {  // true: the GPU
+ protected:
+  void SetUp() override {
+    if (GetParam()) {
+      FP4KV_SKIP_WITHOUT_GPU();
+      device_ = Device::Cuda(0);
+      ASSERT_EQ(cudaStreamCreate(&cs_), cudaSuccess);
+      stream_ = reinterpret_cast<Stream>(cs_);
+    }
+  }
+  void TearDown() override {
+    if (cs_ != nullptr) (void)cudaStreamDestroy(cs_);
+  }
+  void Sync() {
+    if (cs_ != nullptr) {
+      ASSERT_EQ(cudaStreamSynchronize(cs_), cudaSuccess);
+    }
+  }
+  Device device_ = Device::Cpu();
+  cudaStream_t cs_ = nullptr;
+  Stream stream_ = nullptr;
+};
+
+// Steps of fresh tokens through the bound appender, and the model of every
+// sequence's tokens.
+class Model {
+ public:
+  Model(KVCache* cache, Stream stream, uint64_t seed)
+      : cache_(cache), stream_(stream), factory_(*cache), next_(seed * 1000003 + 1) {
+    absl::StatusOr<CacheAppender> a = cache->appender();
+    EXPECT_TRUE(a.ok()) << a.status();
+    if (a.ok()) appender_.emplace(*a);
+  }
+  SequenceId Create() {
+    const SequenceId id = cache_->CreateSequence();
+    tokens_[id];
+    return id;
+  }
+  absl::Status Step(const std::vector<StepEntry>& entries) {
+    absl::StatusOr<StepInfo> info = cache_->PrepareStep(entries, stream_);
+    if (!info.ok()) return info.status();
+    std::vector<Token> toks;
+    for (const StepEntry& e : entries) {
+      for (int i = 0; i < e.num_new_tokens; ++i) {
+        toks.push_back(factory_.Make(next_++));
+        tokens_[e.seq].push_back(toks.back());
+      }
+    }
+    absl::Status s = testing::FillStepInputs(*cache_, toks, &inputs_, stream_);
+    if (s.ok()) s = testing::RunAppendAllLayers(*cache_, *appender_, &inputs_, stream_);
+    return s;
+  }
+  std::map<SequenceId, std::vector<Token>>& tokens() { return tokens_; }
+  // "" when every resident sequence holds its tokens' bytes.
+  std::string CheckResident() {
+    if (absl::Status s = cache_->SynchronizeSwaps(); !s.ok()) return std::string(s.message());
+    if (cache_->device().is_cuda() &&
+        cudaStreamSynchronize(reinterpret_cast<cudaStream_t>(stream_)) != cudaSuccess) {
+      return "sync failed";
+    }
+    const testing::PoolCopy pools = DownloadPools(*cache_);
+    for (const auto& [id, toks] : tokens_) {
+      absl::StatusOr<bool> sw = cache_->IsSwappedOut(id);
+      if (!sw.ok()) return std::string(sw.status().message());
+      if (*sw) continue;
+      std::string e = testing::CheckSequenceBytes(*cache_, pools, id, toks);
+      if (!e.empty()) return e;
+    }
+    return "";
+  }
+
+ private:
+  KVCache* cache_;
+  Stream stream_;
+  TokenFactory factory_;
+  std::optional<CacheAppender> appender_;
+  std::map<SequenceId, std::vector<Token>> tokens_;
+  testing::StepInputs inputs_;
+  uint64_t next_;
+};
+
+TEST_P(SwapTest, SwapOutInRoundTripIsByteExact) {
+  for (Layout layout : {Layout::kNHD, Layout::kHND}) {
+    for (int page_size : {1, 4, 5}) {
+      SCOPED_TRACE(::testing::Message() << LayoutName(layout) << " page " << page_size);
+      KVCache cache = MakeCache(SwapOptions(device_, 40, 40, layout, page_size));
+      Model m(&cache, stream_, 3);
+      const SequenceId a = m.Create();
+      const SequenceId b = m.Create();
+      ASSERT_TRUE(m.Step({{a, 13}, {b, 2 * page_size}}).ok()) << page_size;
+      const int64_t a_pages = (13 + page_size - 1) / page_size;
+      ASSERT_TRUE(cache.SwapOut(a, stream_).ok());
+      EXPECT_TRUE(*cache.IsSwappedOut(a));
+      // b keeps stepping while a is out (its copy may still be in flight).
+      ASSERT_TRUE(m.Step({{b, 3}}).ok());
+      ASSERT_TRUE(cache.SynchronizeSwaps().ok());
+      KVCacheStats st = cache.Stats();
+      EXPECT_EQ(st.sequences_swapped, 1);
+      EXPECT_EQ(st.host_pages_used, a_pages);
+      EXPECT_EQ(st.host_pages_total, 40);
+      EXPECT_EQ(st.swaps_in_flight, 0);
+      EXPECT_EQ(st.pages_used, (2 * page_size + 3 + page_size - 1) / page_size);
+      EXPECT_EQ(st.bytes_swapped_out, a_pages * cache.geometry().PageBytes() * 2);
+      EXPECT_TRUE(cache.CheckInvariants().ok()) << cache.CheckInvariants();
+      // Pages freed by the swap are reused by another sequence, overwritten.
+      const SequenceId c = m.Create();
+      ASSERT_TRUE(m.Step({{c, 13}}).ok());
+      ASSERT_TRUE(cache.SwapIn(a, stream_).ok());
+      EXPECT_FALSE(*cache.IsSwappedOut(a));
+      EXPECT_EQ(cache.Stats().host_pages_used, 0);
+      EXPECT_EQ(cache.Stats().bytes_swapped_in, a_pages * cache.geometry().PageBytes() * 2);
+      // a joins a step right away (its stream waits for the copy).
+      ASSERT_TRUE(m.Step({{a, 2}, {b, 1}, {c, 1}}).ok());
+      EXPECT_EQ(m.CheckResident(), "");
+      EXPECT_TRUE(cache.CheckInvariants().ok()) << cache.CheckInvariants();
+    }
+  }
+}
+
+TEST_P(SwapTest, SharedPagesStayValidForTheOtherSequence) {
+  KVCache cache = MakeCache(SwapOptions(device_, 24, 24));
+  Model m(&cache, stream_, 5);
+  const SequenceId parent = m.Create();
+  ASSERT_TRUE(m.Step({{parent, 10}}).ok());  // 2 full pages + a partial one
+  absl::StatusOr<SequenceId> child = cache.ForkSequence(parent);
+  ASSERT_TRUE(child.ok());
+  m.tokens()[*child] = m.tokens()[parent];
+  ASSERT_TRUE(cache.SwapOut(parent, stream_).ok());
+  // The child appends to the shared partial last page (copy on write while
+  // the swap may still read it) and stays intact.
+  ASSERT_TRUE(m.Step({{*child, 5}}).ok());
+  EXPECT_EQ(m.CheckResident(), "");
+  ASSERT_TRUE(cache.SynchronizeSwaps().ok());
+  EXPECT_TRUE(cache.CheckInvariants().ok()) << cache.CheckInvariants();
+  const std::vector<int32_t> child_pages(cache.SequencePages(*child)->begin(),
+                                         cache.SequencePages(*child)->end());
+  for (int32_t p : child_pages) EXPECT_EQ(*cache.PageRefCount(p), 1);
+  ASSERT_TRUE(cache.SwapIn(parent, stream_).ok());  // fresh pages: sharing is not restored
+  ASSERT_TRUE(m.Step({{parent, 1}, {*child, 1}}).ok());
+  EXPECT_EQ(m.CheckResident(), "");
+  EXPECT_TRUE(cache.CheckInvariants().ok()) << cache.CheckInvariants();
+  // A swap-out then swap-in before the copy is seen done keeps the pages.
+  ASSERT_TRUE(cache.SwapOut(*child, stream_).ok());
+  ASSERT_TRUE(cache.SwapIn(*child, stream_).ok());
+  ASSERT_TRUE(m.Step({{*child, 2}}).ok());
+  EXPECT_EQ(m.CheckResident(), "");
+  EXPECT_TRUE(cache.CheckInvariants().ok()) << cache.CheckInvariants();
+}
+
+TEST_P(SwapTest, SwappedSequencesAreRefusedAndFailuresChangeNothing) {
+  KVCache cache = MakeCache(SwapOptions(device_, 12, 4));
+  Model m(&cache, stream_, 7);
+  const SequenceId a = m.Create();
+  const SequenceId b = m.Create();
+  ASSERT_TRUE(m.Step({{a, 9}, {b, 20}}).ok());  // 3 and 5 pages
+  ASSERT_TRUE(cache.SwapOut(a, stream_).ok());
+  ASSERT_TRUE(cache.SynchronizeSwaps().ok());
+  const testing::Snapshot before = TakeSnapshot(cache);
+  const KVCacheStats st0 = cache.Stats();
+  auto expect_names = [&](const absl::Status& s, absl::StatusCode code) {
+    EXPECT_EQ(s.code(), code) << s;
+    if (code == absl::StatusCode::kFailedPrecondition) {
+      EXPECT_NE(s.message().find(std::to_string(a)), absl::string_view::npos) << s;
+    }
+  };
+  expect_names(cache.PrepareStep({{b, 1}, {a, 1}}, stream_).status(),
+               absl::StatusCode::kFailedPrecondition);
+  expect_names(cache.PlanStep({{a, 0}}).status(), absl::StatusCode::kFailedPrecondition);
+  expect_names(cache.ForkSequence(a).status(), absl::StatusCode::kFailedPrecondition);
+  expect_names(cache.Truncate(a, 1), absl::StatusCode::kFailedPrecondition);
+  expect_names(cache.SwapOut(a, stream_), absl::StatusCode::kFailedPrecondition);
+  expect_names(cache.ExportSequence(a, nullptr, 0), absl::StatusCode::kFailedPrecondition);
+  expect_names(cache.UpdateGlobalScales(0, 1.0f, 1.0f, stream_, StoredTokens::kReencode),
+               absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(cache.SwapIn(b, stream_).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(cache.SwapOut(999, stream_).code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(cache.SwapIn(999, stream_).code(), absl::StatusCode::kNotFound);
+  // b needs 5 host pages, 1 is free.
+  EXPECT_EQ(cache.SwapOut(b, stream_).code(), absl::StatusCode::kResourceExhausted);
+  // Fill the device pool so that a cannot come back (3 pages needed).
+  EXPECT_EQ(DiffSnapshots(before, TakeSnapshot(cache)), "");
+  const SequenceId c = m.Create();
+  ASSERT_TRUE(m.Step({{c, 4 * 4}}).ok());  // 4 pages: 12 - 5 - 4 = 3 free
+  const SequenceId d = m.Create();
+  ASSERT_TRUE(m.Step({{d, 1}}).ok());  // 2 free
+  const testing::Snapshot full = TakeSnapshot(cache);
+  EXPECT_EQ(cache.SwapIn(a, stream_).code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(DiffSnapshots(full, TakeSnapshot(cache)), "");
+  EXPECT_TRUE(*cache.IsSwappedOut(a));
+  ASSERT_TRUE(cache.ReleaseSequence(d).ok());
+  m.tokens().erase(d);
+  ASSERT_TRUE(cache.SwapIn(a, stream_).ok());
+  EXPECT_EQ(m.CheckResident(), "");
+  // Releasing a swapped-out sequence frees its host pages.
+  ASSERT_TRUE(cache.SwapOut(c, stream_).ok());
+  EXPECT_EQ(cache.Stats().host_pages_used, 4);
+  ASSERT_TRUE(cache.ReleaseSequence(c).ok());
+  m.tokens().erase(c);
+  EXPECT_EQ(cache.Stats().host_pages_used, 0);
+  ASSERT_TRUE(cache.SynchronizeSwaps().ok());
+  EXPECT_TRUE(cache.CheckInvariants().ok()) << cache.CheckInvariants();
+  EXPECT_EQ(st0.host_pages_used, 3);
+  // Without a host tier.
+  KVCache plain = MakeCache(SwapOptions(device_, 8, 0));
+  const SequenceId p = plain.CreateSequence();
+  EXPECT_EQ(plain.SwapOut(p, stream_).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(plain.Stats().host_pages_total, 0);
+}
+
+// Prefix caching: a swapped-out sequence's indexed pages stay cached (its
+// references dropped), are reused by a new sequence with the same prompt,
+// and the swapped sequence comes back intact (untracked).
+TEST_P(SwapTest, PrefixCachedPagesStayIndexedWhileTheirSequenceIsOut) {
+  KVCacheOptions o = SwapOptions(device_, 24, 24);
+  o.prefix_cache.enabled = true;
+  KVCache cache = MakeCache(o);
+  Model m(&cache, stream_, 9);
+  std::vector<int32_t> prompt(13);
+  for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = static_cast<int32_t>(3 * i + 1);
+  const SequenceId a = cache.CreateSequence();
+  m.tokens()[a];
+  {
+    StepEntry e{a, 13};
+    e.token_ids = prompt;
+    ASSERT_TRUE(m.Step({e}).ok());
+  }
+  EXPECT_EQ(cache.MatchPrefix(prompt).tokens, 12);
+  ASSERT_TRUE(cache.SwapOut(a, stream_).ok());
+  ASSERT_TRUE(cache.SynchronizeSwaps().ok());
+  KVCacheStats st = cache.Stats();
+  EXPECT_EQ(st.pages_cached, 3);  // the 3 full pages: indexed, held by nobody
+  EXPECT_TRUE(cache.CheckInvariants().ok()) << cache.CheckInvariants();
+  absl::StatusOr<PrefixSequence> b = cache.CreateSequenceFromPrefix(prompt);
+  ASSERT_TRUE(b.ok());
+  EXPECT_EQ(b->cached_tokens, 12);
+  m.tokens()[b->seq] =
+      std::vector<Token>(m.tokens()[a].begin(), m.tokens()[a].begin() + 12);
+  ASSERT_TRUE(cache.SwapIn(a, stream_).ok());
+  ASSERT_TRUE(m.Step({{a, 1}, {b->seq, 1}}).ok());
+  EXPECT_EQ(m.CheckResident(), "");
+  EXPECT_TRUE(cache.CheckInvariants().ok()) << cache.CheckInvariants();
+}
+
+TEST_P(SwapTest, HostTierOptionsAreValidated) {
+  KVCacheOptions o = SwapOptions(device_, 8, 0);
+  o.host_tier.host_pages = -1;
+  EXPECT_EQ(KVCache::Create(o).status().code(), absl::StatusCode::kInvalidArgument);
+  o.host_tier.host_pages = 2;
+  o.host_tier.host_bytes = 1 << 20;
+  EXPECT_EQ(KVCache::Create(o).status().code(), absl::StatusCode::kInvalidArgument);
+  o.host_tier.host_pages = 0;
+  o.host_tier.host_bytes = 10;
+  EXPECT_EQ(KVCache::Create(o).status().code(), absl::StatusCode::kInvalidArgument);
+  o.host_tier.host_bytes = 5 * 2 * o.geometry.PageBytes() + 4096;  // 5 pages and change
+  absl::StatusOr<KVCache> c = KVCache::Create(o);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_GE(c->Stats().host_pages_total, 4);
+  EXPECT_LE(c->Stats().host_bytes, o.host_tier.host_bytes);
+}
+
+// Random swap-outs, swap-ins, steps, forks, truncations, releases and
+// export/import round trips; after every operation the invariants hold and
+// every resident sequence holds its tokens' bytes.
+TEST_P(SwapTest, FuzzSwapsInterleavedWithSteps) {
+  for (uint64_t seed : {11u, 12u, 13u}) {
+    SCOPED_TRACE(seed);
+    KVCache cache = MakeCache(SwapOptions(device_, 30, 20, seed % 2 ? Layout::kHND : Layout::kNHD,
+                                          seed % 3 == 0 ? 5 : 4));
+    Model m(&cache, stream_, seed);
+    std::mt19937_64 rng(seed);
+    auto pick = [&](bool swapped) -> SequenceId {
+      std::vector<SequenceId> ids;
+      for (const auto& [id, t] : m.tokens()) {
+        if (*cache.IsSwappedOut(id) == swapped) ids.push_back(id);
+      }
+      return ids.empty() ? 0 : ids[rng() % ids.size()];
+    };
+    int swaps = 0, swap_ins = 0, steps = 0, refused = 0, exports = 0;
+    for (int op = 0; op < 600; ++op) {
+      const int r = static_cast<int>(rng() % 100);
+      if (r < 35) {
+        std::vector<StepEntry> entries;
+        for (const auto& [id, t] : m.tokens()) {
+          const int64_t room = 16 * cache.geometry().page_size - static_cast<int64_t>(t.size());
+          if (!*cache.IsSwappedOut(id) && entries.size() < 4 && rng() % 2) {
+            entries.push_back({id, static_cast<int32_t>(std::min<int64_t>(rng() % 6, room))});
+          }
+        }
+        const absl::Status s = m.Step(entries);
+        if (s.ok()) {
+          ++steps;
+        } else {
+          ASSERT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+          ++refused;
+        }
+      } else if (r < 45) {
+        if (m.tokens().size() < 8) m.Create();
+      } else if (r < 60) {
+        const SequenceId id = pick(false);
+        if (id == 0) continue;
+        const absl::Status s = cache.SwapOut(id, stream_);
+        if (s.ok()) {
+          ++swaps;
+        } else {
+          ASSERT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+        }
+      } else if (r < 72) {
+        const SequenceId id = pick(true);
+        if (id == 0) continue;
+        const absl::Status s = cache.SwapIn(id, stream_);
+        if (s.ok()) {
+          ++swap_ins;
+        } else {
+          ASSERT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+        }
+      } else if (r < 78) {
+        const SequenceId id = pick(false);
+        if (id == 0) continue;
+        absl::StatusOr<SequenceId> c = cache.ForkSequence(id);
+        ASSERT_TRUE(c.ok());
+        m.tokens()[*c] = m.tokens()[id];
+      } else if (r < 84) {
+        const SequenceId id = pick(false);
+        if (id == 0) continue;
+        const int64_t len = static_cast<int64_t>(m.tokens()[id].size());
+        const int64_t n = len == 0 ? 0 : static_cast<int64_t>(rng() % (len + 1));
+        ASSERT_TRUE(cache.Truncate(id, n).ok());
+        m.tokens()[id].resize(n);
+      } else if (r < 93) {
+        const SequenceId id = pick(rng() % 2 == 0);
+        if (id == 0) continue;
+        ASSERT_TRUE(cache.ReleaseSequence(id).ok());
+        m.tokens().erase(id);
+      } else {
+        // Export a resident sequence and import it back as a new one.
+        const SequenceId id = pick(false);
+        if (id == 0) continue;
+        const int64_t bytes = *cache.ExportedBytes(id);
+        std::vector<uint64_t> host(static_cast<size_t>(bytes / 8 + 2));
+        ASSERT_TRUE(cache.ExportSequence(id, host.data(), bytes, stream_).ok());
+        absl::StatusOr<SequenceId> got = cache.ImportSequence(host.data(), bytes, {}, stream_);
+        if (got.ok()) {
+          m.tokens()[*got] = m.tokens()[id];
+          ++exports;
+        } else {
+          ASSERT_EQ(got.status().code(), absl::StatusCode::kResourceExhausted) << got.status();
+        }
+      }
+      ASSERT_TRUE(cache.CheckInvariants().ok()) << "op " << op << ": " << cache.CheckInvariants();
+      ASSERT_EQ(m.CheckResident(), "") << "op " << op;
+      const KVCacheStats st = cache.Stats();
+      ASSERT_EQ(st.num_sequences, static_cast<int64_t>(m.tokens().size()));
+      int64_t swapped = 0;
+      for (const auto& [id, t] : m.tokens()) {
+        swapped += *cache.IsSwappedOut(id) ? 1 : 0;
+        ASSERT_EQ(*cache.SequenceLength(id), static_cast<int64_t>(t.size()));
+      }
+      ASSERT_EQ(st.sequences_swapped, swapped);
+    }
+    // Everything back in and checked, then released: both pools whole.
+    ASSERT_TRUE(cache.SynchronizeSwaps().ok());
+    for (auto& [id, t] : m.tokens()) {
+      if (*cache.IsSwappedOut(id)) {
+        const absl::Status s = cache.SwapIn(id, stream_);
+        if (!s.ok()) {
+          ASSERT_EQ(s.code(), absl::StatusCode::kResourceExhausted);
+        }
+      }
+    }
+    EXPECT_EQ(m.CheckResident(), "");
+    for (auto it = m.tokens().begin(); it != m.tokens().end();) {
+      ASSERT_TRUE(cache.ReleaseSequence(it->first).ok());
+      it = m.tokens().erase(it);
+    }
+    ASSERT_TRUE(cache.SynchronizeSwaps().ok());
+    const KVCacheStats st = cache.Stats();
+    EXPECT_EQ(st.pages_free, st.pages_total);
+    EXPECT_EQ(st.host_pages_free, st.host_pages_total);
+    EXPECT_GT(swaps, 10);
+    EXPECT_GT(swap_ins, 5);
+    EXPECT_GT(steps, 30);
+    EXPECT_GT(exports, 1);
+    (void)refused;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Cpu, SwapTest, ::testing::Values(false));
+INSTANTIATE_TEST_SUITE_P(Gpu, SwapTest, ::testing::Values(true));
+
+}  // namespace
+}  // namespace fp4kv
