@@ -93,7 +93,7 @@ TEST(TransferFrameTest, SealedFramesCheckAndDamagedOnesAreDataLoss) {
   const int64_t n = static_cast<int64_t>(f.size());
   EXPECT_TRUE(internal::CheckFrame(f.data(), n, internal::FrameKind::kOffer, 5, 3).ok());
   // Wrong expectations.
-  EXPECT_EQ(internal::CheckFrame(f.data(), n, internal::FrameKind::kAck, 5, 3).code(),
+  EXPECT_EQ(internal::CheckFrame(f.data(), n, internal::FrameKind::kReply, 5, 3).code(),
             absl::StatusCode::kDataLoss);
   EXPECT_EQ(internal::CheckFrame(f.data(), n, internal::FrameKind::kOffer, 6, 3).code(),
             absl::StatusCode::kDataLoss);
@@ -113,7 +113,7 @@ TEST(TransferFrameTest, SealedFramesCheckAndDamagedOnesAreDataLoss) {
   }
   // Another version.
   std::vector<unsigned char> g = f;
-  reinterpret_cast<internal::FrameHead*>(g.data())->version = 2;
+  reinterpret_cast<internal::FrameHead*>(g.data())->version = internal::kFrameVersion + 1;
   internal::SealFrame(g.data(), g.size());
   absl::Status s = internal::CheckFrame(g.data(), n, internal::FrameKind::kOffer, 5, 3);
   EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss);

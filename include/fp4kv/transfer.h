@@ -189,15 +189,26 @@ struct TransferOptions {
   // the cache's device memory; nothing is allocated per transfer.
   int64_t slot_bytes = 0;
   // Sequences in flight: the sender's exported-and-unconfirmed images, the
-  // receiver's images being received. Also the most transfers one round of
-  // the protocol carries. Both sides must use the same value.
+  // receiver's images being received. Also the most transfers one step of
+  // the protocol offers. Both sides must use the same value. A transfer
+  // holds a slot for about pipeline_depth + 2 steps, so the link stays busy
+  // when num_slots / (pipeline_depth + 2) images keep it busy for longer
+  // than a control message's round trip.
   int num_slots = 4;
+  // Steps of the protocol in flight (1 .. 4; docs/transfer.md, "Pipeline"):
+  // the payload of the transfers answered READY in step r moves in step
+  // r + pipeline_depth, behind step r + pipeline_depth's offer, so with 2 or
+  // more neither side's host decisions sit between two payloads on the
+  // link. 1 has the lowest latency for a lone sequence. Both sides must use
+  // the same value.
+  int pipeline_depth = 2;
   // Where the cache's own work goes (ExportSequence, CommitImport): the
   // stream the server appends and decodes on. The transport's stream only
   // moves bytes; the two are ordered by host-observed events.
   Stream cache_stream = nullptr;
-  // A round that waits longer than this for the peer fails as a whole (both
-  // caches unchanged) and breaks the link. <= 0: wait forever.
+  // A side that has steps in flight and hears nothing from the peer for
+  // longer than this fails every unfinished transfer (both caches
+  // unchanged) and breaks the link. <= 0: wait forever.
   int64_t timeout_ms = 60000;
   // Sender: release the sequence once the receiver confirmed it.
   bool release_on_confirm = false;
@@ -206,7 +217,7 @@ struct TransferOptions {
 enum class TransferState {
   kQueued,     // sender: waiting for a slot
   kExporting,  // sender: export enqueued, header not yet on the host
-  kReady,      // sender: exported, waiting for the next round
+  kReady,      // sender: exported, waiting for the next step's offer
   kOffered,    // offered, no answer yet (receiver: reserved or refusing)
   kMoving,     // READY: the payload is moving
   kConfirmed,  // committed on the receiver; final

@@ -1,31 +1,35 @@
 // The transfer protocol: SequenceSender and SequenceReceiver state machines
-// (docs/transfer.md). Both sides post mirrored operation sequences:
+// (docs/transfer.md). Both sides post mirrored operation sequences, a
+// pipeline of steps k = 0, 1, ... with D = pipeline_depth:
 //
 //   sender                        receiver
 //   SendControl(hello)            RecvControl(hello)
 //   RecvControl(hello)            SendControl(hello)
-//   per round r:
-//   SendControl(offer r)          RecvControl(offer r)      (bye ends the link)
-//   RecvControl(reply r)          SendControl(reply r)
-//   if any READY:
-//   SendControl(plan r)           RecvControl(plan r)
-//   Send(image) per planned       Recv(image) per planned
-//   RecvControl(ack r)            SendControl(ack r)
+//   step k:
+//   SendControl(offer k)          RecvControl(offer k)      (bye ends the link)
+//   Send(image) per READY of      Recv(image) per READY of
+//     reply k - D                   reply k - D
+//   RecvControl(reply k)          SendControl(reply k)
 //
-// Which operations come next depends only on frames both sides have (the
-// reply's READY set, the plan's send set), so the k-th operations always
-// match.
+// Offer k carries new offers and the plan (send / skip) of the payloads
+// that follow it; reply k answers offer k's offers and acks the payloads
+// committed so far. The sender posts step k once it has reply k - D, so up
+// to D steps are in flight. Which operations come next depends only on
+// frames both sides hold (reply k - D's READY set), so the k-th operations
+// always match.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <deque>
+#include <map>
 #include <thread>
 #include <utility>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "fp4kv/transfer.h"
 #include "src/cuda_util.h"
@@ -42,10 +46,22 @@
 namespace fp4kv {
 namespace internal {
 
+namespace {
+// XXH3-64 of the head with the checksum field zero seeds the XXH3-64 of the
+// rest: no copy of the frame.
+uint64_t FrameChecksum(const void* frame, int64_t bytes) {
+  FrameHead h;
+  std::memcpy(&h, frame, sizeof(h));
+  h.checksum = 0;
+  const uint64_t seed = XXH3_64bits(&h, sizeof(h));
+  return XXH3_64bits_withSeed(static_cast<const unsigned char*>(frame) + sizeof(h),
+                              static_cast<size_t>(bytes) - sizeof(h), seed);
+}
+}  // namespace
+
 void SealFrame(void* frame, int64_t bytes) {
   auto* head = static_cast<FrameHead*>(frame);
-  head->checksum = 0;
-  head->checksum = XXH3_64bits(frame, static_cast<size_t>(bytes));
+  head->checksum = FrameChecksum(frame, bytes);
 }
 
 absl::Status CheckFrame(const void* frame, int64_t bytes, FrameKind kind, uint64_t round,
@@ -67,12 +83,7 @@ absl::Status CheckFrame(const void* frame, int64_t bytes, FrameKind kind, uint64
     return absl::DataLossError(absl::StrCat("transfer frame: expected ", bytes,
                                             " bytes, the frame says ", head.frame_bytes));
   }
-  // Checksum over the frame with the checksum field zero.
-  std::vector<unsigned char> copy(static_cast<const unsigned char*>(frame),
-                                  static_cast<const unsigned char*>(frame) + bytes);
-  reinterpret_cast<FrameHead*>(copy.data())->checksum = 0;
-  const uint64_t sum = XXH3_64bits(copy.data(), copy.size());
-  if (sum != head.checksum) {
+  if (FrameChecksum(frame, bytes) != head.checksum) {
     return absl::DataLossError("transfer frame: checksum mismatch (corrupted or truncated)");
   }
   if (head.kind != static_cast<uint16_t>(kind)) {
@@ -83,7 +94,7 @@ absl::Status CheckFrame(const void* frame, int64_t bytes, FrameKind kind, uint64
     return absl::DataLossError(
         absl::StrCat("transfer frame: expected round ", round, ", got ", head.round));
   }
-  if (head.count > static_cast<uint32_t>(max_count)) {
+  if (head.count > max_count) {
     return absl::DataLossError(absl::StrCat("transfer frame: expected at most ", max_count,
                                             " entries, got ", head.count));
   }
@@ -125,6 +136,10 @@ absl::Status CheckOptions(const TransferOptions& o, const Transport* t,
   if (o.num_slots < 1 || o.num_slots > 256) {
     return absl::InvalidArgumentError(
         absl::StrCat("options.num_slots: expected 1 .. 256, got ", o.num_slots));
+  }
+  if (o.pipeline_depth < 1 || o.pipeline_depth > 4) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("options.pipeline_depth: expected 1 .. 4, got ", o.pipeline_depth));
   }
   if (t->device() != port->device()) {
     return absl::InvalidArgumentError(absl::StrCat("transport: expected the cache's device ",
@@ -234,56 +249,66 @@ struct SequenceSender::Impl {
     int64_t image_bytes = 0;
     int64_t length = 0;
     bool cancel = false;
+    bool skip = false;      // READY but cancelled before the reply was seen
+    int64_t ack_step = -1;  // payload sent: the reply that acks it at the latest
   };
-  enum class Phase { kHello, kIdle, kAwaitReply, kAwaitAck, kBroken };
+  enum class Phase { kHello, kRun, kBroken };
 
   std::unique_ptr<internal::TransferCachePort> port;
   Transport* t = nullptr;
   TransferOptions o;
   internal::Buffers buf;
   int64_t hdr = 0;          // header bytes
-  int64_t frame_bytes = 0;  // offer/reply/plan/ack frames
-  unsigned char* out = nullptr;      // outgoing frame (host)
-  unsigned char* in = nullptr;       // incoming frame (host)
+  int64_t frame_bytes = 0;  // offer / reply / bye frames
+  int depth = 1;
+  int ring = 2;             // depth + 1 frames each way
+  std::vector<unsigned char*> out_frames, in_frames;  // [step % ring] (host)
   unsigned char* hello_in = nullptr;
   unsigned char* hello_out = nullptr;
-  unsigned char* headers = nullptr;  // num_slots image headers (host)
+  unsigned char* headers = nullptr;  // num_slots image headers (host), by slot
   std::vector<int> free_slots;
-  std::deque<Entry> entries;  // not final, in id order
+  std::map<TransferId, Entry> entries;  // not final, by id (= send order)
+  absl::flat_hash_set<SequenceId> sending;
+  std::deque<TransferId> queued, exporting, ready;  // by state, in id order
+  int64_t pending_cancels = 0;  // queued / exporting / ready ones with cancel set
   std::vector<TransferResult> results;
   TransferId next_id = 1;
-  uint64_t round = 0;
   Phase phase = Phase::kHello;
-  Transport::OpId wait_op = 0;
-  int64_t deadline = 0;
-  std::vector<TransferId> round_ids;  // offered this round, in order
-  std::vector<TransferId> plan_ids;   // READY this round, in order
+  Transport::OpId hello_op = 0;
+  int64_t next_step = 0;   // the next step to post
+  int64_t next_reply = 0;  // the oldest posted step whose reply is not processed
+  std::vector<Transport::OpId> reply_ops;         // [step % ring]
+  std::vector<std::vector<TransferId>> offered;   // [step % ring]: offered in that step
+  std::map<int64_t, std::vector<TransferId>> ready_at;  // reply step -> READY ids (payload pending)
+  std::deque<TransferId> unacked;  // payload sent, in send order
+  int64_t last_heard = 0;          // ms: the last reply (timeouts)
   absl::Status broken;
 
   unsigned char* slot_ptr(int s) const {
-    return static_cast<unsigned char*>(buf.slots_) + static_cast<int64_t>(s) * internal::SlotStride(o.slot_bytes);
+    return static_cast<unsigned char*>(buf.slots_) +
+           static_cast<int64_t>(s) * internal::SlotStride(o.slot_bytes);
   }
   Entry* Find(TransferId id) {
-    for (Entry& e : entries) {
-      if (e.id == id) return &e;
-    }
-    return nullptr;
+    auto it = entries.find(id);
+    return it == entries.end() ? nullptr : &it->second;
   }
-  void Arm() { deadline = o.timeout_ms > 0 ? internal::NowMs() + o.timeout_ms : 0; }
-  bool Expired() const { return deadline != 0 && internal::NowMs() > deadline; }
+  bool Expired() const {
+    return o.timeout_ms > 0 && internal::NowMs() - last_heard > o.timeout_ms;
+  }
+  bool Idle() const { return entries.empty() && next_reply == next_step; }
 
   void Finish(TransferId id, TransferState state, absl::Status status) {
-    for (auto it = entries.begin(); it != entries.end(); ++it) {
-      if (it->id != id) continue;
-      if (state == TransferState::kConfirmed && o.release_on_confirm) {
-        absl::Status r = port->Release(it->seq);
-        if (!r.ok()) status = r;  // confirmed all the same: the receiver has it
-      }
-      if (it->slot >= 0) free_slots.push_back(it->slot);
-      results.push_back({it->id, it->seq, state, std::move(status), it->image_bytes, it->length});
-      entries.erase(it);
-      return;
+    auto it = entries.find(id);
+    if (it == entries.end()) return;
+    Entry& e = it->second;
+    if (state == TransferState::kConfirmed && o.release_on_confirm) {
+      absl::Status r = port->Release(e.seq);
+      if (!r.ok()) status = r;  // confirmed all the same: the receiver has it
     }
+    if (e.slot >= 0) free_slots.push_back(e.slot);
+    results.push_back({e.id, e.seq, state, std::move(status), e.image_bytes, e.length});
+    sending.erase(e.seq);
+    entries.erase(it);
   }
 
   absl::Status Break(absl::Status why) {
@@ -291,23 +316,19 @@ struct SequenceSender::Impl {
     phase = Phase::kBroken;
     broken = why;
     std::vector<TransferId> ids;
-    for (const Entry& e : entries) ids.push_back(e.id);
+    for (const auto& [id, e] : entries) ids.push_back(id);
     for (TransferId id : ids) {
       Finish(id, TransferState::kFailed,
              absl::Status(why.code(), absl::StrCat("transfer ", id, ": link broke (the sender "
                                                    "keeps the sequence): ", why.message())));
     }
+    queued.clear();
+    exporting.clear();
+    ready.clear();
+    ready_at.clear();
+    unacked.clear();
+    pending_cancels = 0;
     return why;
-  }
-
-  absl::StatusOr<bool> PollOp() {
-    absl::StatusOr<bool> done = t->Poll(wait_op);
-    if (!done.ok()) return done.status();
-    if (!*done && Expired()) {
-      return absl::DeadlineExceededError(absl::StrCat(
-          "transfer: the peer did not answer within ", o.timeout_ms, " ms (round ", round, ")"));
-    }
-    return *done;
   }
 
   absl::Status StartHello() {
@@ -316,247 +337,278 @@ struct SequenceSender::Impl {
     h.frame_bytes = sizeof(h);
     h.arg0 = o.slot_bytes;
     h.arg1 = o.num_slots;
+    h.flags = static_cast<uint16_t>(depth);
     std::memcpy(hello_out, &h, sizeof(h));
     internal::SealFrame(hello_out, sizeof(h));
     absl::StatusOr<Transport::OpId> s = t->SendControl(hello_out, sizeof(h));
     if (!s.ok()) return s.status();
     absl::StatusOr<Transport::OpId> r = t->RecvControl(hello_in, sizeof(h));
     if (!r.ok()) return r.status();
-    wait_op = *r;
-    Arm();
+    hello_op = *r;
+    last_heard = internal::NowMs();
     return absl::OkStatus();
   }
 
-  absl::Status Exports() {
-    for (Entry& e : entries) {
-      if (e.state == TransferState::kQueued) {
-        if (e.cancel || free_slots.empty()) continue;
-        e.slot = free_slots.back();
-        free_slots.pop_back();
-        absl::Status s = port->Export(e.seq, slot_ptr(e.slot), o.slot_bytes, o.cache_stream);
-        if (s.ok() && port->device().is_cuda()) {
-          s = internal::CudaStatus(
-              cudaMemcpyAsync(headers + e.slot * hdr, slot_ptr(e.slot), hdr,
-                              cudaMemcpyDeviceToHost, o.cache_stream),
-              "cudaMemcpyAsync(image header)");
-          if (s.ok()) {
-            s = internal::CudaStatus(cudaEventRecord(buf.events_[e.slot], o.cache_stream),
-                                     "cudaEventRecord");
+  absl::Status CheckHello() {
+    absl::Status s = internal::CheckFrame(hello_in, sizeof(internal::FrameHead),
+                                          internal::FrameKind::kHello, 0, 0);
+    const auto* h = reinterpret_cast<const internal::FrameHead*>(hello_in);
+    if (s.ok() && (h->arg0 != o.slot_bytes || h->arg1 != o.num_slots || h->flags != depth)) {
+      s = absl::FailedPreconditionError(absl::StrCat(
+          "transfer hello: the receiver has slot_bytes ", h->arg0, " num_slots ", h->arg1,
+          " pipeline_depth ", h->flags, ", the sender ", o.slot_bytes, ", ", o.num_slots, " and ",
+          depth, " (they must match)"));
+    }
+    return s;
+  }
+
+  // Cancelled transfers that hold no offer end here; queued ones take free
+  // slots and are exported; finished exports (the cache stream is in order:
+  // only the oldest is queried) become ready.
+  absl::Status Exports(bool* changed) {
+    if (pending_cancels > 0) {
+      for (std::deque<TransferId>* q : {&queued, &ready}) {
+        for (auto it = q->begin(); it != q->end();) {
+          Entry* e = Find(*it);
+          if (e != nullptr && e->cancel) {
+            const TransferId id = *it;
+            it = q->erase(it);
+            --pending_cancels;
+            Finish(id, TransferState::kCancelled,
+                   absl::CancelledError(absl::StrCat("transfer ", id, ": cancelled by the sender")));
+            *changed = true;
+          } else {
+            ++it;
           }
-        } else if (s.ok()) {
-          std::memcpy(headers + e.slot * hdr, slot_ptr(e.slot), hdr);
         }
-        if (!s.ok()) {
-          e.cancel = true;  // finished below, outside the loop
-          e.state = TransferState::kFailed;
-          results.push_back({e.id, e.seq, TransferState::kFailed, s, e.image_bytes, e.length});
-          continue;
-        }
-        e.state = TransferState::kExporting;
-      }
-      if (e.state == TransferState::kExporting) {
-        absl::StatusOr<bool> done = internal::EventDone(
-            port->device().is_cuda() ? buf.events_[e.slot] : nullptr);
-        if (!done.ok()) return done.status();
-        if (*done) e.state = TransferState::kReady;
       }
     }
-    // Drop the entries whose export failed (already reported).
-    for (auto it = entries.begin(); it != entries.end();) {
-      if (it->state == TransferState::kFailed) {
-        if (it->slot >= 0) free_slots.push_back(it->slot);
-        it = entries.erase(it);
-      } else {
-        ++it;
+    while (!queued.empty() && !free_slots.empty()) {
+      Entry& e = *Find(queued.front());
+      queued.pop_front();
+      e.slot = free_slots.back();
+      free_slots.pop_back();
+      absl::Status s = port->Export(e.seq, slot_ptr(e.slot), o.slot_bytes, o.cache_stream);
+      if (s.ok() && port->device().is_cuda()) {
+        s = internal::CudaStatus(cudaMemcpyAsync(headers + e.slot * hdr, slot_ptr(e.slot), hdr,
+                                                 cudaMemcpyDeviceToHost, o.cache_stream),
+                                 "cudaMemcpyAsync(image header)");
+        if (s.ok()) {
+          s = internal::CudaStatus(cudaEventRecord(buf.events_[e.slot], o.cache_stream),
+                                   "cudaEventRecord");
+        }
+      } else if (s.ok()) {
+        std::memcpy(headers + e.slot * hdr, slot_ptr(e.slot), hdr);
       }
+      *changed = true;
+      if (!s.ok()) {
+        if (e.cancel) --pending_cancels;
+        Finish(e.id, TransferState::kFailed, s);
+        continue;
+      }
+      e.state = TransferState::kExporting;
+      exporting.push_back(e.id);
+    }
+    while (!exporting.empty()) {
+      Entry& e = *Find(exporting.front());
+      absl::StatusOr<bool> done =
+          internal::EventDone(port->device().is_cuda() ? buf.events_[e.slot] : nullptr);
+      if (!done.ok()) return done.status();
+      if (!*done) break;
+      exporting.pop_front();
+      e.state = TransferState::kReady;
+      ready.push_back(e.id);
+      *changed = true;
     }
     return absl::OkStatus();
   }
 
-  absl::Status StartRound() {
-    round_ids.clear();
+  // Whether step k is worth posting: something to offer, a payload to
+  // send, or an ack that only a later step can bring.
+  bool HaveWork(int64_t k) const {
+    if (!ready.empty()) return true;
+    for (const auto& [step, ids] : ready_at) {
+      if (!ids.empty()) return true;
+    }
+    return !unacked.empty() && entries.at(unacked.back()).ack_step >= k;
+  }
+
+  absl::Status PostStep() {
+    const int64_t k = next_step;
+    unsigned char* out = out_frames[k % ring];
     std::memset(out, 0, frame_bytes);
     auto* head = reinterpret_cast<internal::FrameHead*>(out);
     *head = internal::FrameHead();
     head->kind = static_cast<uint16_t>(internal::FrameKind::kOffer);
     head->frame_bytes = static_cast<uint32_t>(frame_bytes);
-    head->round = round;
+    head->round = static_cast<uint64_t>(k);
     head->arg1 = hdr;
+    // The plan: every READY of reply k - D, in order.
+    std::vector<TransferId> plan;
+    if (auto it = ready_at.find(k - depth); it != ready_at.end()) {
+      plan = std::move(it->second);
+      ready_at.erase(it);
+    }
     unsigned char* p = out + sizeof(internal::FrameHead);
-    for (Entry& e : entries) {
-      if (static_cast<int>(round_ids.size()) == o.num_slots) break;
-      if (e.state != TransferState::kReady) continue;
+    for (TransferId id : plan) {
+      const Entry& e = entries.at(id);
+      internal::FrameEntry fe;
+      fe.id = id;
+      fe.image_bytes = e.image_bytes;
+      fe.length = e.length;
+      fe.code = e.skip ? internal::kCodeSkip : internal::kCodeSend;
+      std::memcpy(p, &fe, sizeof(fe));
+      p += sizeof(fe);
+    }
+    // New offers: everything exported (at most num_slots: each holds a slot).
+    std::vector<TransferId>& offers = offered[k % ring];
+    offers.clear();
+    unsigned char* h = out + internal::FrameHeadersOffset(o.num_slots);
+    while (!ready.empty()) {
+      Entry& e = entries.at(ready.front());
+      ready.pop_front();
       internal::FrameEntry fe;
       fe.id = e.id;
       fe.image_bytes = e.image_bytes;
       fe.length = e.length;
+      fe.code = internal::kCodeOffer;
       std::memcpy(p, &fe, sizeof(fe));
-      std::memcpy(p + sizeof(fe), headers + e.slot * hdr, hdr);
-      p += sizeof(fe) + hdr;
+      p += sizeof(fe);
+      std::memcpy(h, headers + e.slot * hdr, hdr);
+      h += hdr;
       e.state = TransferState::kOffered;
-      round_ids.push_back(e.id);
+      offers.push_back(e.id);
     }
-    if (round_ids.empty()) return absl::OkStatus();
-    head->count = static_cast<uint32_t>(round_ids.size());
+    const bool late = offers.empty() && queued.empty() && exporting.empty();
+    head->count = static_cast<uint16_t>(plan.size() + offers.size());
+    head->arg0 = static_cast<int64_t>(plan.size());
+    head->flags = late ? internal::kFlagLateReply : 0;
     internal::SealFrame(out, frame_bytes);
     absl::StatusOr<Transport::OpId> s = t->SendControl(out, frame_bytes);
     if (!s.ok()) return s.status();
-    absl::StatusOr<Transport::OpId> r = t->RecvControl(in, frame_bytes);
+    for (TransferId id : plan) {
+      Entry& e = entries.at(id);
+      absl::StatusOr<Transport::OpId> d = t->Send(slot_ptr(e.slot), e.image_bytes);
+      if (!d.ok()) return d.status();
+      e.ack_step = late ? k : k + 1;
+      unacked.push_back(id);
+    }
+    absl::StatusOr<Transport::OpId> r = t->RecvControl(in_frames[k % ring], frame_bytes);
     if (!r.ok()) return r.status();
-    wait_op = *r;
-    phase = Phase::kAwaitReply;
-    Arm();
+    reply_ops[k % ring] = *r;
+    if (next_reply == next_step) last_heard = internal::NowMs();
+    ++next_step;
     return absl::OkStatus();
   }
 
-  absl::Status OnReply() {
+  absl::Status OnReply(int64_t j) {
+    const unsigned char* in = in_frames[j % ring];
     FP4KV_RETURN_IF_ERROR_T(internal::CheckFrame(in, frame_bytes, internal::FrameKind::kReply,
-                                                 round, o.num_slots));
+                                                 static_cast<uint64_t>(j),
+                                                 static_cast<int>(internal::FrameEntryCapacity(o.num_slots))));
     const auto* head = reinterpret_cast<const internal::FrameHead*>(in);
-    if (head->count != round_ids.size()) {
-      return absl::DataLossError(absl::StrCat("transfer reply: expected ", round_ids.size(),
-                                              " entries, got ", head->count));
+    const std::vector<TransferId>& offers = offered[j % ring];
+    if (head->arg0 != static_cast<int64_t>(offers.size()) || head->count < head->arg0 ||
+        head->count - head->arg0 > static_cast<int64_t>(unacked.size())) {
+      return absl::DataLossError(absl::StrCat(
+          "transfer reply ", j, ": ", head->arg0, " answers and ", head->count - head->arg0,
+          " acks, expected ", offers.size(), " answers and at most ", unacked.size(), " acks"));
     }
-    plan_ids.clear();
-    std::vector<std::pair<TransferId, absl::Status>> refused;
-    std::vector<internal::FrameEntry> plan;
-    for (size_t i = 0; i < round_ids.size(); ++i) {
-      internal::FrameEntry fe;
-      std::memcpy(&fe, in + sizeof(internal::FrameHead) + i * (sizeof(fe) + hdr), sizeof(fe));
-      if (fe.id != round_ids[i] ||
-          (fe.code != internal::kCodeReady && fe.code != internal::kCodeNack)) {
-        return absl::DataLossError(absl::StrCat("transfer reply: entry ", i, " names transfer ",
-                                                fe.id, " code ", fe.code, ", expected transfer ",
-                                                round_ids[i]));
+    // Check everything before acting on anything.
+    std::vector<internal::FrameEntry> fe(head->count);
+    for (size_t i = 0; i < fe.size(); ++i) {
+      std::memcpy(&fe[i], in + sizeof(internal::FrameHead) + i * sizeof(internal::FrameEntry),
+                  sizeof(internal::FrameEntry));
+      const bool answer = i < offers.size();
+      const TransferId want = answer ? offers[i] : unacked[i - offers.size()];
+      const bool code_ok =
+          answer ? (fe[i].code == internal::kCodeReady || fe[i].code == internal::kCodeNack)
+                 : (fe[i].code == internal::kCodeCommitted ||
+                    fe[i].code == internal::kCodeCancelled || fe[i].code == internal::kCodeFailed);
+      if (fe[i].id != want || !code_ok) {
+        return absl::DataLossError(absl::StrCat("transfer reply ", j, ": entry ", i,
+                                                " names transfer ", fe[i].id, " code ",
+                                                fe[i].code, ", expected transfer ", want));
       }
-      if (fe.code == internal::kCodeNack) {
-        refused.push_back({fe.id, internal::EntryStatus(fe, "refused by the receiver")});
+    }
+    const size_t acks = fe.size() - offers.size();
+    if (acks < unacked.size() && entries.at(unacked[acks]).ack_step <= j) {
+      return absl::DataLossError(absl::StrCat("transfer reply ", j, ": expected the ack of transfer ",
+                                              unacked[acks]));
+    }
+    std::vector<TransferId>& now_ready = ready_at[j];
+    for (size_t i = 0; i < offers.size(); ++i) {
+      Entry& e = entries.at(offers[i]);
+      if (fe[i].code == internal::kCodeNack) {
+        Finish(e.id, TransferState::kRefused, internal::EntryStatus(fe[i], "refused by the receiver"));
         continue;
       }
-      Entry* e = Find(fe.id);
-      internal::FrameEntry pe;
-      pe.id = fe.id;
-      pe.image_bytes = e->image_bytes;
-      pe.code = e->cancel ? internal::kCodeSkip : internal::kCodeSend;
-      plan.push_back(pe);
-      plan_ids.push_back(fe.id);
-      e->state = TransferState::kMoving;
+      e.state = TransferState::kMoving;
+      e.skip = e.cancel;
+      now_ready.push_back(e.id);
     }
-    for (auto& [id, st] : refused) Finish(id, TransferState::kRefused, st);
-    if (plan.empty()) {  // round over: nothing READY
-      ++round;
-      phase = Phase::kIdle;
-      return absl::OkStatus();
-    }
-    std::memset(out, 0, frame_bytes);
-    auto* ph = reinterpret_cast<internal::FrameHead*>(out);
-    *ph = internal::FrameHead();
-    ph->kind = static_cast<uint16_t>(internal::FrameKind::kPlan);
-    ph->frame_bytes = static_cast<uint32_t>(frame_bytes);
-    ph->round = round;
-    ph->arg1 = hdr;
-    ph->count = static_cast<uint32_t>(plan.size());
-    for (size_t i = 0; i < plan.size(); ++i) {
-      std::memcpy(out + sizeof(internal::FrameHead) + i * (sizeof(plan[i]) + hdr), &plan[i],
-                  sizeof(plan[i]));
-    }
-    internal::SealFrame(out, frame_bytes);
-    absl::StatusOr<Transport::OpId> s = t->SendControl(out, frame_bytes);
-    if (!s.ok()) return s.status();
-    for (const internal::FrameEntry& pe : plan) {
-      if (pe.code != internal::kCodeSend) continue;
-      Entry* e = Find(pe.id);
-      absl::StatusOr<Transport::OpId> d = t->Send(slot_ptr(e->slot), e->image_bytes);
-      if (!d.ok()) return d.status();
-    }
-    absl::StatusOr<Transport::OpId> r = t->RecvControl(in, frame_bytes);
-    if (!r.ok()) return r.status();
-    wait_op = *r;
-    phase = Phase::kAwaitAck;
-    Arm();
-    return absl::OkStatus();
-  }
-
-  absl::Status OnAck() {
-    FP4KV_RETURN_IF_ERROR_T(internal::CheckFrame(in, frame_bytes, internal::FrameKind::kAck,
-                                                 round, o.num_slots));
-    const auto* head = reinterpret_cast<const internal::FrameHead*>(in);
-    if (head->count != plan_ids.size()) {
-      return absl::DataLossError(absl::StrCat("transfer ack: expected ", plan_ids.size(),
-                                              " entries, got ", head->count));
-    }
-    std::vector<internal::FrameEntry> acks(plan_ids.size());
-    for (size_t i = 0; i < plan_ids.size(); ++i) {
-      std::memcpy(&acks[i], in + sizeof(internal::FrameHead) + i * (sizeof(acks[i]) + hdr),
-                  sizeof(acks[i]));
-      if (acks[i].id != plan_ids[i] ||
-          (acks[i].code != internal::kCodeCommitted && acks[i].code != internal::kCodeCancelled &&
-           acks[i].code != internal::kCodeFailed)) {
-        return absl::DataLossError(absl::StrCat("transfer ack: entry ", i, " names transfer ",
-                                                acks[i].id, " code ", acks[i].code,
-                                                ", expected transfer ", plan_ids[i]));
-      }
-    }
-    for (const internal::FrameEntry& a : acks) {
-      Entry* e = Find(a.id);
+    if (now_ready.empty()) ready_at.erase(j);
+    for (size_t i = offers.size(); i < fe.size(); ++i) {
+      const internal::FrameEntry& a = fe[i];
+      unacked.pop_front();
+      const Entry& e = entries.at(a.id);
       if (a.code == internal::kCodeCommitted) {
         Finish(a.id, TransferState::kConfirmed, absl::OkStatus());
-      } else if (a.code == internal::kCodeCancelled || e->cancel) {
+      } else if (a.code == internal::kCodeCancelled || e.skip) {
         Finish(a.id, TransferState::kCancelled,
-               e->cancel ? absl::CancelledError(absl::StrCat("transfer ", a.id,
-                                                             ": cancelled by the sender"))
-                         : internal::EntryStatus(a, "cancelled by the receiver"));
+               e.skip ? absl::CancelledError(absl::StrCat("transfer ", a.id,
+                                                          ": cancelled by the sender"))
+                      : internal::EntryStatus(a, "cancelled by the receiver"));
       } else {
         Finish(a.id, TransferState::kFailed, internal::EntryStatus(a, "import failed"));
       }
     }
-    ++round;
-    phase = Phase::kIdle;
+    last_heard = internal::NowMs();
     return absl::OkStatus();
   }
 
-  absl::Status Step() {
+  absl::Status Step(bool* changed) {
     if (phase == Phase::kBroken) return broken;
-    FP4KV_RETURN_IF_ERROR_T(Exports());  // also while the handshake is on its way
+    FP4KV_RETURN_IF_ERROR_T(Exports(changed));  // also while the handshake is on its way
     if (phase == Phase::kHello) {
-      if (wait_op == 0) FP4KV_RETURN_IF_ERROR_T(StartHello());
-      absl::StatusOr<bool> done = PollOp();
+      if (hello_op == 0) FP4KV_RETURN_IF_ERROR_T(StartHello());
+      absl::StatusOr<bool> done = t->Poll(hello_op);
       if (!done.ok()) return done.status();
-      if (!*done) return absl::OkStatus();
-      absl::Status s = internal::CheckFrame(hello_in, sizeof(internal::FrameHead),
-                                            internal::FrameKind::kHello, 0, 0);
-      const auto* h = reinterpret_cast<const internal::FrameHead*>(hello_in);
-      if (s.ok() && (h->arg0 != o.slot_bytes || h->arg1 != o.num_slots)) {
-        s = absl::FailedPreconditionError(absl::StrCat(
-            "transfer hello: the receiver has slot_bytes ", h->arg0, " num_slots ", h->arg1,
-            ", the sender ", o.slot_bytes, " and ", o.num_slots, " (they must match)"));
-      }
-      if (!s.ok()) return s;
-      phase = Phase::kIdle;
-    }
-    if (phase == Phase::kIdle) {
-      // Transfers cancelled while not yet offered end here.
-      std::vector<TransferId> cancelled;
-      for (const Entry& e : entries) {
-        if (e.cancel && (e.state == TransferState::kQueued || e.state == TransferState::kReady)) {
-          cancelled.push_back(e.id);
+      if (!*done) {
+        if (Expired()) {
+          return absl::DeadlineExceededError(absl::StrCat(
+              "transfer: the receiver did not answer the hello within ", o.timeout_ms, " ms"));
         }
+        return absl::OkStatus();
       }
-      for (TransferId id : cancelled) {
-        Finish(id, TransferState::kCancelled,
-               absl::CancelledError(absl::StrCat("transfer ", id, ": cancelled by the sender")));
-      }
-      FP4KV_RETURN_IF_ERROR_T(StartRound());
-      if (phase == Phase::kIdle) return absl::OkStatus();
+      FP4KV_RETURN_IF_ERROR_T(CheckHello());
+      phase = Phase::kRun;
+      *changed = true;
     }
-    absl::StatusOr<bool> done = PollOp();
-    if (!done.ok()) return done.status();
-    if (!*done) return absl::OkStatus();
-    if (phase == Phase::kAwaitReply) return OnReply();
-    return OnAck();
+    // Replies, oldest first.
+    while (next_reply < next_step) {
+      absl::StatusOr<bool> done = t->Poll(reply_ops[next_reply % ring]);
+      if (!done.ok()) return done.status();
+      if (!*done) {
+        if (Expired()) {
+          return absl::DeadlineExceededError(
+              absl::StrCat("transfer: the receiver did not answer within ", o.timeout_ms,
+                           " ms (step ", next_reply, ")"));
+        }
+        break;
+      }
+      FP4KV_RETURN_IF_ERROR_T(OnReply(next_reply));
+      ++next_reply;
+      *changed = true;
+    }
+    // The next steps, as far as the window and the work go.
+    while (next_step < next_reply + depth && HaveWork(next_step)) {
+      FP4KV_RETURN_IF_ERROR_T(PostStep());
+      *changed = true;
+    }
+    return absl::OkStatus();
   }
 };
-
 
 absl::StatusOr<SequenceSender> internal::CreateSender(std::unique_ptr<TransferCachePort> port,
                                                       Transport* transport,
@@ -565,17 +617,25 @@ absl::StatusOr<SequenceSender> internal::CreateSender(std::unique_ptr<TransferCa
   auto impl = std::make_unique<SequenceSender::Impl>();
   impl->hdr = port->header_bytes();
   impl->frame_bytes = FrameBytes(options.num_slots, impl->hdr);
-  const int64_t host_bytes =
-      2 * impl->frame_bytes + 2 * static_cast<int64_t>(sizeof(FrameHead)) +
-      options.num_slots * impl->hdr;
-  FP4KV_RETURN_IF_ERROR_T(
-      impl->buf.Allocate(port->device(), internal::SlotStride(options.slot_bytes), options.num_slots, host_bytes));
+  impl->depth = options.pipeline_depth;
+  impl->ring = options.pipeline_depth + 1;
+  const int64_t host_bytes = 2 * impl->ring * impl->frame_bytes +
+                             2 * static_cast<int64_t>(sizeof(FrameHead)) +
+                             options.num_slots * impl->hdr;
+  FP4KV_RETURN_IF_ERROR_T(impl->buf.Allocate(
+      port->device(), internal::SlotStride(options.slot_bytes), options.num_slots, host_bytes));
   auto* h = static_cast<unsigned char*>(impl->buf.host_);
-  impl->out = h;
-  impl->in = h + impl->frame_bytes;
-  impl->hello_out = impl->in + impl->frame_bytes;
-  impl->hello_in = impl->hello_out + sizeof(FrameHead);
+  for (int i = 0; i < impl->ring; ++i) {
+    impl->out_frames.push_back(h);
+    h += impl->frame_bytes;
+    impl->in_frames.push_back(h);
+    h += impl->frame_bytes;
+  }
+  impl->hello_out = h;
+  impl->hello_in = h + sizeof(FrameHead);
   impl->headers = impl->hello_in + sizeof(FrameHead);
+  impl->reply_ops.assign(impl->ring, 0);
+  impl->offered.resize(impl->ring);
   for (int s = options.num_slots - 1; s >= 0; --s) impl->free_slots.push_back(s);
   impl->port = std::move(port);
   impl->t = transport;
@@ -608,10 +668,12 @@ absl::StatusOr<TransferId> SequenceSender::Send(SequenceId seq) {
     return absl::FailedPreconditionError(
         absl::StrCat("transfer: the link is broken: ", impl_->broken.message()));
   }
-  for (const Impl::Entry& e : impl_->entries) {
-    if (e.seq == seq) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("seq: sequence ", seq, " is already being sent (transfer ", e.id, ")"));
+  if (impl_->sending.contains(seq)) {
+    for (const auto& [id, e] : impl_->entries) {
+      if (e.seq == seq) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("seq: sequence ", seq, " is already being sent (transfer ", id, ")"));
+      }
     }
   }
   absl::StatusOr<int64_t> bytes = impl_->port->ExportedBytes(seq);
@@ -628,7 +690,9 @@ absl::StatusOr<TransferId> SequenceSender::Send(SequenceId seq) {
   e.seq = seq;
   e.image_bytes = *bytes;
   e.length = *length;
-  impl_->entries.push_back(e);
+  impl_->entries.emplace(e.id, e);
+  impl_->sending.insert(seq);
+  impl_->queued.push_back(e.id);
   return e.id;
 }
 
@@ -642,6 +706,7 @@ absl::Status SequenceSender::Cancel(TransferId id) {
     return absl::FailedPreconditionError(absl::StrCat(
         "id: transfer ", id, "'s image is moving; it ends confirmed or failed as a whole"));
   }
+  if (!e->cancel && e->state != TransferState::kOffered) ++impl_->pending_cancels;
   e->cancel = true;
   return absl::OkStatus();
 }
@@ -649,15 +714,13 @@ absl::Status SequenceSender::Cancel(TransferId id) {
 absl::Status SequenceSender::Progress() {
   FP4KV_TRANSFER_RETURN_IF_MOVED_FROM();
   internal::DeviceScope scope(impl_->port->device());
-  // A few steps per call, so that a frame that is already there is answered
-  // at once.
-  for (int i = 0; i < 6; ++i) {
-    const auto phase = impl_->phase;
-    const uint64_t round = impl_->round;
-    const size_t results = impl_->results.size();
-    absl::Status s = impl_->Step();
+  // A few passes per call, so that what one pass made possible (a reply
+  // that freed slots, an export that finished) is acted on at once.
+  for (int i = 0; i < 4; ++i) {
+    bool changed = false;
+    absl::Status s = impl_->Step(&changed);
     if (!s.ok()) return impl_->Break(s);
-    if (phase == impl_->phase && round == impl_->round && results == impl_->results.size()) break;
+    if (!changed) break;
   }
   return absl::OkStatus();
 }
@@ -666,7 +729,7 @@ absl::Status SequenceSender::RunUntilIdle() {
   FP4KV_TRANSFER_RETURN_IF_MOVED_FROM();
   while (true) {
     FP4KV_RETURN_IF_ERROR_T(Progress());
-    if (impl_->entries.empty() && impl_->phase != Impl::Phase::kHello) return absl::OkStatus();
+    if (impl_->Idle() && impl_->phase != Impl::Phase::kHello) return absl::OkStatus();
     std::this_thread::yield();
   }
 }
@@ -677,26 +740,32 @@ absl::Status SequenceSender::Close() {
     return absl::FailedPreconditionError(
         absl::StrCat("transfer: ", impl_->entries.size(), " transfers are still in flight"));
   }
-  while (impl_->phase == Impl::Phase::kHello) {
+  // The handshake, and the replies of steps still in flight.
+  while (impl_->phase == Impl::Phase::kHello || impl_->next_reply < impl_->next_step) {
     FP4KV_RETURN_IF_ERROR_T(Progress());
     std::this_thread::yield();
   }
   if (impl_->phase == Impl::Phase::kBroken) return impl_->broken;
-  std::memset(impl_->out, 0, impl_->frame_bytes);
-  auto* head = reinterpret_cast<internal::FrameHead*>(impl_->out);
+  unsigned char* out = impl_->out_frames[impl_->next_step % impl_->ring];
+  std::memset(out, 0, impl_->frame_bytes);
+  auto* head = reinterpret_cast<internal::FrameHead*>(out);
   *head = internal::FrameHead();
   head->kind = static_cast<uint16_t>(internal::FrameKind::kBye);
   head->frame_bytes = static_cast<uint32_t>(impl_->frame_bytes);
-  head->round = impl_->round;
-  internal::SealFrame(impl_->out, impl_->frame_bytes);
-  absl::StatusOr<Transport::OpId> op = impl_->t->SendControl(impl_->out, impl_->frame_bytes);
+  head->round = static_cast<uint64_t>(impl_->next_step);
+  internal::SealFrame(out, impl_->frame_bytes);
+  absl::StatusOr<Transport::OpId> op = impl_->t->SendControl(out, impl_->frame_bytes);
   if (!op.ok()) return impl_->Break(op.status());
-  impl_->wait_op = *op;
-  impl_->Arm();
+  impl_->last_heard = internal::NowMs();
   while (true) {
-    absl::StatusOr<bool> done = impl_->PollOp();
+    absl::StatusOr<bool> done = impl_->t->Poll(*op);
     if (!done.ok()) return impl_->Break(done.status());
     if (*done) break;
+    if (impl_->Expired()) {
+      return impl_->Break(absl::DeadlineExceededError(
+          absl::StrCat("transfer: the receiver did not take the bye within ",
+                       impl_->o.timeout_ms, " ms")));
+    }
     std::this_thread::yield();
   }
   impl_->Break(absl::FailedPreconditionError("transfer: the link was closed")).IgnoreError();
@@ -710,9 +779,8 @@ std::vector<TransferResult> SequenceSender::TakeResults() {
 
 absl::StatusOr<TransferState> SequenceSender::State(TransferId id) const {
   FP4KV_TRANSFER_RETURN_IF_MOVED_FROM();
-  for (const Impl::Entry& e : impl_->entries) {
-    if (e.id == id) return e.state;
-  }
+  auto it = impl_->entries.find(id);
+  if (it != impl_->entries.end()) return it->second.state;
   return absl::NotFoundError(absl::StrCat("id: transfer ", id, " is not in flight"));
 }
 
@@ -729,11 +797,13 @@ struct SequenceReceiver::Impl {
     int64_t image_bytes = 0;
     int64_t length = 0;
     int slot = -1;
-    bool send = false;  // the plan sends it
+    int64_t reply_step = 0;  // answered READY in this step; the payload comes in step + D
+    bool plan_known = false;
+    bool send = false;  // the plan sends it (else skipped by the sender)
     bool cancel = false;
-    TransferState state = TransferState::kOffered;
+    Transport::OpId op = 0;  // the payload's receive, once posted
   };
-  enum class Phase { kHello, kAwaitOffer, kAwaitPlan, kAwaitPayload, kClosed, kBroken };
+  enum class Phase { kHello, kRun, kLate, kClosed, kBroken };
 
   std::unique_ptr<internal::TransferCachePort> port;
   Transport* t = nullptr;
@@ -741,26 +811,34 @@ struct SequenceReceiver::Impl {
   internal::Buffers buf;
   int64_t hdr = 0;
   int64_t frame_bytes = 0;
+  int depth = 1;
   unsigned char* out = nullptr;
   unsigned char* in = nullptr;
   unsigned char* hello_in = nullptr;
   unsigned char* hello_out = nullptr;
-  std::vector<bool> slot_used;  // a commit read it: the next receive waits for its event
-  std::vector<Entry> entries;   // READY this round, in order
+  std::vector<bool> slot_used;  // a commit read it: the next receive may wait for its event
+  std::vector<int> free_slots;
+  std::deque<Entry> entries;    // reserved, in reply order (= payload order)
+  std::vector<internal::FrameEntry> acks;  // for the next reply
+  size_t answers = 0;           // entries of the reply being built
   std::vector<TransferResult> results;
   std::function<bool(const TransferOffer&)> admit;
-  uint64_t round = 0;
+  int64_t step = 0;  // the offer expected (or being answered)
   Phase phase = Phase::kHello;
   Transport::OpId wait_op = 0;
-  bool have_wait = false;
-  int64_t deadline = 0;
+  int64_t last_heard = 0;
   TransferId last_id = 0;
   absl::Status broken;
 
   unsigned char* slot_ptr(int s) const {
-    return static_cast<unsigned char*>(buf.slots_) + static_cast<int64_t>(s) * internal::SlotStride(o.slot_bytes);
+    return static_cast<unsigned char*>(buf.slots_) +
+           static_cast<int64_t>(s) * internal::SlotStride(o.slot_bytes);
   }
-  void Arm() { deadline = o.timeout_ms > 0 ? internal::NowMs() + o.timeout_ms : 0; }
+  // Timed only while something is in flight: a sender may stay idle.
+  bool Expired() const {
+    return (!entries.empty() || phase == Phase::kLate) && o.timeout_ms > 0 &&
+           internal::NowMs() - last_heard > o.timeout_ms;
+  }
 
   absl::Status Break(absl::Status why) {
     if (phase == Phase::kBroken) return broken;
@@ -780,168 +858,56 @@ struct SequenceReceiver::Impl {
     return why;
   }
 
-  absl::StatusOr<bool> PollOp(bool timed) {
-    absl::StatusOr<bool> done = t->Poll(wait_op);
-    if (!done.ok()) return done.status();
-    if (!*done && timed && deadline != 0 && internal::NowMs() > deadline) {
-      return absl::DeadlineExceededError(absl::StrCat(
-          "transfer: the peer did not continue within ", o.timeout_ms, " ms (round ", round, ")"));
-    }
-    return *done;
-  }
-
-  absl::Status PostOffer() {
-    absl::StatusOr<Transport::OpId> r = t->RecvControl(in, frame_bytes);
-    if (!r.ok()) return r.status();
-    wait_op = *r;
-    phase = Phase::kAwaitOffer;
-    return absl::OkStatus();
-  }
-
-  void StartFrame(internal::FrameKind kind, size_t count) {
+  void StartReply() {
     std::memset(out, 0, frame_bytes);
     auto* h = reinterpret_cast<internal::FrameHead*>(out);
     *h = internal::FrameHead();
-    h->kind = static_cast<uint16_t>(kind);
+    h->kind = static_cast<uint16_t>(internal::FrameKind::kReply);
     h->frame_bytes = static_cast<uint32_t>(frame_bytes);
-    h->round = round;
+    h->round = static_cast<uint64_t>(step);
     h->arg1 = hdr;
-    h->count = static_cast<uint32_t>(count);
+    answers = 0;
   }
   void PutEntry(size_t i, const internal::FrameEntry& fe) {
-    std::memcpy(out + sizeof(internal::FrameHead) + i * (sizeof(fe) + hdr), &fe, sizeof(fe));
+    std::memcpy(out + sizeof(internal::FrameHead) + i * sizeof(fe), &fe, sizeof(fe));
   }
   internal::FrameEntry GetEntry(size_t i) const {
     internal::FrameEntry fe;
-    std::memcpy(&fe, in + sizeof(internal::FrameHead) + i * (sizeof(fe) + hdr), sizeof(fe));
+    std::memcpy(&fe, in + sizeof(internal::FrameHead) + i * sizeof(fe), sizeof(fe));
     return fe;
   }
 
-  absl::Status OnOffer() {
-    const auto* head = reinterpret_cast<const internal::FrameHead*>(in);
-    if (head->kind == static_cast<uint16_t>(internal::FrameKind::kBye)) {
-      FP4KV_RETURN_IF_ERROR_T(
-          internal::CheckFrame(in, frame_bytes, internal::FrameKind::kBye, round, 0));
-      phase = Phase::kClosed;
-      return absl::OkStatus();
-    }
-    FP4KV_RETURN_IF_ERROR_T(internal::CheckFrame(in, frame_bytes, internal::FrameKind::kOffer,
-                                                 round, o.num_slots));
-    if (head->count == 0 || head->arg1 != hdr) {
-      return absl::DataLossError(absl::StrCat("transfer offer: ", head->count,
-                                              " entries with headers of ", head->arg1,
-                                              " bytes, expected >= 1 and ", hdr));
-    }
-    // Validate every entry before reserving anything.
-    std::vector<internal::FrameEntry> offers(head->count);
-    for (size_t i = 0; i < offers.size(); ++i) {
-      offers[i] = GetEntry(i);
-      if (offers[i].id <= last_id || offers[i].image_bytes <= 0 ||
-          offers[i].image_bytes > o.slot_bytes) {
-        return absl::DataLossError(absl::StrCat(
-            "transfer offer: entry ", i, " (transfer ", offers[i].id, ", ", offers[i].image_bytes,
-            " bytes): expected an id above ", last_id, " and 1 .. ", o.slot_bytes, " bytes"));
-      }
-      last_id = offers[i].id;
-    }
-    entries.clear();
-    StartFrame(internal::FrameKind::kReply, offers.size());
-    int next_slot = 0;
-    for (size_t i = 0; i < offers.size(); ++i) {
-      const internal::FrameEntry& of = offers[i];
-      internal::FrameEntry re;
-      re.id = of.id;
-      re.image_bytes = of.image_bytes;
-      re.length = of.length;
-      absl::Status why;
-      const unsigned char* header =
-          in + sizeof(internal::FrameHead) + i * (sizeof(of) + hdr) + sizeof(of);
-      if (admit && !admit(TransferOffer{of.id, of.image_bytes, of.length})) {
-        why = absl::ResourceExhaustedError("not admitted");
-      } else {
-        absl::StatusOr<internal::TransferCachePort::Reserved> r = port->Reserve(header, hdr);
-        if (r.ok() && r->image_bytes != of.image_bytes) {
-          port->Cancel(r->handle).IgnoreError();
-          r = absl::DataLossError(absl::StrCat("the header says ", r->image_bytes,
-                                               " bytes, the offer ", of.image_bytes));
-        }
-        if (r.ok()) {
-          Entry e;
-          e.id = of.id;
-          e.handle = r->handle;
-          e.image_bytes = of.image_bytes;
-          e.length = r->length;
-          e.slot = next_slot++;
-          entries.push_back(e);
-          re.code = internal::kCodeReady;
-        } else {
-          why = r.status();
-        }
-      }
-      if (!why.ok()) {
-        re.code = internal::kCodeNack;
-        internal::SetMessage(re, why);
-        results.push_back({of.id, 0, TransferState::kRefused, why, of.image_bytes, of.length});
-      }
-      PutEntry(i, re);
-    }
-    internal::SealFrame(out, frame_bytes);
-    absl::StatusOr<Transport::OpId> s = t->SendControl(out, frame_bytes);
-    if (!s.ok()) return s.status();
-    if (entries.empty()) {
-      ++round;
-      return PostOffer();
-    }
+  // Posts the receive of offer `step` and of the payloads that follow it.
+  absl::Status PostStep() {
     absl::StatusOr<Transport::OpId> r = t->RecvControl(in, frame_bytes);
     if (!r.ok()) return r.status();
     wait_op = *r;
-    phase = Phase::kAwaitPlan;
-    Arm();
-    return absl::OkStatus();
-  }
-
-  absl::Status OnPlan() {
-    FP4KV_RETURN_IF_ERROR_T(internal::CheckFrame(in, frame_bytes, internal::FrameKind::kPlan,
-                                                 round, o.num_slots));
-    const auto* head = reinterpret_cast<const internal::FrameHead*>(in);
-    if (head->count != entries.size()) {
-      return absl::DataLossError(absl::StrCat("transfer plan: expected ", entries.size(),
-                                              " entries, got ", head->count));
-    }
-    for (size_t i = 0; i < entries.size(); ++i) {
-      internal::FrameEntry pe = GetEntry(i);
-      if (pe.id != entries[i].id ||
-          (pe.code != internal::kCodeSend && pe.code != internal::kCodeSkip) ||
-          (pe.code == internal::kCodeSend && pe.image_bytes != entries[i].image_bytes)) {
-        return absl::DataLossError(absl::StrCat("transfer plan: entry ", i, " names transfer ",
-                                                pe.id, " code ", pe.code, ", expected transfer ",
-                                                entries[i].id));
-      }
-      entries[i].send = pe.code == internal::kCodeSend;
-    }
-    bool any = false;
     for (Entry& e : entries) {
-      e.state = TransferState::kMoving;
-      if (!e.send) continue;
+      if (e.reply_step != step - depth) continue;
       if (port->device().is_cuda() && slot_used[e.slot]) {
-        // The previous commit out of this slot must have read it.
-        FP4KV_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(t->stream(), buf.events_[e.slot], 0));
+        // The last commit out of this slot must have read it.
+        absl::StatusOr<bool> read = internal::EventDone(buf.events_[e.slot]);
+        if (!read.ok()) return read.status();
+        if (!*read) {
+          FP4KV_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(t->stream(), buf.events_[e.slot], 0));
+        }
       }
       absl::StatusOr<Transport::OpId> d = t->Recv(slot_ptr(e.slot), e.image_bytes);
       if (!d.ok()) return d.status();
-      wait_op = *d;
-      any = true;
+      e.op = *d;
     }
-    phase = Phase::kAwaitPayload;
-    have_wait = any;
-    Arm();
+    phase = Phase::kRun;
     return absl::OkStatus();
   }
 
-  absl::Status OnPayload() {
-    StartFrame(internal::FrameKind::kAck, entries.size());
-    for (size_t i = 0; i < entries.size(); ++i) {
-      Entry& e = entries[i];
+  // Commits (or cancels) every payload that arrived, in order.
+  absl::Status Payloads(bool* changed) {
+    while (!entries.empty()) {
+      Entry& e = entries.front();
+      if (e.op == 0 || !e.plan_known) break;
+      absl::StatusOr<bool> done = t->Poll(e.op);
+      if (!done.ok()) return done.status();
+      if (!*done) break;
       internal::FrameEntry ae;
       ae.id = e.id;
       ae.image_bytes = e.image_bytes;
@@ -959,9 +925,8 @@ struct SequenceReceiver::Impl {
             port->Commit(e.handle, slot_ptr(e.slot), e.image_bytes, o.cache_stream);
         if (seq.ok() && port->device().is_cuda()) {
           slot_used[e.slot] = true;
-          absl::Status s = internal::CudaStatus(cudaEventRecord(buf.events_[e.slot], o.cache_stream),
-                                                "cudaEventRecord");
-          if (!s.ok()) return s;
+          FP4KV_RETURN_IF_ERROR_T(internal::CudaStatus(
+              cudaEventRecord(buf.events_[e.slot], o.cache_stream), "cudaEventRecord"));
         }
         if (seq.ok()) {
           ae.code = internal::kCodeCommitted;
@@ -974,31 +939,164 @@ struct SequenceReceiver::Impl {
                              e.length});
         }
       }
-      PutEntry(i, ae);
+      acks.push_back(ae);
+      free_slots.push_back(e.slot);
+      entries.pop_front();
+      last_heard = internal::NowMs();
+      *changed = true;
     }
-    entries.clear();
+    return absl::OkStatus();
+  }
+
+  absl::Status OnOffer(bool* changed) {
+    const auto* head = reinterpret_cast<const internal::FrameHead*>(in);
+    const int cap = static_cast<int>(internal::FrameEntryCapacity(o.num_slots));
+    if (head->kind == static_cast<uint16_t>(internal::FrameKind::kBye)) {
+      FP4KV_RETURN_IF_ERROR_T(internal::CheckFrame(in, frame_bytes, internal::FrameKind::kBye,
+                                                   static_cast<uint64_t>(step), 0));
+      if (!entries.empty()) {
+        return absl::DataLossError(absl::StrCat("transfer: bye with ", entries.size(),
+                                                " transfers still reserved here"));
+      }
+      phase = Phase::kClosed;
+      return absl::OkStatus();
+    }
+    FP4KV_RETURN_IF_ERROR_T(internal::CheckFrame(in, frame_bytes, internal::FrameKind::kOffer,
+                                                 static_cast<uint64_t>(step), cap));
+    // The plan names every READY of reply step - D, in order.
+    std::vector<Entry*> planned;
+    for (Entry& e : entries) {
+      if (e.reply_step == step - depth) planned.push_back(&e);
+    }
+    if (head->arg1 != hdr || head->arg0 != static_cast<int64_t>(planned.size()) ||
+        head->count < head->arg0) {
+      return absl::DataLossError(absl::StrCat(
+          "transfer offer ", step, ": ", head->count, " entries, ", head->arg0,
+          " of them planned, headers of ", head->arg1, " bytes; expected ", planned.size(),
+          " planned and headers of ", hdr));
+    }
+    const size_t num_plan = planned.size();
+    const size_t num_offers = head->count - num_plan;
+    if (num_offers > free_slots.size()) {
+      return absl::DataLossError(absl::StrCat("transfer offer ", step, ": ", num_offers,
+                                              " offers, but only ", free_slots.size(),
+                                              " slots are free"));
+    }
+    // Validate every entry before acting on any.
+    std::vector<internal::FrameEntry> fe(head->count);
+    TransferId prev = last_id;
+    for (size_t i = 0; i < fe.size(); ++i) {
+      fe[i] = GetEntry(i);
+      if (i < num_plan) {
+        if (fe[i].id != planned[i]->id ||
+            (fe[i].code != internal::kCodeSend && fe[i].code != internal::kCodeSkip) ||
+            fe[i].image_bytes != planned[i]->image_bytes) {
+          return absl::DataLossError(absl::StrCat(
+              "transfer offer ", step, ": plan entry ", i, " names transfer ", fe[i].id, " code ",
+              fe[i].code, ", expected transfer ", planned[i]->id));
+        }
+      } else if (fe[i].code != internal::kCodeOffer || fe[i].id <= prev ||
+                 fe[i].image_bytes <= 0 || fe[i].image_bytes > o.slot_bytes) {
+        return absl::DataLossError(absl::StrCat(
+            "transfer offer ", step, ": entry ", i, " (transfer ", fe[i].id, ", ",
+            fe[i].image_bytes, " bytes, code ", fe[i].code, "): expected an offer above ", prev,
+            " of 1 .. ", o.slot_bytes, " bytes"));
+      } else {
+        prev = fe[i].id;
+      }
+    }
+    last_id = prev;
+    last_heard = internal::NowMs();
+    *changed = true;
+    for (size_t i = 0; i < num_plan; ++i) {
+      planned[i]->plan_known = true;
+      planned[i]->send = fe[i].code == internal::kCodeSend;
+    }
+    // Payloads already in (those before this offer) commit first, so that
+    // their acks ride on this reply.
+    FP4KV_RETURN_IF_ERROR_T(Payloads(changed));
+    StartReply();
+    const unsigned char* headers = in + internal::FrameHeadersOffset(o.num_slots);
+    for (size_t i = 0; i < num_offers; ++i) {
+      const internal::FrameEntry& of = fe[num_plan + i];
+      internal::FrameEntry re;
+      re.id = of.id;
+      re.image_bytes = of.image_bytes;
+      re.length = of.length;
+      absl::Status why;
+      if (admit && !admit(TransferOffer{of.id, of.image_bytes, of.length})) {
+        why = absl::ResourceExhaustedError("not admitted");
+      } else {
+        absl::StatusOr<internal::TransferCachePort::Reserved> r =
+            port->Reserve(headers + i * hdr, hdr);
+        if (r.ok() && r->image_bytes != of.image_bytes) {
+          port->Cancel(r->handle).IgnoreError();
+          r = absl::DataLossError(absl::StrCat("the header says ", r->image_bytes,
+                                               " bytes, the offer ", of.image_bytes));
+        }
+        if (r.ok()) {
+          Entry e;
+          e.id = of.id;
+          e.handle = r->handle;
+          e.image_bytes = of.image_bytes;
+          e.length = r->length;
+          e.slot = free_slots.back();
+          free_slots.pop_back();
+          e.reply_step = step;
+          entries.push_back(e);
+          re.code = internal::kCodeReady;
+        } else {
+          why = r.status();
+        }
+      }
+      if (!why.ok()) {
+        re.code = internal::kCodeNack;
+        internal::SetMessage(re, why);
+        results.push_back({of.id, 0, TransferState::kRefused, why, of.image_bytes, of.length});
+      }
+      PutEntry(answers++, re);
+    }
+    if ((head->flags & internal::kFlagLateReply) != 0) {
+      phase = Phase::kLate;  // the reply waits for this step's payloads
+      return absl::OkStatus();
+    }
+    return SendReply();
+  }
+
+  bool LatePayloadsIn() const {
+    for (const Entry& e : entries) {
+      if (e.reply_step <= step - depth) return false;
+    }
+    return true;
+  }
+
+  absl::Status SendReply() {
+    auto* h = reinterpret_cast<internal::FrameHead*>(out);
+    h->arg0 = static_cast<int64_t>(answers);  // the rest are acks
+    for (const internal::FrameEntry& a : acks) PutEntry(answers++, a);
+    acks.clear();
+    h->count = static_cast<uint16_t>(answers);
     internal::SealFrame(out, frame_bytes);
     absl::StatusOr<Transport::OpId> s = t->SendControl(out, frame_bytes);
     if (!s.ok()) return s.status();
-    ++round;
-    return PostOffer();
+    ++step;
+    return PostStep();
   }
 
-  absl::Status Step() {
+  absl::Status Step(bool* changed) {
     switch (phase) {
       case Phase::kBroken:
         return broken;
       case Phase::kClosed:
         return absl::OkStatus();
       case Phase::kHello: {
-        if (!have_wait) {
+        if (wait_op == 0) {
           absl::StatusOr<Transport::OpId> r =
               t->RecvControl(hello_in, sizeof(internal::FrameHead));
           if (!r.ok()) return r.status();
           wait_op = *r;
-          have_wait = true;
         }
-        absl::StatusOr<bool> done = PollOp(false);
+        absl::StatusOr<bool> done = t->Poll(wait_op);
         if (!done.ok()) return done.status();
         if (!*done) return absl::OkStatus();
         FP4KV_RETURN_IF_ERROR_T(internal::CheckFrame(hello_in, sizeof(internal::FrameHead),
@@ -1009,38 +1107,39 @@ struct SequenceReceiver::Impl {
         h.frame_bytes = sizeof(h);
         h.arg0 = o.slot_bytes;
         h.arg1 = o.num_slots;
+        h.flags = static_cast<uint16_t>(depth);
         std::memcpy(hello_out, &h, sizeof(h));
         internal::SealFrame(hello_out, sizeof(h));
         absl::StatusOr<Transport::OpId> s = t->SendControl(hello_out, sizeof(h));
         if (!s.ok()) return s.status();
-        if (peer->arg0 != o.slot_bytes || peer->arg1 != o.num_slots) {
+        if (peer->arg0 != o.slot_bytes || peer->arg1 != o.num_slots || peer->flags != depth) {
           return absl::FailedPreconditionError(absl::StrCat(
               "transfer hello: the sender has slot_bytes ", peer->arg0, " num_slots ",
-              peer->arg1, ", the receiver ", o.slot_bytes, " and ", o.num_slots,
-              " (they must match)"));
+              peer->arg1, " pipeline_depth ", peer->flags, ", the receiver ", o.slot_bytes, ", ",
+              o.num_slots, " and ", depth, " (they must match)"));
         }
-        have_wait = false;
-        return PostOffer();
+        *changed = true;
+        return PostStep();
       }
-      case Phase::kAwaitOffer: {
-        absl::StatusOr<bool> done = PollOp(false);
+      case Phase::kRun: {
+        absl::StatusOr<bool> done = t->Poll(wait_op);
         if (!done.ok()) return done.status();
-        return *done ? OnOffer() : absl::OkStatus();
+        if (*done) return OnOffer(changed);
+        FP4KV_RETURN_IF_ERROR_T(Payloads(changed));
+        break;
       }
-      case Phase::kAwaitPlan: {
-        absl::StatusOr<bool> done = PollOp(true);
-        if (!done.ok()) return done.status();
-        return *done ? OnPlan() : absl::OkStatus();
-      }
-      case Phase::kAwaitPayload: {
-        if (have_wait) {
-          absl::StatusOr<bool> done = PollOp(true);
-          if (!done.ok()) return done.status();
-          if (!*done) return absl::OkStatus();
+      case Phase::kLate: {
+        FP4KV_RETURN_IF_ERROR_T(Payloads(changed));
+        if (LatePayloadsIn()) {
+          *changed = true;
+          return SendReply();
         }
-        have_wait = false;
-        return OnPayload();
+        break;
       }
+    }
+    if (Expired()) {
+      return absl::DeadlineExceededError(absl::StrCat("transfer: the sender did not continue within ",
+                                                      o.timeout_ms, " ms (step ", step, ")"));
     }
     return absl::OkStatus();
   }
@@ -1053,16 +1152,18 @@ absl::StatusOr<SequenceReceiver> internal::CreateReceiver(std::unique_ptr<Transf
   auto impl = std::make_unique<SequenceReceiver::Impl>();
   impl->hdr = port->header_bytes();
   impl->frame_bytes = FrameBytes(options.num_slots, impl->hdr);
+  impl->depth = options.pipeline_depth;
   const int64_t host_bytes =
       2 * impl->frame_bytes + 2 * static_cast<int64_t>(sizeof(FrameHead));
-  FP4KV_RETURN_IF_ERROR_T(
-      impl->buf.Allocate(port->device(), internal::SlotStride(options.slot_bytes), options.num_slots, host_bytes));
+  FP4KV_RETURN_IF_ERROR_T(impl->buf.Allocate(
+      port->device(), internal::SlotStride(options.slot_bytes), options.num_slots, host_bytes));
   auto* h = static_cast<unsigned char*>(impl->buf.host_);
   impl->out = h;
   impl->in = h + impl->frame_bytes;
   impl->hello_out = impl->in + impl->frame_bytes;
   impl->hello_in = impl->hello_out + sizeof(FrameHead);
   impl->slot_used.assign(options.num_slots, false);
+  for (int s = options.num_slots - 1; s >= 0; --s) impl->free_slots.push_back(s);
   impl->port = std::move(port);
   impl->t = transport;
   impl->o = options;
@@ -1079,7 +1180,7 @@ SequenceReceiver::SequenceReceiver(std::unique_ptr<Impl> impl) : impl_(std::move
 SequenceReceiver::SequenceReceiver(SequenceReceiver&&) noexcept = default;
 SequenceReceiver& SequenceReceiver::operator=(SequenceReceiver&&) noexcept = default;
 SequenceReceiver::~SequenceReceiver() {
-  // Reservations of an unfinished round go back to the cache.
+  // Reservations still in flight go back to the cache.
   if (impl_ != nullptr) {
     for (Impl::Entry& e : impl_->entries) impl_->port->Cancel(e.handle).IgnoreError();
   }
@@ -1103,12 +1204,11 @@ absl::Status SequenceReceiver::Cancel(TransferId id) {
 absl::Status SequenceReceiver::Progress() {
   FP4KV_TRANSFER_RETURN_IF_MOVED_FROM();
   internal::DeviceScope scope(impl_->port->device());
-  for (int i = 0; i < 6; ++i) {
-    const auto phase = impl_->phase;
-    const uint64_t round = impl_->round;
-    absl::Status s = impl_->Step();
+  for (int i = 0; i < 4; ++i) {
+    bool changed = false;
+    absl::Status s = impl_->Step(&changed);
     if (!s.ok()) return impl_->Break(s);
-    if (phase == impl_->phase && round == impl_->round) break;
+    if (!changed) break;
   }
   return absl::OkStatus();
 }

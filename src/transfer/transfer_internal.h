@@ -51,31 +51,38 @@ absl::StatusOr<SequenceReceiver> CreateReceiver(std::unique_ptr<TransferCachePor
 
 // Control frames (docs/transfer.md, "Frames").
 inline constexpr uint32_t kFrameMagic = 0x58344b46;  // "FK4X" little-endian
-inline constexpr uint16_t kFrameVersion = 1;
-enum class FrameKind : uint16_t { kHello = 1, kOffer = 2, kReply = 3, kPlan = 4, kAck = 5, kBye = 6 };
+inline constexpr uint16_t kFrameVersion = 2;
+enum class FrameKind : uint16_t { kHello = 1, kOffer = 2, kReply = 3, kBye = 6 };
+
+// FrameHead::flags of an offer: the receiver answers it only after this
+// step's payloads arrived and were committed (so the reply acks them). The
+// sender sets it when it has nothing more to offer: the pipeline drains.
+inline constexpr uint16_t kFlagLateReply = 1;
 
 struct FrameHead {
   uint32_t magic = kFrameMagic;
   uint16_t version = kFrameVersion;
   uint16_t kind = 0;
   uint32_t frame_bytes = 0;  // the whole frame
-  uint32_t count = 0;        // entries used
-  uint64_t round = 0;
-  uint64_t checksum = 0;  // XXH3-64 of the frame with this field zero
-  int64_t arg0 = 0;       // hello: slot_bytes
-  int64_t arg1 = 0;       // hello: num_slots; others: header bytes per entry
+  uint16_t count = 0;        // entries used
+  uint16_t flags = 0;        // offer: kFlagLateReply; hello: pipeline depth
+  uint64_t round = 0;        // the step
+  uint64_t checksum = 0;  // XXH3-64 (docs/transfer.md, "Frames")
+  int64_t arg0 = 0;       // hello: slot_bytes; offer: plan entries; reply: reply entries
+  int64_t arg1 = 0;       // hello: num_slots; others: header bytes per offer
 };
 static_assert(sizeof(FrameHead) == 48, "frame head layout");
 
 // Entry codes.
 enum : int32_t {
-  kCodeReady = 1,      // reply
-  kCodeNack = 2,       // reply
-  kCodeSend = 3,       // plan
-  kCodeSkip = 4,       // plan: cancelled by the sender
-  kCodeCommitted = 5,  // ack
-  kCodeCancelled = 6,  // ack: cancelled by the receiver (or skipped)
-  kCodeFailed = 7,     // ack: the import failed
+  kCodeReady = 1,      // reply: reserved, send the payload
+  kCodeNack = 2,       // reply: refused (reason in the entry)
+  kCodeSend = 3,       // offer's plan: this step's payload of the transfer is its image
+  kCodeSkip = 4,       // offer's plan: cancelled by the sender (the bytes still move)
+  kCodeCommitted = 5,  // reply's ack
+  kCodeCancelled = 6,  // reply's ack: cancelled by the receiver (or skipped)
+  kCodeFailed = 7,     // reply's ack: the import failed
+  kCodeOffer = 8,      // offer: a new transfer (its image header follows the entries)
 };
 
 inline constexpr int kEntryMessageBytes = 80;
@@ -86,13 +93,20 @@ struct FrameEntry {
   int32_t code = 0;
   int32_t status_code = 0;  // absl::StatusCode of a refusal or failure
   char message[kEntryMessageBytes] = {};
-  // header_bytes of image header follow (offers)
 };
 static_assert(sizeof(FrameEntry) == 112, "frame entry layout");
 
-inline int64_t FrameBytes(int num_entries, int64_t header_bytes) {
+// A frame of a link with `num_slots` slots: the head, 2 * num_slots entries
+// (an offer holds a plan and new offers, a reply answers and acks; each at
+// most num_slots), then num_slots image headers (the i-th belongs to the
+// i-th kCodeOffer entry).
+inline int64_t FrameEntryCapacity(int num_slots) { return 2 * static_cast<int64_t>(num_slots); }
+inline int64_t FrameHeadersOffset(int num_slots) {
   return static_cast<int64_t>(sizeof(FrameHead)) +
-         num_entries * (static_cast<int64_t>(sizeof(FrameEntry)) + header_bytes);
+         FrameEntryCapacity(num_slots) * static_cast<int64_t>(sizeof(FrameEntry));
+}
+inline int64_t FrameBytes(int num_slots, int64_t header_bytes) {
+  return FrameHeadersOffset(num_slots) + num_slots * header_bytes;
 }
 
 // Writes the checksum into a complete frame.
