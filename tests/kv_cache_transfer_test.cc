@@ -300,6 +300,53 @@ TEST_P(KVCacheTransferTest, ReleaseOnConfirmFreesTheSendersPagesOnlyAfterTheAck)
   EXPECT_TRUE(dst.CheckInvariants().ok());
 }
 
+// Many sequences through every pipeline depth, the caches' pages reused as
+// sequences come and go: each arrives with its stored bytes and dequantized
+// rows equal, in send order, and nothing is left reserved.
+TEST_P(KVCacheTransferTest, ManySequencesThroughEveryPipelineDepthAreExact) {
+  for (int depth : {1, 2, 3}) {
+    SCOPED_TRACE(::testing::Message() << "pipeline_depth " << depth);
+    KVCache src = Make(128), dst = Make(128);
+    Writer w(&src, stream());
+    std::vector<SequenceId> seqs;
+    for (int i = 0; i < 11; ++i) seqs.push_back(w.Add(1 + (i * 23 + depth * 5) % 70));
+    Sync();
+    const testing::Snapshot src_before = TakeSnapshot(src);
+    int64_t slot = 0;
+    for (SequenceId s : seqs) slot = std::max(slot, *src.ExportedBytes(s));
+    TransferOptions o = Opts(slot);
+    o.num_slots = 3;
+    o.pipeline_depth = depth;
+    auto sender = SequenceSender::Create(&src, a_.get(), o);
+    auto receiver = SequenceReceiver::Create(&dst, b_.get(), o);
+    ASSERT_TRUE(sender.ok()) << sender.status();
+    ASSERT_TRUE(receiver.ok()) << receiver.status();
+    for (SequenceId s : seqs) ASSERT_TRUE(sender->Send(s).ok());
+    Pump(*sender, *receiver);
+    std::vector<TransferResult> sent = sender->TakeResults(), got = receiver->TakeResults();
+    ASSERT_EQ(sent.size(), seqs.size());
+    ASSERT_EQ(got.size(), seqs.size());
+    const testing::PoolCopy pools = testing::DownloadPools(dst);
+    for (size_t i = 0; i < seqs.size(); ++i) {
+      EXPECT_EQ(sent[i].seq, seqs[i]);
+      EXPECT_EQ(sent[i].state, TransferState::kConfirmed) << sent[i].status;
+      EXPECT_EQ(got[i].id, sent[i].id);
+      ASSERT_EQ(got[i].state, TransferState::kConfirmed) << got[i].status;
+      EXPECT_EQ(testing::CheckSequenceBytes(dst, pools, got[i].seq, w.tokens(seqs[i])), "");
+      EXPECT_EQ(Dequantized(dst, got[i].seq), Dequantized(src, seqs[i])) << "sequence " << i;
+    }
+    EXPECT_EQ(DiffSnapshots(src_before, TakeSnapshot(src)), "");
+    EXPECT_TRUE(src.CheckInvariants().ok());
+    EXPECT_TRUE(dst.CheckInvariants().ok());
+    EXPECT_EQ(dst.Stats().reservations, 0);
+    // End the link so the next depth starts a fresh pair on the same
+    // endpoints.
+    ASSERT_TRUE(sender->Close().ok());
+    ASSERT_TRUE(receiver->Progress().ok());
+    EXPECT_TRUE(receiver->closed());
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(, KVCacheTransferTest,
                          ::testing::Values(Path::kCpu, Path::kGpuLoopback, Path::kGpuNcclSelf),
                          [](const ::testing::TestParamInfo<Path>& p) {

@@ -4,8 +4,10 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <map>
 #include <memory>
 #include <set>
+#include <string>
 #include <vector>
 
 #include "fp4kv/transfer.h"
@@ -627,6 +629,458 @@ TEST(TransferTest, CloseEndsTheLinkOnBothSides) {
   EXPECT_TRUE(p.receiver->closed());
   EXPECT_EQ(p.receiver->RunUntilResults(1).code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(p.sender->Send(a).status().code(), absl::StatusCode::kFailedPrecondition);
+}
+
+// ----------------------------------------------------- the pipeline
+
+// Forwards to a loopback endpoint and records what the protocol posts (the
+// bytes of every control frame it sends, as posted) and how far its ops
+// completed, so tests can read the wire.
+class Recorder : public Transport {
+ public:
+  struct Op {
+    bool send = false;
+    bool control = false;
+    int64_t bytes = 0;
+    std::vector<unsigned char> frame;  // control sends
+    int64_t completed_before = 0;      // ops of this endpoint known complete when it was posted
+  };
+  explicit Recorder(LoopbackTransport* inner) : inner_(inner) {}
+  Device device() const override { return inner_->device(); }
+  Stream stream() const override { return inner_->stream(); }
+  absl::StatusOr<OpId> Send(const void* b, int64_t n) override { return Log(true, false, b, n); }
+  absl::StatusOr<OpId> Recv(void* b, int64_t n) override { return Log(false, false, b, n); }
+  absl::StatusOr<OpId> SendControl(const void* b, int64_t n) override {
+    return Log(true, true, b, n);
+  }
+  absl::StatusOr<OpId> RecvControl(void* b, int64_t n) override { return Log(false, true, b, n); }
+  absl::StatusOr<bool> Poll(OpId op) override {
+    absl::StatusOr<bool> r = inner_->Poll(op);
+    if (r.ok() && *r) completed_ = std::max<int64_t>(completed_, static_cast<int64_t>(op));
+    return r;
+  }
+  const std::vector<Op>& ops() const { return ops_; }
+
+ private:
+  absl::StatusOr<OpId> Log(bool send, bool control, const void* b, int64_t n) {
+    Op op;
+    op.send = send;
+    op.control = control;
+    op.bytes = n;
+    op.completed_before = completed_;
+    if (send && control) {
+      op.frame.assign(static_cast<const unsigned char*>(b), static_cast<const unsigned char*>(b) + n);
+    }
+    absl::StatusOr<OpId> id;
+    if (control) {
+      id = send ? inner_->SendControl(b, n) : inner_->RecvControl(const_cast<void*>(b), n);
+    } else {
+      id = send ? inner_->Send(b, n) : inner_->Recv(const_cast<void*>(b), n);
+    }
+    if (id.ok()) {
+      EXPECT_EQ(*id, ops_.size() + 1) << "op ids count up from 1";
+      ops_.push_back(std::move(op));
+    }
+    return id;
+  }
+  LoopbackTransport* inner_;
+  std::vector<Op> ops_;
+  int64_t completed_ = 0;
+};
+
+internal::FrameHead HeadOf(const std::vector<unsigned char>& f) {
+  internal::FrameHead h;
+  std::memcpy(&h, f.data(), sizeof(h));
+  return h;
+}
+internal::FrameEntry EntryOf(const std::vector<unsigned char>& f, size_t i) {
+  internal::FrameEntry e;
+  std::memcpy(&e, f.data() + sizeof(internal::FrameHead) + i * sizeof(e), sizeof(e));
+  return e;
+}
+
+// A sender and a receiver on fake caches, each behind a Recorder.
+struct RecordedPair {
+  FakeImageCache src{Device::Cpu(), 100000};
+  FakeImageCache dst{Device::Cpu(), 100000};
+  Link link = MakeLink();
+  Recorder ra{link.a.get()}, rb{link.b.get()};
+  std::unique_ptr<SequenceSender> sender;
+  std::unique_ptr<SequenceReceiver> receiver;
+  std::vector<TransferResult> sent, received;
+
+  explicit RecordedPair(const TransferOptions& o) {
+    auto s = internal::CreateSender(src.Port(), &ra, o);
+    auto r = internal::CreateReceiver(dst.Port(), &rb, o);
+    EXPECT_TRUE(s.ok()) << s.status();
+    EXPECT_TRUE(r.ok()) << r.status();
+    sender = std::make_unique<SequenceSender>(std::move(*s));
+    receiver = std::make_unique<SequenceReceiver>(std::move(*r));
+  }
+  void Collect() {
+    for (auto& r : sender->TakeResults()) sent.push_back(r);
+    for (auto& r : receiver->TakeResults()) received.push_back(r);
+  }
+};
+
+TransferOptions PipeOpts(int slots, int depth, int64_t timeout_ms = 2000) {
+  TransferOptions o = Opts(1 << 16, slots);
+  o.pipeline_depth = depth;
+  o.timeout_ms = timeout_ms;
+  return o;
+}
+
+class TransferPipelineTest : public ::testing::TestWithParam<int> {};
+
+// Many transfers through every depth, sends interleaved with progress and
+// messages delayed at random on both sides: all arrive byte for byte, are
+// confirmed in send order, and up to `depth` steps are in flight (never
+// more).
+TEST_P(TransferPipelineTest, ManyStepsInFlightStayOrderedAndByteExact) {
+  const int depth = GetParam();
+  RecordedPair p(PipeOpts(8, depth));
+  for (int64_t k = 0; k < 400; ++k) {
+    p.link.a->InjectFault(k, {Kind::kDelay, 0, 0, static_cast<int>((k * 7) % 5)});
+    p.link.b->InjectFault(k, {Kind::kDelay, 0, 0, static_cast<int>((k * 3) % 4)});
+  }
+  std::vector<SequenceId> seqs;
+  for (int i = 0; i < 60; ++i) seqs.push_back(p.src.Add(1 + (i * 53) % 300, 500 + i));
+  std::vector<TransferId> ids;
+  size_t next = 0;
+  for (int iter = 0; iter < 1000000 && (next < seqs.size() || p.sender->in_flight() > 0);
+       ++iter) {
+    if (next < seqs.size() && iter % 2 == 0) {
+      auto id = p.sender->Send(seqs[next++]);
+      ASSERT_TRUE(id.ok()) << id.status();
+      ids.push_back(*id);
+    }
+    ASSERT_TRUE(p.sender->Progress().ok());
+    ASSERT_TRUE(p.receiver->Progress().ok());
+    EXPECT_LE(p.receiver->in_flight(), 8);
+    p.Collect();
+  }
+  ASSERT_EQ(p.sent.size(), seqs.size());
+  ASSERT_EQ(p.received.size(), seqs.size());
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    EXPECT_EQ(p.sent[i].id, ids[i]);
+    EXPECT_EQ(p.sent[i].state, TransferState::kConfirmed) << p.sent[i].status;
+    EXPECT_EQ(p.received[i].id, ids[i]);
+    ASSERT_EQ(p.received[i].state, TransferState::kConfirmed) << p.received[i].status;
+    EXPECT_EQ(p.dst.Image(p.received[i].seq), p.src.Image(seqs[i])) << "transfer " << ids[i];
+  }
+  EXPECT_EQ(p.dst.reservations(), 0);
+  // Steps in flight when the sender posted an offer: offers posted before
+  // it whose reply had not completed, plus itself.
+  const std::vector<Recorder::Op>& ops = p.ra.ops();
+  int max_in_flight = 0;
+  for (size_t i = 0; i < ops.size(); ++i) {
+    if (!ops[i].send || !ops[i].control || i == 0) continue;  // op 0 is the hello
+    int in_flight = 0;
+    for (size_t j = 0; j <= i; ++j) {
+      if (ops[j].send && ops[j].control && j > 0) ++in_flight;
+      if (!ops[j].send && ops[j].control && j > 1 &&
+          static_cast<int64_t>(j + 1) <= ops[i].completed_before) {
+        --in_flight;  // a reply that had completed
+      }
+    }
+    max_in_flight = std::max(max_in_flight, in_flight);
+  }
+  EXPECT_EQ(max_in_flight, depth);
+}
+
+// The wire, step by step: offer k, then exactly the payloads its plan
+// names, then the receive of reply k; the plan of offer k is the READY set
+// of reply k - depth in order; every transfer's payload moves depth steps
+// after its offer; its ack comes in the reply of the step that moved it or
+// the next one.
+TEST_P(TransferPipelineTest, StepsFollowTheDocumentedLayout) {
+  const int depth = GetParam();
+  RecordedPair p(PipeOpts(6, depth));
+  std::vector<SequenceId> seqs;
+  for (int i = 0; i < 25; ++i) seqs.push_back(p.src.Add(5 + (i * 29) % 200, 900 + i));
+  for (SequenceId s : seqs) ASSERT_TRUE(p.sender->Send(s).ok());
+  for (int i = 0; i < 100000 && p.sender->in_flight() > 0; ++i) {
+    ASSERT_TRUE(p.sender->Progress().ok());
+    ASSERT_TRUE(p.receiver->Progress().ok());
+  }
+  p.Collect();
+  ASSERT_EQ(p.sent.size(), seqs.size());
+  // Replies as the receiver sent them, by step.
+  std::map<uint64_t, std::vector<unsigned char>> replies;
+  for (const Recorder::Op& op : p.rb.ops()) {
+    if (op.send && op.control && HeadOf(op.frame).kind ==
+                                     static_cast<uint16_t>(internal::FrameKind::kReply)) {
+      replies[HeadOf(op.frame).round] = op.frame;
+    }
+  }
+  const std::vector<Recorder::Op>& ops = p.ra.ops();
+  ASSERT_GE(ops.size(), 2u);
+  EXPECT_TRUE(ops[0].send && ops[0].control);    // hello
+  EXPECT_TRUE(!ops[1].send && ops[1].control);   // the receiver's hello
+  std::map<TransferId, uint64_t> offered_in, moved_in, acked_in;
+  uint64_t expect_step = 0;
+  for (size_t i = 2; i < ops.size();) {
+    ASSERT_TRUE(ops[i].send && ops[i].control) << "op " << i << ": expected an offer";
+    const internal::FrameHead h = HeadOf(ops[i].frame);
+    ASSERT_EQ(h.kind, static_cast<uint16_t>(internal::FrameKind::kOffer));
+    ASSERT_EQ(h.round, expect_step);
+    const uint64_t k = h.round;
+    // The plan: reply k - depth's READY entries, in order.
+    std::vector<TransferId> want;
+    if (k >= static_cast<uint64_t>(depth)) {
+      ASSERT_TRUE(replies.count(k - depth));
+      const std::vector<unsigned char>& r = replies[k - depth];
+      const internal::FrameHead rh = HeadOf(r);
+      for (int64_t e = 0; e < rh.arg0; ++e) {
+        if (EntryOf(r, e).code == internal::kCodeReady) want.push_back(EntryOf(r, e).id);
+      }
+    }
+    ASSERT_EQ(h.arg0, static_cast<int64_t>(want.size())) << "step " << k;
+    for (int64_t e = 0; e < h.count; ++e) {
+      const internal::FrameEntry fe = EntryOf(ops[i].frame, e);
+      if (e < h.arg0) {
+        EXPECT_EQ(fe.id, want[e]);
+        EXPECT_EQ(fe.code, internal::kCodeSend);
+        moved_in[fe.id] = k;
+      } else {
+        EXPECT_EQ(fe.code, internal::kCodeOffer);
+        offered_in[fe.id] = k;
+      }
+    }
+    // Exactly the planned payloads, then the reply's receive.
+    for (int64_t e = 0; e < h.arg0; ++e) {
+      ASSERT_LT(i + 1 + e, ops.size());
+      EXPECT_TRUE(ops[i + 1 + e].send && !ops[i + 1 + e].control) << "step " << k;
+    }
+    const size_t r = i + 1 + static_cast<size_t>(h.arg0);
+    ASSERT_LT(r, ops.size());
+    EXPECT_TRUE(!ops[r].send && ops[r].control) << "step " << k << ": expected the reply";
+    ASSERT_TRUE(replies.count(k));
+    const internal::FrameHead rh = HeadOf(replies[k]);
+    for (int64_t e = rh.arg0; e < rh.count; ++e) {
+      const internal::FrameEntry a = EntryOf(replies[k], e);
+      EXPECT_EQ(a.code, internal::kCodeCommitted);
+      acked_in[a.id] = k;
+    }
+    i = r + 1;
+    ++expect_step;
+  }
+  ASSERT_EQ(offered_in.size(), seqs.size());
+  ASSERT_EQ(moved_in.size(), seqs.size());
+  ASSERT_EQ(acked_in.size(), seqs.size());
+  uint64_t prev_offer = 0;
+  for (const auto& [id, k] : offered_in) {
+    EXPECT_GE(k, prev_offer) << "offers in id order";
+    prev_offer = k;
+    EXPECT_EQ(moved_in[id], k + depth) << "transfer " << id;
+    EXPECT_GE(acked_in[id], moved_in[id]) << "transfer " << id;
+    EXPECT_LE(acked_in[id], moved_in[id] + 1) << "transfer " << id;
+  }
+  // Several transfers per step: the pipeline carried more than one at once.
+  EXPECT_LT(expect_step, seqs.size());
+}
+
+// Faults at every message of a pipelined run, on either side: a broken
+// control frame, a lost message, a failed link. Whatever the point, both
+// sides stop with nothing in flight; every sequence is in at least one cache
+// (the sender releases only what the receiver confirmed; a lost ack leaves
+// it on both), the receiver holds exactly what it confirmed, byte for byte,
+// and no reservation or page is left behind.
+TEST_P(TransferPipelineTest, FaultsAtEveryMessageLeaveConsistentCaches) {
+  const int depth = GetParam();
+  const int kSeqs = 9;
+  auto lengths = [](int i) { return int64_t{3} + (i * 41) % 90; };
+  // A clean run first: which messages each side sends (control or data).
+  std::vector<bool> control[2];
+  {
+    RecordedPair p(PipeOpts(3, depth));
+    for (int i = 0; i < kSeqs; ++i) ASSERT_TRUE(p.sender->Send(p.src.Add(lengths(i), i)).ok());
+    for (int i = 0; i < 100000 && p.sender->in_flight() > 0; ++i) {
+      ASSERT_TRUE(p.sender->Progress().ok());
+      ASSERT_TRUE(p.receiver->Progress().ok());
+    }
+    for (int side = 0; side < 2; ++side) {
+      for (const Recorder::Op& op : (side == 0 ? p.ra : p.rb).ops()) {
+        if (op.send) control[side].push_back(op.control);
+      }
+    }
+  }
+  ASSERT_GT(control[0].size(), 10u);
+  int cases = 0;
+  for (int side = 0; side < 2; ++side) {
+    for (size_t index = 0; index < control[side].size(); ++index) {
+      std::vector<LoopbackFault> faults = {{Kind::kFail}};
+      if (control[side][index]) faults.push_back({Kind::kCorrupt, 0, 60 + 7 * int64_t(index)});
+      // Lost messages (every one a timeout) at depth 2 only.
+      if (depth == 2) faults.push_back({Kind::kDrop});
+      for (const LoopbackFault& f : faults) {
+        SCOPED_TRACE(::testing::Message() << (side == 0 ? "sender" : "receiver") << " message "
+                                          << index << " fault " << static_cast<int>(f.kind));
+        ++cases;
+        TransferOptions o = PipeOpts(3, depth, /*timeout_ms=*/30);
+        o.release_on_confirm = true;
+        Pair p(100000, o);
+        std::map<SequenceId, std::vector<uint8_t>> images;
+        for (int i = 0; i < kSeqs; ++i) {
+          SequenceId s = p.src.Add(lengths(i), i);
+          images[s] = p.src.Image(s);
+        }
+        (side == 0 ? p.link.a : p.link.b)->InjectFault(static_cast<int64_t>(index), f);
+        for (const auto& [s, img] : images) ASSERT_TRUE(p.sender->Send(s).ok());
+        absl::Status ss, rs;
+        const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+        while (std::chrono::steady_clock::now() < end) {
+          if (ss.ok()) ss = p.sender->Progress();
+          if (rs.ok()) rs = p.receiver->Progress();
+          p.Collect();
+          if (p.sender->in_flight() == 0 && p.receiver->in_flight() == 0) break;
+        }
+        ASSERT_EQ(p.sender->in_flight(), 0);
+        ASSERT_EQ(p.receiver->in_flight(), 0);
+        ASSERT_EQ(p.sent.size(), images.size());
+        std::map<TransferId, SequenceId> got;  // receiver-confirmed: id -> new sequence
+        for (const TransferResult& r : p.received) {
+          if (r.state == TransferState::kConfirmed) {
+            EXPECT_TRUE(got.emplace(r.id, r.seq).second) << "transfer " << r.id << " twice";
+          }
+        }
+        int64_t pages = 0;
+        for (const TransferResult& r : p.sent) {
+          EXPECT_TRUE(r.state == TransferState::kConfirmed || r.state == TransferState::kFailed)
+              << TransferStateName(r.state) << " " << r.status;
+          const bool on_receiver = got.count(r.id) != 0;
+          if (r.state == TransferState::kConfirmed) {
+            EXPECT_TRUE(on_receiver) << "confirmed to the sender, unknown to the receiver";
+            EXPECT_FALSE(p.src.Has(r.seq));
+          } else {
+            EXPECT_TRUE(p.src.Has(r.seq)) << "the sender let go of a failed transfer";
+            if (p.src.Has(r.seq)) {
+              EXPECT_EQ(p.src.Image(r.seq), images[r.seq]);
+            }
+          }
+          if (on_receiver) {
+            EXPECT_EQ(p.dst.Image(got[r.id]), images[r.seq]) << "transfer " << r.id;
+            pages += (r.length + 15) / 16;
+          }
+        }
+        EXPECT_EQ(p.dst.reservations(), 0);
+        EXPECT_EQ(p.dst.pages_used(), pages);
+      }
+    }
+  }
+  EXPECT_GT(cases, 20);
+}
+
+// Cancels from the sender at every stage while other transfers flow: a
+// cancelled one ends kCancelled (or, when its image was already moving,
+// the cancel is refused and it ends confirmed); nothing else is disturbed.
+TEST_P(TransferPipelineTest, CancelsMidPipelineLeaveTheRestFlowing) {
+  const int depth = GetParam();
+  Pair p(100000, PipeOpts(4, depth));
+  std::vector<SequenceId> seqs;
+  for (int i = 0; i < 30; ++i) seqs.push_back(p.src.Add(4 + (i * 31) % 120, 300 + i));
+  const FakeImageCache::State before = p.src.Snap();
+  std::vector<TransferId> ids;
+  for (SequenceId s : seqs) ids.push_back(*p.sender->Send(s));
+  std::set<TransferId> cancelled, refused;
+  std::set<TransferState> stages;
+  for (int iter = 0; iter < 100000 && p.sender->in_flight() > 0; ++iter) {
+    for (size_t i = iter % 5; i < ids.size(); i += 7) {
+      auto st = p.sender->State(ids[i]);
+      if (!st.ok() || cancelled.count(ids[i]) || refused.count(ids[i])) continue;
+      absl::Status c = p.sender->Cancel(ids[i]);
+      if (c.ok()) {
+        cancelled.insert(ids[i]);
+        stages.insert(*st);
+      } else {
+        EXPECT_EQ(c.code(), absl::StatusCode::kFailedPrecondition) << c;
+        EXPECT_EQ(*st, TransferState::kMoving);
+        refused.insert(ids[i]);
+      }
+    }
+    ASSERT_TRUE(p.sender->Progress().ok());
+    ASSERT_TRUE(p.receiver->Progress().ok());
+    p.Collect();
+  }
+  p.Collect();
+  ASSERT_EQ(p.sent.size(), ids.size());
+  EXPECT_GE(stages.size(), 2u) << "cancels hit more than one stage";
+  EXPECT_TRUE(stages.count(TransferState::kQueued));
+  std::map<TransferId, SequenceId> got;
+  for (const TransferResult& r : p.received) {
+    if (r.state == TransferState::kConfirmed) got[r.id] = r.seq;
+  }
+  int64_t pages = 0;
+  for (const TransferResult& r : p.sent) {
+    if (cancelled.count(r.id)) {
+      EXPECT_EQ(r.state, TransferState::kCancelled) << "transfer " << r.id << " " << r.status;
+      EXPECT_EQ(got.count(r.id), 0u);
+    } else {
+      EXPECT_EQ(r.state, TransferState::kConfirmed) << "transfer " << r.id << " " << r.status;
+      ASSERT_EQ(got.count(r.id), 1u);
+      EXPECT_EQ(p.dst.Image(got[r.id]), p.src.Image(r.seq));
+      pages += (r.length + 15) / 16;
+    }
+  }
+  EXPECT_EQ(FakeImageCache::Diff(before, p.src.Snap()), "");
+  EXPECT_EQ(p.dst.reservations(), 0);
+  EXPECT_EQ(p.dst.pages_used(), pages);
+}
+
+INSTANTIATE_TEST_SUITE_P(Depth, TransferPipelineTest, ::testing::Values(1, 2, 3),
+                         [](const ::testing::TestParamInfo<int>& p) {
+                           return "Depth" + std::to_string(p.param);
+                         });
+
+TEST(TransferTest, PipelineDepthMustBeValidAndMatch) {
+  FakeImageCache src(Device::Cpu(), 100), dst(Device::Cpu(), 100);
+  Link l = MakeLink();
+  for (int bad : {0, 5, -1}) {
+    auto s = internal::CreateSender(src.Port(), l.a.get(), PipeOpts(4, bad));
+    EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(s.status().message().find("pipeline_depth"), absl::string_view::npos) << s.status();
+  }
+  auto s = internal::CreateSender(src.Port(), l.a.get(), PipeOpts(4, 1));
+  auto r = internal::CreateReceiver(dst.Port(), l.b.get(), PipeOpts(4, 3));
+  ASSERT_TRUE(s.ok() && r.ok());
+  ASSERT_TRUE(s->Send(src.Add(10, 1)).ok());
+  absl::Status a, b;
+  for (int i = 0; i < 10 && a.ok(); ++i) {
+    a = s->Progress();
+    b = r->Progress();
+  }
+  EXPECT_EQ(a.code(), absl::StatusCode::kFailedPrecondition) << a;
+  EXPECT_EQ(b.code(), absl::StatusCode::kFailedPrecondition) << b;
+  EXPECT_NE(a.message().find("pipeline_depth"), absl::string_view::npos) << a;
+  EXPECT_EQ(dst.reservations(), 0);
+}
+
+// A damaged plan (the offer of step depth, which plans step 0's payloads)
+// is caught before any payload is committed: both caches unchanged.
+TEST(TransferTest, CorruptedPlanBreaksTheLinkBeforeAnyCommit) {
+  TransferOptions o = PipeOpts(4, 2, 100);
+  Pair p(1000, o);
+  SequenceId a = p.src.Add(30, 1), b = p.src.Add(45, 2);
+  // Sender messages: hello (0), offer 0 (1), offer 1 (2), offer 2 = plan of
+  // reply 0 (3).
+  p.link.a->InjectFault(3, {Kind::kCorrupt, 0, 100});
+  const FakeImageCache::State src_before = p.src.Snap(), dst_before = p.dst.Snap();
+  ASSERT_TRUE(p.sender->Send(a).ok());
+  ASSERT_TRUE(p.sender->Send(b).ok());
+  absl::Status ss, rs;
+  const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while ((p.sender->in_flight() > 0 || p.receiver->in_flight() > 0) &&
+         std::chrono::steady_clock::now() < end) {
+    if (ss.ok()) ss = p.sender->Progress();
+    if (rs.ok()) rs = p.receiver->Progress();
+    p.Collect();
+  }
+  EXPECT_EQ(rs.code(), absl::StatusCode::kDataLoss) << rs;
+  EXPECT_EQ(ss.code(), absl::StatusCode::kDeadlineExceeded) << ss;
+  ASSERT_EQ(p.received.size(), 2u);
+  for (const TransferResult& r : p.received) EXPECT_EQ(r.state, TransferState::kFailed);
+  EXPECT_EQ(FakeImageCache::Diff(src_before, p.src.Snap()), "");
+  EXPECT_EQ(FakeImageCache::Diff(dst_before, p.dst.Snap()), "");
 }
 
 }  // namespace
