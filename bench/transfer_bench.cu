@@ -17,9 +17,12 @@
 //                          L-token sequences (8 layers, 8 KV heads, head dim
 //                          128, page 16), one message per image
 //   BM_Transfer/L          the same sequences through SequenceSender /
-//                          SequenceReceiver; pct_of_nccl = its GB/s as a
-//                          percentage of BM_NcclSendRecv/L's
-//   BM_Latency4k32Layers   one 4096-token sequence of a 32-layer model
+//                          SequenceReceiver (pipeline_depth 2, enough slots
+//                          for several images per step); pct_of_nccl = its
+//                          GB/s as a percentage of BM_NcclSendRecv/L's
+//   BM_Latency4k32Layers/D one 4096-token sequence of a 32-layer model at
+//                          pipeline_depth D (1: the fewest control messages
+//                          before the payload)
 // GBps counts the image bytes moved once (one direction).
 #include <cuda_runtime_api.h>
 
@@ -204,12 +207,13 @@ struct Setup {
 
 // Sends every sequence of `setup` through a fresh sender/receiver pair,
 // kRuns times (plus one warm-up); the median ms of one run, or < 0.
-double TimeTransfer(Setup& setup, int slots, std::string* error) {
+double TimeTransfer(Setup& setup, int slots, int depth, std::string* error) {
   Link& l = TheLink();
   TransferOptions o[2];
   for (int s = 0; s < 2; ++s) {
     o[s].slot_bytes = setup.image_bytes;
     o[s].num_slots = slots;
+    o[s].pipeline_depth = depth;
     o[s].cache_stream = setup.stream[s];
     o[s].timeout_ms = 60000;
   }
@@ -395,9 +399,15 @@ void BM_Transfer(benchmark::State& state) {
   const int64_t pages = n * ((len + 15) / 16) + 64;
   Setup setup(8, pages, len, n);
   BENCH_CHECK(state, setup.error.empty(), setup.error.c_str());
+  // Staging for the pipeline: a transfer holds a slot for about depth + 2
+  // steps, so enough slots that each step carries several images: 1 GiB of
+  // slots per side, 8 .. 128 of them, no more than there are sequences.
+  const int slots = static_cast<int>(std::min<int64_t>(
+      n, std::min<int64_t>(128, std::max<int64_t>(8, kGiB / setup.image_bytes))));
+  const int depth = 2;
   for (auto _ : state) {
     std::string error;
-    const double med = TimeTransfer(setup, 4, &error);
+    const double med = TimeTransfer(setup, slots, depth, &error);
     BENCH_CHECK(state, med > 0, error.c_str());
     const double bytes = static_cast<double>(n * setup.image_bytes);
     bench::Report(state, med, bytes);
@@ -407,6 +417,8 @@ void BM_Transfer(benchmark::State& state) {
         it != NcclGBps().end() && it->second > 0 ? 100.0 * gbps / it->second : 0.0;
     state.counters["sequences"] = static_cast<double>(n);
     state.counters["image_bytes"] = static_cast<double>(setup.image_bytes);
+    state.counters["slots"] = slots;
+    state.counters["pipeline_depth"] = depth;
   }
   state.SetLabel(l.label);
 }
@@ -419,10 +431,12 @@ void BM_Latency4k32Layers(benchmark::State& state) {
   BENCH_CHECK(state, setup.error.empty(), setup.error.c_str());
   for (auto _ : state) {
     std::string error;
-    const double med = TimeTransfer(setup, 1, &error);
+    const int depth = static_cast<int>(state.range(0));
+    const double med = TimeTransfer(setup, 1, depth, &error);
     BENCH_CHECK(state, med > 0, error.c_str());
     bench::Report(state, med, static_cast<double>(setup.image_bytes));
     state.counters["image_bytes"] = static_cast<double>(setup.image_bytes);
+    state.counters["pipeline_depth"] = depth;
   }
   state.SetLabel(l.label);
 }
@@ -434,7 +448,7 @@ BENCHMARK(BM_NcclSendRecv)
 BENCHMARK(BM_Transfer)
     ->Arg(2048)->Arg(4096)->Arg(8192)->Arg(16384)->Arg(32768)
     ->UseManualTime()->Iterations(1)->Unit(benchmark::kMicrosecond);
-BENCHMARK(BM_Latency4k32Layers)->UseManualTime()->Iterations(1)->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_Latency4k32Layers)->Arg(1)->Arg(2)->UseManualTime()->Iterations(1)->Unit(benchmark::kMicrosecond);
 
 }  // namespace
 }  // namespace fp4kv

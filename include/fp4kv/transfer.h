@@ -307,8 +307,9 @@ class SequenceReceiver {
   // id not in flight here.
   absl::Status Cancel(TransferId id);
   absl::Status Progress();
-  // Blocking: Progress until `count` results wait in TakeResults (or an
-  // error, a timeout, or the sender closed the link first).
+  // Blocking: Progress until `count` results wait in TakeResults and the
+  // acks of the committed ones went out (or an error, a timeout, or the
+  // sender closed the link first).
   absl::Status RunUntilResults(int64_t count);
   // The sender closed the link (Close): nothing more arrives.
   bool closed() const;

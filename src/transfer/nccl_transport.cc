@@ -154,14 +154,20 @@ absl::Status NcclStatus(const NcclApi* api, ncclResult_t r, const char* what) {
 // Makes `ordinal` current for a scope.
 class DeviceGuard {
  public:
+  // Switches only when another device is current (the hot path: every
+  // post and poll).
   explicit DeviceGuard(int ordinal) {
-    cudaGetDevice(&prev_);
-    cudaSetDevice(ordinal);
+    if (cudaGetDevice(&prev_) == cudaSuccess && prev_ != ordinal) {
+      switched_ = cudaSetDevice(ordinal) == cudaSuccess;
+    }
   }
-  ~DeviceGuard() { cudaSetDevice(prev_); }
+  ~DeviceGuard() {
+    if (switched_) cudaSetDevice(prev_);
+  }
 
  private:
   int prev_ = 0;
+  bool switched_ = false;
 };
 
 }  // namespace
@@ -332,6 +338,7 @@ class NcclEndpoint : public Transport {
     if (op == 0 || op >= next_id_) {
       return absl::InvalidArgumentError(absl::StrCat("op: expected a posted op, got ", op));
     }
+    if (completed_ >= op) return true;  // known complete: no driver call
     DeviceGuard g(comm_->device.ordinal);
     ncclResult_t async = ncclSuccess;
     comm_->api->CommGetAsyncError(comm_->comm, &async);

@@ -1215,7 +1215,10 @@ absl::Status SequenceReceiver::Progress() {
 
 absl::Status SequenceReceiver::RunUntilResults(int64_t count) {
   FP4KV_TRANSFER_RETURN_IF_MOVED_FROM();
-  while (static_cast<int64_t>(impl_->results.size()) < count) {
+  // Also until the acks of what committed here are on their way: the
+  // sender's last confirmations must not wait for a later call.
+  while (static_cast<int64_t>(impl_->results.size()) < count || !impl_->acks.empty() ||
+         impl_->phase == Impl::Phase::kLate) {
     FP4KV_RETURN_IF_ERROR_T(Progress());
     if (impl_->phase == Impl::Phase::kClosed) {
       return absl::FailedPreconditionError(absl::StrCat(
