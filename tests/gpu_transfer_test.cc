@@ -95,7 +95,8 @@ TEST(GpuTransferTest, LoopbackFaultsOnDeviceLeaveBothCachesUnchanged) {
   FP4KV_ASSERT_CUDA(cudaStreamCreateWithFlags(&cs, cudaStreamNonBlocking));
   FakeImageCache src(Device::Cuda(0), 1000), dst(Device::Cuda(0), 1000);
   SequenceId a = src.Add(100, 1), b = src.Add(200, 2);
-  pair->first->InjectFault(4, {LoopbackFault::Kind::kFail});  // b's payload
+  // Sender messages: hello, offers 0, 1, 2 (the plan), then a's payload.
+  pair->first->InjectFault(4, {LoopbackFault::Kind::kFail});
   const auto src_before = src.Snap(), dst_before = dst.Snap();
   auto s = internal::CreateSender(src.Port(), pair->first.get(), Opts(1 << 16, 4, cs));
   auto r = internal::CreateReceiver(dst.Port(), pair->second.get(), Opts(1 << 16, 4, cs));

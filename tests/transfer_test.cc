@@ -430,9 +430,11 @@ TEST(TransferTest, FailedCommitIsReportedToBothAndChangesNothing) {
   EXPECT_EQ(p.sent[1].state, TransferState::kConfirmed);
 }
 
-// Message indices on the loopback link: sender side a sends hello (0),
-// offer r0 (1), plan r0 (2), payloads (3..); receiver side b sends hello (0),
-// reply r0 (1), ack r0 (2).
+// Message indices on the loopback link (pipeline_depth 2, two transfers
+// offered in step 0): sender side a sends hello (0), offer 0 (1), offer 1
+// (2), offer 2 = the plan of reply 0's READYs (3), their payloads (4, 5);
+// receiver side b sends hello (0), reply 0 (1), reply 1 (2), reply 2 = the
+// late reply with the acks (3).
 TEST(TransferTest, CorruptedOrTruncatedControlFramesBreakTheLinkAndChangeNothing) {
   struct Case {
     bool on_sender;
@@ -445,7 +447,9 @@ TEST(TransferTest, CorruptedOrTruncatedControlFramesBreakTheLinkAndChangeNothing
       {true, 1, {Kind::kTruncate, 60}, "offer truncated"},
       {true, 0, {Kind::kCorrupt, 0, 2}, "hello corrupted"},
       {false, 1, {Kind::kCorrupt, 0, 49}, "reply corrupted"},
-      {true, 2, {Kind::kCorrupt, 0, 20}, "plan corrupted"},
+      {true, 2, {Kind::kCorrupt, 0, 20}, "offer 1 corrupted"},
+      {true, 3, {Kind::kCorrupt, 0, 20}, "plan (offer 2) corrupted"},
+      {false, 1, {Kind::kTruncate, 100}, "reply 0 truncated inside its entries"},
       {false, 1, {Kind::kTruncate, 8}, "reply truncated"},
   };
   for (const Case& c : cases) {
@@ -507,7 +511,9 @@ TEST(TransferTest, LostAckLeavesTheSequenceOnBothSidesNeverOnNeither) {
   o.timeout_ms = 50;
   Pair p(1000, o);
   SequenceId a = p.src.Add(30, 1);
-  p.link.b->InjectFault(2, {Kind::kDrop});  // the ack of round 0
+  // Receiver messages: hello (0), reply 0 (1), reply 1 (2), reply 2 (3):
+  // the late reply that acks the payload of step 2.
+  p.link.b->InjectFault(3, {Kind::kDrop});
   ASSERT_TRUE(p.sender->Send(a).ok());
   absl::Status s;
   for (int i = 0; i < 10000000 && s.ok(); ++i) {
@@ -544,7 +550,7 @@ TEST(TransferTest, DelayedMessagesStillCompleteInOrder) {
 TEST(TransferTest, LinkFailureMidPayloadFailsTheRoundAndCancelsReservations) {
   Pair p;
   SequenceId a = p.src.Add(30, 1), b = p.src.Add(30, 2);
-  p.link.a->InjectFault(4, {Kind::kFail});  // the second payload of round 0
+  p.link.a->InjectFault(4, {Kind::kFail});  // the first payload (step 2)
   const FakeImageCache::State src_before = p.src.Snap(), dst_before = p.dst.Snap();
   ASSERT_TRUE(p.sender->Send(a).ok());
   ASSERT_TRUE(p.sender->Send(b).ok());

@@ -11,7 +11,11 @@
 // commits it (KVCache::CommitImport) and answers ACK. The sender never
 // releases a sequence before that ACK; every failure or cancellation before
 // it leaves both caches as they were (the reservation is cancelled, the
-// sender still holds its sequence). docs/transfer.md has the protocol.
+// sender still holds its sequence). The protocol is a pipeline of steps
+// (TransferOptions::pipeline_depth in flight): later offers, earlier acks
+// and exports into freed slots happen while payloads are on the link, in an
+// issue order both sides derive from the frames they hold. docs/transfer.md
+// has the protocol.
 //
 // Progress model: Progress() never blocks; it advances the state machine
 // from completed transport operations and CUDA events (cudaEventQuery), so a
