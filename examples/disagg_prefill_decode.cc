@@ -239,7 +239,9 @@ int Prefill(const Flags& f, const fp4kv::NcclUniqueId& id) {
 
   fp4kv::TransferOptions o;
   o.slot_bytes = biggest;
-  o.num_slots = 4;
+  // A transfer holds its slot for about pipeline_depth + 2 protocol steps:
+  // 8 slots keep about two images per step on the link.
+  o.num_slots = 8;
   o.cache_stream = stream;
   o.release_on_confirm = true;
   // The slot size must match on both sides: tell rank 1 first.
@@ -311,7 +313,7 @@ int Decode(const Flags& f, const fp4kv::NcclUniqueId& id) {
   }
   fp4kv::TransferOptions o;
   o.slot_bytes = hello[0];
-  o.num_slots = 4;
+  o.num_slots = 8;  // as the prefill side
   o.cache_stream = stream;
   absl::StatusOr<fp4kv::SequenceReceiver> receiver =
       fp4kv::SequenceReceiver::Create(&cache, link->get(), o);
