@@ -262,6 +262,7 @@ struct SequenceSender::Impl {
   int64_t frame_bytes = 0;  // offer / reply / bye frames
   int depth = 1;
   int ring = 2;             // depth + 1 frames each way
+  int max_offers = 1;       // new offers per step: max(1, num_slots / (depth + 2))
   std::vector<unsigned char*> out_frames, in_frames;  // [step % ring] (host)
   unsigned char* hello_in = nullptr;
   unsigned char* hello_out = nullptr;
@@ -460,11 +461,14 @@ struct SequenceSender::Impl {
       std::memcpy(p, &fe, sizeof(fe));
       p += sizeof(fe);
     }
-    // New offers: everything exported (at most num_slots: each holds a slot).
+    // New offers: the oldest exported ones, at most max_offers: a transfer
+    // holds its slot for about depth + 2 steps, so spreading the slots over
+    // the steps frees them a few at a time, and their next exports overlap
+    // other steps' payloads instead of all waiting for one big ack.
     std::vector<TransferId>& offers = offered[k % ring];
     offers.clear();
     unsigned char* h = out + internal::FrameHeadersOffset(o.num_slots);
-    while (!ready.empty()) {
+    while (!ready.empty() && static_cast<int>(offers.size()) < max_offers) {
       Entry& e = entries.at(ready.front());
       ready.pop_front();
       internal::FrameEntry fe;
@@ -479,7 +483,7 @@ struct SequenceSender::Impl {
       e.state = TransferState::kOffered;
       offers.push_back(e.id);
     }
-    const bool late = offers.empty() && queued.empty() && exporting.empty();
+    const bool late = offers.empty() && queued.empty() && exporting.empty() && ready.empty();
     head->count = static_cast<uint16_t>(plan.size() + offers.size());
     head->arg0 = static_cast<int64_t>(plan.size());
     head->flags = late ? internal::kFlagLateReply : 0;
@@ -619,6 +623,7 @@ absl::StatusOr<SequenceSender> internal::CreateSender(std::unique_ptr<TransferCa
   impl->frame_bytes = FrameBytes(options.num_slots, impl->hdr);
   impl->depth = options.pipeline_depth;
   impl->ring = options.pipeline_depth + 1;
+  impl->max_offers = std::max(1, options.num_slots / (options.pipeline_depth + 2));
   const int64_t host_bytes = 2 * impl->ring * impl->frame_bytes +
                              2 * static_cast<int64_t>(sizeof(FrameHead)) +
                              options.num_slots * impl->hdr;
