@@ -29,6 +29,9 @@ fi
 if [ -z "${FP4KV_REALKV_DIR:-}" ] && [ -d ./.carry/data/realkv ]; then
   export FP4KV_REALKV_DIR="$(cd ./.carry/data/realkv && pwd)"
 fi
+# NCCL (the transfer module dlopens libnccl.so.2): the machine's own copy,
+# from the nvidia-nccl wheel or the CUDA toolkit; NVLink multicast off.
+source "$(dirname "$0")/nccl_env.sh"
 if [ ! -d "$BUILD_DIR" ]; then
   echo "gpu_check: no build folder $BUILD_DIR" >&2
   exit 2

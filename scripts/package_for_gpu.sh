@@ -13,7 +13,13 @@
 # it on the device machine). scripts/gpu_check.sh puts .carry/lib on
 # LD_LIBRARY_PATH.
 #
+# libnccl is never packed (200+ MB; the transfer module loads it with dlopen):
+# scripts/gpu_check.sh finds the GPU machine's own copy (the nvidia-nccl
+# wheel) and puts it on LD_LIBRARY_PATH.
+#
 # Usage: scripts/package_for_gpu.sh        (JOBS=n to change -j, default 2)
+#        TARGETS="gpu_transfer_test transfer_bench" scripts/package_for_gpu.sh
+#          builds and packs only those executables
 # Then on the GPU machine: scripts/gpu_check.sh .carry/bin
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,11 +27,21 @@ cd "$(dirname "$0")/.."
 BUILD=build-gpu
 cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 \
   -DFP4KV_BUILD_TESTS=ON -DFP4KV_BUILD_BENCHMARKS=ON -DFP4KV_BUILD_EXAMPLES=ON -DBUILD_SHARED_LIBS=ON
-cmake --build "$BUILD" -j"${JOBS:-2}"
+if [ -n "${TARGETS:-}" ]; then
+  # shellcheck disable=SC2086
+  cmake --build "$BUILD" -j"${JOBS:-2}" --target $TARGETS
+else
+  cmake --build "$BUILD" -j"${JOBS:-2}"
+fi
 
 rm -rf .carry
 mkdir -p .carry/bin .carry/lib
-mapfile -t exes < <(find "$BUILD" -maxdepth 1 -type f -perm -u+x \( -name 'gpu_*_test' -o -name 'kv_cache*_test' -o -name '*_bench' -o -name serving_loop \) | sort)
+if [ -n "${TARGETS:-}" ]; then
+  exes=()
+  for t in $TARGETS; do exes+=("$BUILD/$t"); done
+else
+  mapfile -t exes < <(find "$BUILD" -maxdepth 1 -type f -perm -u+x \( -name 'gpu_*_test' -o -name 'kv_cache*_test' -o -name '*_bench' -o -name serving_loop -o -name disagg_prefill_decode \) | sort)
+fi
 for exe in "${exes[@]}"; do
   cp "$exe" .carry/bin/
   strip --strip-unneeded ".carry/bin/$(basename "$exe")"
@@ -35,7 +51,7 @@ declare -A seen=()
 for exe in "${exes[@]}"; do
   while read -r lib path; do
     case "$lib" in
-      libc.so*|libm.so*|libpthread.so*|libdl.so*|librt.so*|ld-linux*) continue ;;
+      libc.so*|libm.so*|libpthread.so*|libdl.so*|librt.so*|ld-linux*|libnccl*) continue ;;
     esac
     [ -n "${seen[$lib]:-}" ] && continue
     seen[$lib]=1
