@@ -2614,6 +2614,7 @@ absl::Status PageableCopy(const KVCacheState& s, const SequenceImageHeader& h, u
   for (int l = 0; l < s.options.num_layers; ++l) {
     for (int r = 0; r < 4; ++r) {
       const int64_t pb = s.pool.regions[r].page_bytes;
+      if (pb == 0) continue;  // the K scales of FP8 keys
       uint8_t* pool = s.pools.get() + l * s.pool.layer_bytes + s.pool.regions[r].offset;
       uint8_t* img = image + h.layers_offset + l * h.layer_bytes + h.region_offset[r];
       for (int64_t i = 0; i < n;) {
@@ -2811,7 +2812,6 @@ absl::StatusOr<ImportReservation> KVCache::ReserveImport(const SequenceImageHead
       {"geometry.head_dim_v", g.head_dim_v, ig.head_dim_v},
       {"geometry.page_size", g.page_size, ig.page_size},
       {"geometry.layout", static_cast<int64_t>(g.layout), static_cast<int64_t>(ig.layout)},
-      {"key_format", kKeyFormatNvfp4, h.key_format},
   };
   for (const auto& f : fields) {
     if (f.want != f.got) {
@@ -2819,6 +2819,12 @@ absl::StatusOr<ImportReservation> KVCache::ReserveImport(const SequenceImageHead
                                                      f.want, ", got ", f.got,
                                                      " (an image of another cache geometry)"));
     }
+  }
+  if (h.key_format != static_cast<uint8_t>(g.key_format)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "header.key_format: expected this cache's ", static_cast<int>(g.key_format), " (",
+        KeyFormatName(g.key_format), " keys), got ", static_cast<int>(h.key_format), " (",
+        KeyFormatName(ig.key_format), " keys); an image of another key format is not converted"));
   }
   if (!(h.recipe == s.options.recipe)) {
     return absl::InvalidArgumentError(absl::StrCat("header.recipe: expected this cache's ",
@@ -3048,6 +3054,7 @@ absl::StatusOr<SequenceId> KVCache::CommitImport(ImportReservation reservation, 
   rp.src_scales = d_import;
   rp.dst_scales = s.d_scales;
   rp.recipe = s.options.recipe;
+  rp.fp8_keys = s.geometry.fp8_keys();
   if (!s.cuda) {
     if (any_adopt || requantize) {
       std::memcpy(d_import, in + h.scales_offset, 24 * static_cast<size_t>(L));
