@@ -2323,13 +2323,6 @@ absl::Status KVCache::CalibrateGlobalScales(int layer, const TensorView& k, cons
   FP4KV_KV_RETURN_IF_MOVED_FROM();
   KVCacheState& s = *state_;
   FP4KV_KV_RETURN_IF_ERROR(s.CheckLayer(layer));
-  if (s.geometry.fp8_keys()) {
-    // A Calibrator sizes NVFP4 global scales; an FP8 key scale is amax / 448.
-    return absl::UnimplementedError(
-        "CalibrateGlobalScales: expected a cache with NVFP4 keys, got FP8 keys (they calibrate "
-        "from their first append, or take UpdateGlobalScales with MakeFp8KeyScale(amax)); "
-        "nothing changed");
-  }
   const Calibrator::Options& co = calibrator.options();
   if (!(co.recipe == s.options.recipe)) {
     return absl::InvalidArgumentError(
@@ -2375,7 +2368,10 @@ absl::Status KVCache::CalibrateGlobalScales(int layer, const TensorView& k, cons
   if (reencode) FP4KV_KV_RETURN_IF_ERROR(s.SaveOldScales(layer, stream));
   float* scales = s.d_scales + 4 * layer;
   s.known[layer] = 0;  // computed on the device
-  FP4KV_KV_RETURN_IF_ERROR(calibrator.Run(k, nullptr, scales + 0, stream, scales + 2));
+  // FP8 keys: g_k = MakeFp8KeyScale(amax), k_fp8 = g_k (the same reduction).
+  FP4KV_KV_RETURN_IF_ERROR(s.geometry.fp8_keys()
+                               ? calibrator.RunFp8Key(k, nullptr, scales + 0, stream, scales + 2)
+                               : calibrator.Run(k, nullptr, scales + 0, stream, scales + 2));
   FP4KV_KV_RETURN_IF_ERROR(calibrator.Run(v, nullptr, scales + 1, stream, scales + 3));
   if (reencode) FP4KV_KV_RETURN_IF_ERROR(s.OrderAfterCopies(stream));
   if (reencode) FP4KV_KV_RETURN_IF_ERROR(s.Reencode(layer, stream));
