@@ -1,5 +1,7 @@
 // Calibrator: amax by a CUB max-reduction over |x| (NaN read as 0), then a
-// one-thread kernel that turns amax into the global scale on the device. The
+// one-thread kernel that turns amax into the global scale on the device
+// (NVFP4, or an FP8 key scale for RunFp8Key: the same reduction, another
+// branch of FinalizeScales). The
 // CPU path runs the same element conversion and the same conversion function,
 // and max is exact and order-free, so both produce the same bits.
 #include "fp4kv/calibrate.h"
@@ -110,15 +112,22 @@ auto MakeIterator(F f) {
   return thrust::make_transform_iterator(thrust::counting_iterator<int64_t>(0), f);
 }
 
+// The global scale and FP8 decode scale of an amax: NVFP4 (recipe-sized) or
+// an FP8 key scale. The host path calls the same function.
+FP4KV_HD void FinalizeScales(float amax, const Recipe& recipe, bool fp8_key, float* g_out,
+                             float* fp8_out) {
+  const float g = fp8_key ? MakeFp8KeyScale(amax) : MakeGlobalScale(amax, recipe);
+  *g_out = g;
+  if (fp8_out != nullptr) *fp8_out = fp8_key ? MinFp8ScaleForFp8Keys(g) : MinFp8ScaleFor(g);
+}
+
 // Writes amax (0 when the input was empty) and the global scale.
 __global__ void CalibrateFinalizeKernel(float* __restrict__ d_amax,          // [1]
                                         float* __restrict__ d_global_scale,  // [1]
                                         float* __restrict__ d_fp8_scale,     // [1] or null
-                                        Recipe recipe, bool empty) {
+                                        Recipe recipe, bool empty, bool fp8_key) {
   if (empty) *d_amax = 0.0f;
-  const float g = MakeGlobalScale(*d_amax, recipe);
-  *d_global_scale = g;
-  if (d_fp8_scale != nullptr) *d_fp8_scale = MinFp8ScaleFor(g);
+  FinalizeScales(*d_amax, recipe, fp8_key, d_global_scale, d_fp8_scale);
 }
 
 // CUB temp bytes for `n` items through the iterators of dtype kDType (both
@@ -259,6 +268,16 @@ Calibrator::~Calibrator() {
 
 absl::Status Calibrator::Run(const TensorView& input, float* amax, float* global_scale,
                              Stream stream, float* fp8_scale) {
+  return RunImpl(input, amax, global_scale, stream, fp8_scale, /*fp8_key=*/false);
+}
+
+absl::Status Calibrator::RunFp8Key(const TensorView& input, float* amax, float* global_scale,
+                                   Stream stream, float* fp8_scale) {
+  return RunImpl(input, amax, global_scale, stream, fp8_scale, /*fp8_key=*/true);
+}
+
+absl::Status Calibrator::RunImpl(const TensorView& input, float* amax, float* global_scale,
+                                 Stream stream, float* fp8_scale, bool fp8_key) {
   const Options& o = options_;
   FP4KV_CALIBRATE_RETURN_IF_ERROR(internal::CheckExtents(input, "input"));
   const int64_t n = input.numel();
@@ -301,8 +320,7 @@ absl::Status Calibrator::Run(const TensorView& input, float* amax, float* global
       }
     }
     if (amax != nullptr) *amax = a;
-    *global_scale = MakeGlobalScale(a, o.recipe);
-    if (fp8_scale != nullptr) *fp8_scale = MinFp8ScaleFor(*global_scale);
+    FinalizeScales(a, o.recipe, fp8_key, global_scale, fp8_scale);
     return absl::OkStatus();
   }
 
@@ -324,8 +342,8 @@ absl::Status Calibrator::Run(const TensorView& input, float* amax, float* global
         break;
     }
   }
-  CalibrateFinalizeKernel<<<1, 1, 0, stream>>>(d_amax, global_scale, fp8_scale, o.recipe,
-                                                n == 0);
+  CalibrateFinalizeKernel<<<1, 1, 0, stream>>>(d_amax, global_scale, fp8_scale, o.recipe, n == 0,
+                                               fp8_key);
   return internal::CudaStatus(cudaGetLastError(), "CalibrateFinalizeKernel launch");
 }
 

@@ -95,10 +95,18 @@ __global__ void __launch_bounds__(kCopyThreads) PageCopyKernel(const PageCopyPar
   }
 }
 
-// Thread per block of one side (kv) of every listed page of every layer.
+// Items of one side's page: NVFP4 blocks (one scale byte each) or FP8 key
+// bytes.
+FP4KV_HD int64_t RequantItemsPerPage(const RequantizePagesParams& p, int kv) {
+  return kv == 0 && p.fp8_keys ? p.page_bytes[0] : p.page_bytes[2 + kv];
+}
+
+// Thread per item (NVFP4 block, or FP8 key byte) of one side (kv) of every
+// listed page of every layer.
 __global__ void __launch_bounds__(kRequantThreads)
     RequantizePagesKernel(const RequantizePagesParams p, int kv) {
-  const int64_t per_page = p.page_bytes[2 + kv];  // one scale byte per block
+  const int64_t per_page = RequantItemsPerPage(p, kv);
+  const bool fp8 = kv == 0 && p.fp8_keys;
   const int64_t total = p.num_layers * p.num_pages * per_page;
   for (int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; t < total;
        t += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -110,6 +118,11 @@ __global__ void __launch_bounds__(kRequantThreads)
     if (FloatBits(old_g) == FloatBits(new_g)) continue;
     const int64_t page = p.pages[i];
     uint8_t* base = p.pool + l * p.layer_stride;
+    if (fp8) {
+      uint8_t* c = base + p.region[0] + page * p.page_bytes[0] + b;
+      *c = QuantizeFp8Key(DequantFp8Key(*c, old_g), Fp8KeyEncodeMultiplier(new_g));
+      continue;
+    }
     uint8_t* data = base + p.region[kv] + page * p.page_bytes[kv] + b * kBlockBytes;
     uint8_t* scale = base + p.region[2 + kv] + page * per_page + b;
     const uint2 w = *reinterpret_cast<const uint2*>(data);
@@ -169,7 +182,7 @@ absl::Status LaunchPageCopy(const PageCopyParams& p, Stream stream) {
 
 absl::Status LaunchRequantizePages(const RequantizePagesParams& p, Stream stream) {
   for (int kv = 0; kv < 2; ++kv) {
-    const int64_t total = p.num_layers * p.num_pages * p.page_bytes[2 + kv];
+    const int64_t total = p.num_layers * p.num_pages * RequantItemsPerPage(p, kv);
     if (total <= 0) continue;
     int64_t ctas = (total + kRequantThreads - 1) / kRequantThreads;
     if (ctas > 65536) ctas = 65536;

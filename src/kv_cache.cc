@@ -2323,13 +2323,6 @@ absl::Status KVCache::CalibrateGlobalScales(int layer, const TensorView& k, cons
   FP4KV_KV_RETURN_IF_MOVED_FROM();
   KVCacheState& s = *state_;
   FP4KV_KV_RETURN_IF_ERROR(s.CheckLayer(layer));
-  if (s.geometry.fp8_keys()) {
-    // A Calibrator sizes NVFP4 global scales; an FP8 key scale is amax / 448.
-    return absl::UnimplementedError(
-        "CalibrateGlobalScales: expected a cache with NVFP4 keys, got FP8 keys (they calibrate "
-        "from their first append, or take UpdateGlobalScales with MakeFp8KeyScale(amax)); "
-        "nothing changed");
-  }
   const Calibrator::Options& co = calibrator.options();
   if (!(co.recipe == s.options.recipe)) {
     return absl::InvalidArgumentError(
@@ -2375,7 +2368,10 @@ absl::Status KVCache::CalibrateGlobalScales(int layer, const TensorView& k, cons
   if (reencode) FP4KV_KV_RETURN_IF_ERROR(s.SaveOldScales(layer, stream));
   float* scales = s.d_scales + 4 * layer;
   s.known[layer] = 0;  // computed on the device
-  FP4KV_KV_RETURN_IF_ERROR(calibrator.Run(k, nullptr, scales + 0, stream, scales + 2));
+  // FP8 keys: g_k = MakeFp8KeyScale(amax), k_fp8 = g_k (the same reduction).
+  FP4KV_KV_RETURN_IF_ERROR(s.geometry.fp8_keys()
+                               ? calibrator.RunFp8Key(k, nullptr, scales + 0, stream, scales + 2)
+                               : calibrator.Run(k, nullptr, scales + 0, stream, scales + 2));
   FP4KV_KV_RETURN_IF_ERROR(calibrator.Run(v, nullptr, scales + 1, stream, scales + 3));
   if (reencode) FP4KV_KV_RETURN_IF_ERROR(s.OrderAfterCopies(stream));
   if (reencode) FP4KV_KV_RETURN_IF_ERROR(s.Reencode(layer, stream));
@@ -2614,6 +2610,7 @@ absl::Status PageableCopy(const KVCacheState& s, const SequenceImageHeader& h, u
   for (int l = 0; l < s.options.num_layers; ++l) {
     for (int r = 0; r < 4; ++r) {
       const int64_t pb = s.pool.regions[r].page_bytes;
+      if (pb == 0) continue;  // the K scales of FP8 keys
       uint8_t* pool = s.pools.get() + l * s.pool.layer_bytes + s.pool.regions[r].offset;
       uint8_t* img = image + h.layers_offset + l * h.layer_bytes + h.region_offset[r];
       for (int64_t i = 0; i < n;) {
@@ -2811,7 +2808,6 @@ absl::StatusOr<ImportReservation> KVCache::ReserveImport(const SequenceImageHead
       {"geometry.head_dim_v", g.head_dim_v, ig.head_dim_v},
       {"geometry.page_size", g.page_size, ig.page_size},
       {"geometry.layout", static_cast<int64_t>(g.layout), static_cast<int64_t>(ig.layout)},
-      {"key_format", kKeyFormatNvfp4, h.key_format},
   };
   for (const auto& f : fields) {
     if (f.want != f.got) {
@@ -2819,6 +2815,12 @@ absl::StatusOr<ImportReservation> KVCache::ReserveImport(const SequenceImageHead
                                                      f.want, ", got ", f.got,
                                                      " (an image of another cache geometry)"));
     }
+  }
+  if (h.key_format != static_cast<uint8_t>(g.key_format)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "header.key_format: expected this cache's ", static_cast<int>(g.key_format), " (",
+        KeyFormatName(g.key_format), " keys), got ", static_cast<int>(h.key_format), " (",
+        KeyFormatName(ig.key_format), " keys); an image of another key format is not converted"));
   }
   if (!(h.recipe == s.options.recipe)) {
     return absl::InvalidArgumentError(absl::StrCat("header.recipe: expected this cache's ",
@@ -3048,6 +3050,7 @@ absl::StatusOr<SequenceId> KVCache::CommitImport(ImportReservation reservation, 
   rp.src_scales = d_import;
   rp.dst_scales = s.d_scales;
   rp.recipe = s.options.recipe;
+  rp.fp8_keys = s.geometry.fp8_keys();
   if (!s.cuda) {
     if (any_adopt || requantize) {
       std::memcpy(d_import, in + h.scales_offset, 24 * static_cast<size_t>(L));

@@ -214,6 +214,10 @@ struct RequantizePagesParams {
   const float* src_scales = nullptr;  // [L, 4], read when the op runs
   const float* dst_scales = nullptr;  // [L, 4]
   Recipe recipe;
+  // FP8 keys: the K side has no block scales (page_bytes[2] == 0); every key
+  // byte c of a page (page_bytes[0] of them at region[0] + p * page_bytes[0])
+  // becomes QuantizeFp8Key(DequantFp8Key(c, src), Fp8KeyEncodeMultiplier(dst)).
+  bool fp8_keys = false;
 };
 
 // An import's adoption of an image's scales by pending layers: for every

@@ -101,7 +101,7 @@ absl::StatusOr<SequenceImageHeader> MakeSequenceImageHeader(const CacheGeometry&
   h.num_layers = num_layers;
   h.recipe = recipe;
   h.recipe_code = *code;
-  h.key_format = kKeyFormatNvfp4;
+  h.key_format = static_cast<uint8_t>(g.key_format);
   h.num_pages = length / g.page_size + (length % g.page_size != 0 ? 1 : 0);
   g.num_pages = h.num_pages;
   h.geometry = g;
@@ -217,8 +217,8 @@ absl::StatusOr<SequenceImageHeader> ParseSequenceImageHeader(const void* host_by
     if (p[o] != 0) return Bad(absl::StrCat("reserved (byte ", o, ")"), "0", p[o]);
   }
   const uint8_t key_format = Get<uint8_t>(p, kOffKeyFormat);
-  if (key_format != kKeyFormatNvfp4) {
-    return Bad("key_format", "0 (NVFP4 keys; the only format of this version)", key_format);
+  if (key_format != kKeyFormatNvfp4 && key_format != kKeyFormatFp8) {
+    return Bad("key_format", "0 (NVFP4 keys) or 1 (FP8 keys)", key_format);
   }
   const uint8_t layout = Get<uint8_t>(p, kOffLayout);
   if (layout > 1) return Bad("layout", "0 (NHD) or 1 (HND)", layout);
@@ -228,6 +228,7 @@ absl::StatusOr<SequenceImageHeader> ParseSequenceImageHeader(const void* host_by
   g.head_dim_v = Get<int32_t>(p, kOffHeadDimV);
   g.page_size = Get<int32_t>(p, kOffPageSize);
   g.layout = static_cast<Layout>(layout);
+  g.key_format = static_cast<KeyFormat>(key_format);
   g.num_pages = 1;
   if (absl::Status s = g.Validate(); !s.ok()) {
     return absl::InvalidArgumentError(
@@ -274,11 +275,11 @@ absl::StatusOr<SequenceImageHeader> ParseSequenceImageHeader(const void* host_by
       {"scales_offset", kOffScalesOffset, w.scales_offset},
       {"scales_bytes", kOffScalesBytes, w.scales_bytes},
       {"layers_offset", kOffLayersOffset, w.layers_offset},
-      {"layer_bytes", kOffLayerBytes, w.layer_bytes},
       {"region_page_bytes[0] (K data)", kOffRegionPageBytes + 0, w.region_page_bytes[0]},
       {"region_page_bytes[1] (V data)", kOffRegionPageBytes + 8, w.region_page_bytes[1]},
       {"region_page_bytes[2] (K scales)", kOffRegionPageBytes + 16, w.region_page_bytes[2]},
       {"region_page_bytes[3] (V scales)", kOffRegionPageBytes + 24, w.region_page_bytes[3]},
+      {"layer_bytes", kOffLayerBytes, w.layer_bytes},
       {"tokens_offset", kOffTokensOffset, w.tokens_offset},
       {"tokens_bytes", kOffTokensBytes, w.tokens_bytes},
       {"image_bytes", kOffImageBytes, w.image_bytes},
@@ -286,7 +287,10 @@ absl::StatusOr<SequenceImageHeader> ParseSequenceImageHeader(const void* host_by
   for (const Field& f : fields) {
     const int64_t got = Get<int64_t>(p, f.off);
     if (got != f.want) {
-      return Bad(f.name, absl::StrCat(f.want, " (from the geometry, layers and length)"), got);
+      return Bad(f.name,
+                 absl::StrCat(f.want, " (from the geometry, key format ",
+                              static_cast<int>(key_format), ", layers and length)"),
+                 got);
     }
   }
   return w;

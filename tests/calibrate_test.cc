@@ -124,6 +124,48 @@ TEST(CalibratorCpu, MatchesAPlainLoopOnRandomData) {
   }
 }
 
+// RunFp8Key: the same amax, g = MakeFp8KeyScale(amax) (amax / 448 whatever
+// the recipe), fp8_scale = g; the same edge rules and argument checks.
+TEST(CalibratorCpu, RunFp8KeyGivesTheFp8KeyScale) {
+  for (DType t : {DType::kF16, DType::kBF16}) {
+    for (const Recipe& r : AllRecipes()) {
+      std::vector<uint16_t> x = testing::RandomHalfBits(t, 1031, 23);
+      x[7] = 0x7fff;  // NaN
+      float want = 0.0f;
+      for (uint16_t b : x) {
+        const float v = t == DType::kF16 ? HalfBitsToFloat(b) : Bf16BitsToFloat(b);
+        if (!std::isnan(v)) want = std::fmax(want, std::fabs(v));
+      }
+      Calibrator c = MakeCpu(1031, t, r);
+      float amax = kPoisonFloat, g = kPoisonFloat, f = kPoisonFloat;
+      const TensorView v = TensorView::Contiguous(x.data(), t, {1031});
+      ASSERT_TRUE(c.RunFp8Key(v, &amax, &g, nullptr, &f).ok());
+      EXPECT_EQ(amax, want);
+      EXPECT_EQ(g, MakeFp8KeyScale(want));
+      EXPECT_EQ(f, MinFp8ScaleForFp8Keys(g));
+      EXPECT_EQ(f, g);
+      float g4 = kPoisonFloat, f4 = kPoisonFloat;
+      ASSERT_TRUE(c.Run(v, nullptr, &g4, nullptr, &f4).ok());
+      EXPECT_EQ(g4, MakeGlobalScale(want, r));
+      EXPECT_EQ(f4, MinFp8ScaleFor(g4));
+    }
+  }
+  Calibrator c = MakeCpu(16, DType::kF32);
+  float amax = kPoisonFloat, g = kPoisonFloat;
+  ASSERT_TRUE(
+      c.RunFp8Key(TensorView::Contiguous(static_cast<void*>(nullptr), DType::kF32, {0}), &amax, &g)
+          .ok());
+  EXPECT_EQ(amax, 0.0f);
+  EXPECT_EQ(g, MakeFp8KeyScale(0.0f));
+  std::vector<float> x = {1.0f, -2.0f};
+  amax = g = kPoisonFloat;
+  ExpectInvalid(c.RunFp8Key(TensorView::Contiguous(x.data(), DType::kF32, {2}), &g, &g), "amax");
+  ExpectInvalid(c.RunFp8Key(TensorView::Contiguous(x.data(), DType::kF32, {32}), &amax, &g),
+                "input");
+  EXPECT_EQ(amax, kPoisonFloat);
+  EXPECT_EQ(g, kPoisonFloat);
+}
+
 TEST(CalibratorCpu, InvalidOptions) {
   ExpectInvalid(Calibrator::Create({-1, DType::kBF16, Device::Cpu(), Recipe()}).status(),
                 "options.max_elements");

@@ -114,6 +114,49 @@ TEST(GpuCalibrator, MatchesCpuOnRandomData) {
   }
 }
 
+// RunFp8Key on the device: the same reduction as Run, then the FP8 key
+// finalization; amax, g_k and the FP8 scale bit-identical with the CPU path.
+TEST(GpuCalibrator, RunFp8KeyMatchesCpu) {
+  FP4KV_SKIP_WITHOUT_GPU();
+  int round = 0;
+  for (DType dtype : {DType::kF16, DType::kBF16, DType::kF32}) {
+    for (int64_t n : {int64_t{0}, int64_t{15}, int64_t{(1 << 18) + 3}}) {
+      ++round;
+      const std::vector<uint8_t> host =
+          RandomElements(dtype, n, 300 + round, 2.0f, /*with_inf=*/false);
+      const TensorView hv = TensorView::Contiguous(
+          n > 0 ? static_cast<const void*>(host.data()) : nullptr, dtype, {n});
+      absl::StatusOr<Calibrator> cpu =
+          Calibrator::Create({n, dtype, Device::Cpu(), Recipe::FourOverSix(256)});
+      ASSERT_TRUE(cpu.ok()) << cpu.status();
+      float want[3] = {0.0f, 0.0f, 0.0f};
+      ASSERT_TRUE(cpu->RunFp8Key(hv, &want[0], &want[1], nullptr, &want[2]).ok());
+      EXPECT_EQ(want[1], MakeFp8KeyScale(want[0]));
+      absl::StatusOr<Calibrator> c =
+          Calibrator::Create({n + 1, dtype, Device::Cuda(0), Recipe::FourOverSix(256)});
+      ASSERT_TRUE(c.ok()) << c.status();
+      DeviceBuffer in(host.size() + 16);
+      DeviceBuffer out(3 * sizeof(float));
+      ASSERT_TRUE(in.ok() && out.ok());
+      if (n > 0) {
+        ASSERT_TRUE(in.Upload(host));
+      }
+      ASSERT_TRUE(out.Fill(kPoisonByte));
+      float* d_out = static_cast<float*>(out.get());
+      const absl::Status s =
+          c->RunFp8Key(OnDevice(hv, in.get()), d_out, d_out + 1, nullptr, d_out + 2);
+      ASSERT_TRUE(s.ok()) << s;
+      FP4KV_ASSERT_CUDA(cudaDeviceSynchronize());
+      const std::vector<float> got = out.DownloadAs<float>(3);
+      ASSERT_EQ(got.size(), 3u);
+      for (int i = 0; i < 3; ++i) {
+        EXPECT_EQ(FloatBits(got[i]), FloatBits(want[i]))
+            << DTypeName(dtype) << " n=" << n << " output " << i;
+      }
+    }
+  }
+}
+
 TEST(GpuCalibrator, StridedViewEmptyViewAndNoAmaxPointer) {
   FP4KV_SKIP_WITHOUT_GPU();
   // [2 (K/V), rows, heads, dim + pad] bf16; calibrate the K half without padding.

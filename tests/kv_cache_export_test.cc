@@ -1,9 +1,10 @@
 // KVCache::ExportSequence / ReserveImport / CommitImport / ImportSequence and
 // the sequence image header: byte-exact round trips of a sequence's pages
-// over geometries, layouts, recipes, partial last pages, forked and
-// prefix-cached pages, host and device images; the scale policy (adopt,
-// refuse, requantize); reservations; every bad argument refused with
-// nothing changed; and a fuzz of the header parser. Cases run on the CPU
+// over geometries, layouts, recipes, key formats (NVFP4 and FP8 keys),
+// partial last pages, forked and prefix-cached pages, host and device
+// images; the scale policy (adopt, refuse, requantize, FP8 key layers
+// included); reservations; every bad argument (another key format too)
+// refused with nothing changed; and a fuzz of the header parser. Cases run on the CPU
 // device and, named Gpu/..., on a GPU (skipped without one).
 #include <cuda_runtime_api.h>
 
@@ -34,6 +35,7 @@ struct Config {
   int layers, heads, dk, dv, page_size;
   Layout layout;
   Recipe recipe;
+  KeyFormat key_format = KeyFormat::kNvfp4;
 };
 
 KVCacheOptions Options(const Config& c, Device device, bool prefix = false, int64_t pages = 48) {
@@ -44,6 +46,7 @@ KVCacheOptions Options(const Config& c, Device device, bool prefix = false, int6
   o.geometry.head_dim_v = c.dv;
   o.geometry.page_size = c.page_size;
   o.geometry.layout = c.layout;
+  o.geometry.key_format = c.key_format;
   o.geometry.num_pages = pages;
   o.device = device;
   o.recipe = c.recipe;
@@ -202,6 +205,10 @@ std::vector<Config> RoundTripConfigs() {
       {1, 1, 128, 64, 16, Layout::kNHD, Recipe::FourOverSix()},
       {3, 2, 16, 32, 5, Layout::kHND, Recipe::FourOverSix()},
       {2, 3, 32, 16, 1, Layout::kNHD, Recipe()},
+      // FP8 keys: no key scale sections.
+      {2, 2, 64, 64, 4, Layout::kNHD, Recipe(), KeyFormat::kFp8},
+      {3, 2, 16, 32, 5, Layout::kHND, Recipe::FourOverSix(), KeyFormat::kFp8},
+      {1, 1, 128, 64, 1, Layout::kHND, Recipe(), KeyFormat::kFp8},
   };
 }
 
@@ -212,10 +219,10 @@ TEST_P(ExportTest, RoundTripIsByteExactOverGeometriesLayoutsRecipes) {
   for (const Config& c : RoundTripConfigs()) {
     for (ImageMemory kind : kinds) {
       for (int len : {0, 1, c.page_size, 3 * c.page_size + 1, 7}) {
-        SCOPED_TRACE(::testing::Message() << "page " << c.page_size << " layout "
-                                          << LayoutName(c.layout) << " dk " << c.dk << " dv "
-                                          << c.dv << " kind " << static_cast<int>(kind)
-                                          << " len " << len);
+        SCOPED_TRACE(::testing::Message()
+                     << "page " << c.page_size << " layout " << LayoutName(c.layout) << " dk "
+                     << c.dk << " dv " << c.dv << " keys " << KeyFormatName(c.key_format)
+                     << " kind " << static_cast<int>(kind) << " len " << len);
         KVCache src = MakeCache(Options(c, device_));
         KVCache dst = MakeCache(Options(c, device_));
         Writer w(&src, stream_);
@@ -242,6 +249,16 @@ TEST_P(ExportTest, RoundTripIsByteExactOverGeometriesLayoutsRecipes) {
         EXPECT_EQ(h->image_bytes, *bytes);
         EXPECT_TRUE(h->recipe == c.recipe);
         EXPECT_NE(h->flags & kSequenceImageScalesKnown, 0u);
+        // The key format byte is the cache's; FP8 keys: Dk-byte key rows and
+        // a 0-byte key scale region.
+        EXPECT_EQ(h->key_format, static_cast<uint8_t>(c.key_format));
+        EXPECT_EQ(h->geometry.key_format, c.key_format);
+        EXPECT_EQ(host[41], static_cast<uint8_t>(c.key_format));
+        const int64_t rows = int64_t{c.page_size} * c.heads;
+        const bool fp8 = c.key_format == KeyFormat::kFp8;
+        EXPECT_EQ(h->region_page_bytes[0], rows * (fp8 ? c.dk : c.dk / 2));
+        EXPECT_EQ(h->region_page_bytes[2], fp8 ? 0 : rows * c.dk / 16);
+        EXPECT_EQ(h->region_page_bytes[3], rows * c.dv / 16);
         // The scale table holds the source's scales and flags.
         for (int l = 0; l < c.layers; ++l) {
           float k, v;
@@ -289,7 +306,7 @@ TEST_P(ExportTest, RoundTripIsByteExactOverGeometriesLayoutsRecipes) {
       }
     }
   }
-  EXPECT_GE(cases, 25);
+  EXPECT_GE(cases, 40);
 }
 
 TEST_P(ExportTest, ForkedAndSharedPagesExportWithTheirBytes) {
@@ -400,6 +417,7 @@ TEST_P(ExportTest, IncompatibleCachesAreRefusedAndNothingChanges) {
       {"page_size", {2, 2, 64, 64, 8, Layout::kNHD, Recipe()}},
       {"layout", {2, 2, 64, 64, 4, Layout::kHND, Recipe()}},
       {"recipe", {2, 2, 64, 64, 4, Layout::kNHD, Recipe::FourOverSix()}},
+      {"key_format", {2, 2, 64, 64, 4, Layout::kNHD, Recipe(), KeyFormat::kFp8}},
   };
   for (const Bad& b : bads) {
     SCOPED_TRACE(b.field);
@@ -598,6 +616,174 @@ TEST_P(ExportTest, ScalesRefuseByDefaultRequantizeOnRequestAdoptWhenPending) {
   }
 }
 
+// An FP8-key image does not import into an NVFP4-key cache (nor the other
+// way, above): InvalidArgument naming key_format, nothing changed; the same
+// image imports into an FP8-key cache.
+TEST_P(ExportTest, Fp8KeyImageIntoNvfp4KeyCacheIsRefused) {
+  const Config c{2, 2, 64, 64, 4, Layout::kHND, Recipe(), KeyFormat::kFp8};
+  KVCache src = MakeCache(Options(c, device_));
+  Writer w(&src, stream_);
+  const SequenceId id = src.CreateSequence();
+  ASSERT_TRUE(w.Append(id, 9).ok());
+  Sync();
+  const int64_t bytes = *src.ExportedBytes(id);
+  Image img(ImageMemory::kPageable, bytes);
+  ASSERT_TRUE(src.ExportSequence(id, img.get(), bytes, stream_).ok());
+  Sync();
+  const SequenceImageHeader h = *ParseSequenceImageHeader(img.get(), bytes);
+  EXPECT_EQ(h.key_format, kKeyFormatFp8);
+  Config nv = c;
+  nv.key_format = KeyFormat::kNvfp4;
+  KVCache dst = MakeCache(Options(nv, device_));
+  const testing::Snapshot before = TakeSnapshot(dst);
+  for (ImportOptions opt : {ImportOptions{}, ImportOptions{ScaleMismatch::kRequantize}}) {
+    absl::StatusOr<SequenceId> got = dst.ImportSequence(img.get(), bytes, opt, stream_);
+    ASSERT_FALSE(got.ok());
+    EXPECT_EQ(got.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(got.status().message().find("key_format"), absl::string_view::npos) << got.status();
+  }
+  absl::StatusOr<ImportReservation> r = dst.ReserveImport(h);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("key_format"), absl::string_view::npos) << r.status();
+  Sync();
+  EXPECT_EQ(DiffSnapshots(before, TakeSnapshot(dst)), "");
+  EXPECT_EQ(dst.Stats().pages_reserved, 0);
+  EXPECT_TRUE(dst.CheckInvariants().ok());
+  KVCache same = MakeCache(Options(c, device_));
+  absl::StatusOr<SequenceId> got = same.ImportSequence(img.get(), bytes, {}, stream_);
+  ASSERT_TRUE(got.ok()) << got.status();
+  Sync();
+  EXPECT_EQ(SequencePageBytes(same, *got), SequencePageBytes(src, id));
+  EXPECT_EQ(testing::CheckSequenceBytes(same, DownloadPools(same), *got, w.tokens(id)), "");
+}
+
+// The scale policy with FP8 keys: differing key (and value) scales are
+// refused by default, requantized on request (key bytes
+// QuantizeFp8Key(DequantFp8Key(c, g_src), Fp8KeyEncodeMultiplier(g_dst)),
+// value blocks as for NVFP4; computed here from the source bytes), and a
+// pending target adopts the image's scales, the key FP8 scale (g_k itself)
+// included.
+TEST_P(ExportTest, Fp8KeyScalesRefuseRequantizeAndAdopt) {
+  const Config c{2, 2, 64, 32, 4, Layout::kNHD, Recipe(), KeyFormat::kFp8};
+  KVCache src = MakeCache(Options(c, device_));
+  Writer w(&src, stream_);
+  const SequenceId id = src.CreateSequence();
+  ASSERT_TRUE(w.Append(id, 11).ok());
+  Sync();
+  const int64_t bytes = *src.ExportedBytes(id);
+  Image img(ImageMemory::kPageable, bytes);
+  ASSERT_TRUE(src.ExportSequence(id, img.get(), bytes, stream_).ok());
+  Sync();
+  const std::vector<uint8_t> src_bytes = SequencePageBytes(src, id);
+
+  // Layer 1's K scale 1.5 -> 0.375 (key codes about 4x larger), layer 0's
+  // V scale 0.75 -> 1.25.
+  KVCacheOptions o = Options(c, device_);
+  o.k_global_scales[1] = 0.375f;
+  o.v_global_scales[0] = 1.25f;
+  {
+    KVCache dst = MakeCache(o);
+    const testing::Snapshot before = TakeSnapshot(dst);
+    absl::StatusOr<SequenceId> got = dst.ImportSequence(img.get(), bytes, {}, stream_);
+    ASSERT_FALSE(got.ok());
+    EXPECT_EQ(got.status().code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_NE(got.status().message().find("layer 0 V"), absl::string_view::npos) << got.status();
+    EXPECT_EQ(DiffSnapshots(before, TakeSnapshot(dst)), "");
+  }
+  {
+    KVCache dst = MakeCache(o);
+    ImportOptions req;
+    req.on_scale_mismatch = ScaleMismatch::kRequantize;
+    absl::StatusOr<SequenceId> got = dst.ImportSequence(img.get(), bytes, req, stream_);
+    ASSERT_TRUE(got.ok()) << got.status();
+    Sync();
+    std::vector<uint8_t> want = src_bytes;
+    const CacheGeometry& g = dst.geometry();
+    const int64_t n = 3;  // pages of 11 tokens
+    const int64_t rows = int64_t{g.page_size} * g.num_kv_heads;
+    const int64_t region[4] = {rows * g.DataRowBytes(false) * n, rows * g.DataRowBytes(true) * n,
+                               rows * g.ScaleRowBytes(false) * n, rows * g.ScaleRowBytes(true) * n};
+    ASSERT_EQ(region[2], 0);
+    const int64_t layer_bytes = region[0] + region[1] + region[2] + region[3];
+    // Layer 1's key bytes.
+    uint8_t* k1 = want.data() + layer_bytes;
+    const float r = Fp8KeyEncodeMultiplier(0.375f);
+    int changed = 0;
+    for (int64_t i = 0; i < region[0]; ++i) {
+      const uint8_t q = QuantizeFp8Key(DequantFp8Key(k1[i], 1.5f), r);
+      changed += q != k1[i];
+      k1[i] = q;
+    }
+    EXPECT_GT(changed, region[0] / 2);
+    // Layer 0's value blocks.
+    uint8_t* vd = want.data() + region[0];
+    uint8_t* vs = want.data() + region[0] + region[1] + region[2];
+    for (int64_t b = 0; b < region[3]; ++b) {
+      uint32_t packed[2];
+      std::memcpy(packed, vd + 8 * b, 8);
+      float x[kBlockSize];
+      DequantizeBlock(packed, vs[b], 0.75f, x);
+      vs[b] = QuantizeBlock(x, 1.25f, Recipe(), packed);
+      std::memcpy(vd + 8 * b, packed, 8);
+    }
+    const std::vector<uint8_t> got_bytes = SequencePageBytes(dst, *got);
+    ASSERT_EQ(got_bytes.size(), want.size());
+    size_t i = 0;
+    while (i < want.size() && got_bytes[i] == want[i]) ++i;
+    EXPECT_EQ(i, want.size()) << "first difference at byte " << i << " of " << want.size();
+    EXPECT_NE(want, src_bytes);
+    absl::StatusOr<LayerScales> s1 = dst.ReadScales(1, stream_);
+    ASSERT_TRUE(s1.ok());
+    EXPECT_EQ(s1->k, 0.375f);  // the target keeps its scales
+    EXPECT_EQ(s1->k_fp8, 0.375f);
+    EXPECT_TRUE(dst.CheckInvariants().ok());
+  }
+  // A pending FP8-key target adopts the scales of a source that calibrated
+  // them on the device from its first append (g_k = MakeFp8KeyScale(4 amax),
+  // k_fp8 = g_k).
+  {
+    KVCacheOptions p = Options(c, device_);
+    p.k_global_scales.clear();
+    p.v_global_scales.clear();
+    KVCache calibrated = MakeCache(p);
+    Writer wc(&calibrated, stream_, 3);
+    const SequenceId cid = calibrated.CreateSequence();
+    ASSERT_TRUE(wc.Append(cid, 7).ok());
+    Sync();
+    const int64_t cbytes = *calibrated.ExportedBytes(cid);
+    Image cimg(ImageMemory::kPageable, cbytes);
+    ASSERT_TRUE(calibrated.ExportSequence(cid, cimg.get(), cbytes, stream_).ok());
+    Sync();
+    KVCache dst = MakeCache(p);
+    absl::StatusOr<SequenceId> got = dst.ImportSequence(cimg.get(), cbytes, {}, stream_);
+    ASSERT_TRUE(got.ok()) << got.status();
+    Sync();
+    EXPECT_EQ(SequencePageBytes(dst, *got), SequencePageBytes(calibrated, cid));
+    for (int l = 0; l < 2; ++l) {
+      absl::StatusOr<LayerScales> a = calibrated.ReadScales(l, stream_);
+      absl::StatusOr<LayerScales> b = dst.ReadScales(l, stream_);
+      ASSERT_TRUE(a.ok() && b.ok());
+      EXPECT_TRUE(a->k_calibrated && a->v_calibrated);
+      EXPECT_EQ(b->k, a->k);
+      EXPECT_EQ(b->v, a->v);
+      EXPECT_EQ(b->k_fp8, a->k_fp8);
+      EXPECT_EQ(b->k_fp8, b->k);  // FP8 keys: the materialize scale is g_k
+      EXPECT_EQ(b->v_fp8, a->v_fp8);
+      EXPECT_TRUE(b->k_calibrated && b->v_calibrated);
+    }
+    // Appends after the adoption use the adopted scales (no calibration).
+    Writer w2(&dst, stream_, 5);
+    const SequenceId fresh = dst.CreateSequence();
+    ASSERT_TRUE(w2.Append(fresh, 6).ok());
+    ASSERT_TRUE(w2.Append(*got, 2).ok());
+    Sync();
+    EXPECT_EQ(testing::CheckSequenceBytes(dst, DownloadPools(dst), fresh, w2.tokens(fresh)), "");
+    EXPECT_EQ(dst.ReadScales(0, stream_)->k, calibrated.ReadScales(0, stream_)->k);
+    EXPECT_EQ(dst.ReadScales(1, stream_)->v, calibrated.ReadScales(1, stream_)->v);
+    EXPECT_TRUE(dst.CheckInvariants().ok());
+  }
+}
+
 TEST_P(ExportTest, ReservationsCancelCommitOnceAndNeverLeak) {
   const Config c{2, 2, 64, 64, 4, Layout::kNHD, Recipe()};
   KVCache src = MakeCache(Options(c, device_));
@@ -719,13 +905,14 @@ INSTANTIATE_TEST_SUITE_P(Cpu, ExportTest, ::testing::Values(false));
 INSTANTIATE_TEST_SUITE_P(Gpu, ExportTest, ::testing::Values(true));
 
 // ----------------------------------------------------------- header parser
-SequenceImageHeader ValidHeader(bool tokens) {
+SequenceImageHeader ValidHeader(bool tokens, KeyFormat keys = KeyFormat::kNvfp4) {
   CacheGeometry g;
   g.num_kv_heads = 4;
   g.head_dim_k = 128;
   g.head_dim_v = 64;
   g.page_size = 16;
   g.layout = Layout::kHND;
+  g.key_format = keys;
   absl::StatusOr<SequenceImageHeader> h = MakeSequenceImageHeader(
       g, 3, Recipe::FourOverSix(), 37,
       tokens ? kSequenceImageHasTokens | kSequenceImageScalesKnown : kSequenceImageScalesKnown,
@@ -735,13 +922,17 @@ SequenceImageHeader ValidHeader(bool tokens) {
 }
 
 TEST(SequenceImageHeaderTest, RoundTripsAndDerivesEverySize) {
-  for (bool tokens : {false, true}) {
-    const SequenceImageHeader h = ValidHeader(tokens);
+  for (int it = 0; it < 4; ++it) {
+    const bool tokens = it % 2 != 0;
+    const bool fp8 = it >= 2;
+    const SequenceImageHeader h = ValidHeader(tokens, fp8 ? KeyFormat::kFp8 : KeyFormat::kNvfp4);
     EXPECT_EQ(h.num_pages, 3);
-    EXPECT_EQ(h.region_page_bytes[0], 16 * 4 * 64);
+    EXPECT_EQ(h.key_format, fp8 ? kKeyFormatFp8 : kKeyFormatNvfp4);
+    EXPECT_EQ(h.region_page_bytes[0], fp8 ? 16 * 4 * 128 : 16 * 4 * 64);
     EXPECT_EQ(h.region_page_bytes[1], 16 * 4 * 32);
-    EXPECT_EQ(h.region_page_bytes[2], 16 * 4 * 8);
+    EXPECT_EQ(h.region_page_bytes[2], fp8 ? 0 : 16 * 4 * 8);
     EXPECT_EQ(h.region_page_bytes[3], 16 * 4 * 4);
+    EXPECT_EQ(h.region_offset[3], h.region_offset[2] + (fp8 ? 0 : 3 * 16 * 4 * 8));
     EXPECT_EQ(h.scales_offset, kSequenceImageHeaderBytes);
     EXPECT_EQ(h.layers_offset % kSequenceImageAlign, 0);
     EXPECT_EQ(h.image_bytes, tokens ? h.tokens_offset + h.tokens_bytes
@@ -756,6 +947,9 @@ TEST(SequenceImageHeaderTest, RoundTripsAndDerivesEverySize) {
     EXPECT_EQ(p->tokens_bytes, h.tokens_bytes);
     EXPECT_EQ(p->scale_fingerprint, 0x1234u);
     EXPECT_TRUE(p->recipe == Recipe::FourOverSix());
+    EXPECT_EQ(p->key_format, h.key_format);
+    EXPECT_EQ(p->geometry.key_format, h.geometry.key_format);
+    EXPECT_EQ(p->layer_bytes, h.layer_bytes);
   }
 }
 
@@ -788,7 +982,20 @@ TEST(SequenceImageHeaderTest, RejectsBadMagicVersionChecksumTruncationAndSizes) 
   with([](SequenceImageHeader& m) { m.layer_bytes -= 256; }, "layer_bytes");
   with([](SequenceImageHeader& m) { m.tokens_offset = 0; }, "tokens_offset");
   with([](SequenceImageHeader& m) { m.region_page_bytes[2] *= 2; }, "region_page_bytes[2]");
-  with([](SequenceImageHeader& m) { m.key_format = 1; }, "key_format");
+  with([](SequenceImageHeader& m) { m.key_format = 2; }, "key_format");
+  // The key format byte flipped alone: the sizes no longer match it.
+  with([](SequenceImageHeader& m) { m.key_format = kKeyFormatFp8; }, "region_page_bytes[0]");
+  {
+    const SequenceImageHeader f = ValidHeader(false, KeyFormat::kFp8);
+    SequenceImageHeader m = f;
+    m.key_format = kKeyFormatNvfp4;
+    SerializeSequenceImageHeader(m, wire);
+    expect_bad("region_page_bytes[0]");
+    m = f;
+    m.region_page_bytes[2] = 16 * 4 * 8;  // key scales that FP8 keys do not have
+    SerializeSequenceImageHeader(m, wire);
+    expect_bad("region_page_bytes[2]");
+  }
   with([](SequenceImageHeader& m) { m.length = -1; }, "length");
   with([](SequenceImageHeader& m) { m.geometry.head_dim_k = 24; }, "geometry");
   with([](SequenceImageHeader& m) { m.recipe_code = 999999; }, "recipe_code");
@@ -802,8 +1009,10 @@ TEST(SequenceImageHeaderTest, RejectsBadMagicVersionChecksumTruncationAndSizes) 
 TEST(SequenceImageHeaderTest, FuzzedHeadersNeverAcceptInconsistentSizes) {
   std::mt19937_64 rng(42);
   int accepted = 0, rejected = 0;
+  int accepted_fp8 = 0;
   for (int it = 0; it < 20000; ++it) {
-    const SequenceImageHeader h = ValidHeader(it % 2 == 0);
+    const SequenceImageHeader h =
+        ValidHeader(it % 2 == 0, it % 4 < 2 ? KeyFormat::kNvfp4 : KeyFormat::kFp8);
     uint8_t wire[kSequenceImageHeaderBytes];
     SerializeSequenceImageHeader(h, wire);
     const int flips = 1 + static_cast<int>(rng() % 4);
@@ -826,6 +1035,9 @@ TEST(SequenceImageHeaderTest, FuzzedHeadersNeverAcceptInconsistentSizes) {
       continue;
     }
     ++accepted;
+    accepted_fp8 += p->key_format == kKeyFormatFp8;
+    EXPECT_TRUE(p->key_format == kKeyFormatNvfp4 || p->key_format == kKeyFormatFp8);
+    EXPECT_EQ(p->key_format, static_cast<uint8_t>(p->geometry.key_format));
     absl::StatusOr<SequenceImageHeader> want =
         MakeSequenceImageHeader(p->geometry, p->num_layers, p->recipe, p->length, p->flags,
                                 p->extra_key_bytes, p->scale_fingerprint);
@@ -834,12 +1046,17 @@ TEST(SequenceImageHeaderTest, FuzzedHeadersNeverAcceptInconsistentSizes) {
     EXPECT_EQ(p->layer_bytes, want->layer_bytes);
     EXPECT_EQ(p->tokens_bytes, want->tokens_bytes);
     EXPECT_EQ(p->num_pages, want->num_pages);
+    for (int r = 0; r < 4; ++r) {
+      EXPECT_EQ(p->region_page_bytes[r], want->region_page_bytes[r]);
+      EXPECT_EQ(p->region_offset[r], want->region_offset[r]);
+    }
     uint8_t again[kSequenceImageHeaderBytes];
     SerializeSequenceImageHeader(*p, again);
     EXPECT_EQ(std::memcmp(again, wire, sizeof(wire)), 0);
   }
   EXPECT_GT(rejected, 10000);
   EXPECT_GT(accepted, 0);  // e.g. a changed fingerprint, or consistent changes
+  EXPECT_GT(accepted_fp8, 0);
 }
 
 }  // namespace

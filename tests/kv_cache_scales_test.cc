@@ -243,7 +243,9 @@ TEST_P(ScalesTest, HeadroomAbsorbsLargerLaterTokensAndCountersShowSaturation) {
   const float g = MustRead(c, 0).k;
   // 3x the first rows' largest value still fits under the headroom of 4.
   std::vector<uint16_t> bigger = GaussianRows(32, 1.0, 7);
-  for (uint16_t& b : bigger) b = FloatToBf16Bits(Bf16BitsToFloat(b) * 3.0f * Amax(first) / Amax(bigger));
+  const float factor = 3.0f * Amax(first) / Amax(bigger);  // once: the loop rescales bigger
+  for (uint16_t& b : bigger) b = FloatToBf16Bits(Bf16BitsToFloat(b) * factor);
+  ASSERT_LE(Amax(bigger), 3.05f * Amax(first));
   ASSERT_TRUE(s.Append(bigger, bigger).ok());
   absl::StatusOr<ScaleEventCounts> ev = c.ReadScaleEvents(0);
   ASSERT_TRUE(ev.ok()) << ev.status();
@@ -404,7 +406,7 @@ TEST_P(ScalesTest, ReencodeRequantizesTheLayersPagesInOneCall) {
 // FP8 keys (K8V4): the first append sizes g_k = MakeFp8KeyScale(headroom *
 // amax) with the key FP8 scale g_k (copied pages), values as usual; the
 // counters count clipped 16-value key groups; a re-encode rewrites the key
-// bytes by the FP8 key rule; CalibrateGlobalScales refuses and changes nothing.
+// bytes by the FP8 key rule (CalibrateGlobalScales: Fp8KeysCalibrateGlobalScales).
 TEST_P(ScalesTest, Fp8KeysCalibrateCountAndReencode) {
   KVCacheOptions o = DefaultOptions(device());
   o.geometry.key_format = KeyFormat::kFp8;
@@ -463,16 +465,102 @@ TEST_P(ScalesTest, Fp8KeysCalibrateCountAndReencode) {
   sc = MustRead(c, 1);
   EXPECT_EQ(sc.k, nk);
   EXPECT_EQ(sc.k_fp8, nk);
-  // CalibrateGlobalScales: Unimplemented for FP8 keys, nothing changed.
-  absl::StatusOr<Calibrator> cal = Calibrator::Create({1 << 16, DType::kBF16, device(), o.recipe});
+}
+
+// The key bytes of `n` tokens of sequence `id` in layer `layer` (FP8 keys),
+// token-major, [n, kHeads, kDim].
+std::vector<uint8_t> Fp8KeyBytes(const KVCache& c, SequenceId id, int layer, int64_t n) {
+  const testing::PoolCopy pools = testing::DownloadPools(c);
+  const std::vector<uint8_t>& region = pools.regions[4 * layer];
+  const CacheGeometry& g = c.geometry();
+  absl::StatusOr<absl::Span<const int32_t>> pages = c.SequencePages(id);
+  EXPECT_TRUE(pages.ok()) << pages.status();
+  std::vector<uint8_t> out;
+  if (!pages.ok()) return out;
+  for (int64_t t = 0; t < n; ++t) {
+    for (int h = 0; h < kHeads; ++h) {
+      const int64_t off = g.DataOffset((*pages)[t / g.page_size], t % g.page_size, h, false);
+      out.insert(out.end(), region.begin() + off, region.begin() + off + kDim);
+    }
+  }
+  return out;
+}
+
+// CalibrateGlobalScales with FP8 keys: g_k = MakeFp8KeyScale(amax) and its
+// FP8 scale g_k (Calibrator::RunFp8Key, no headroom), values as for NVFP4;
+// the appended key bytes are the host's QuantizeFp8Key under that scale;
+// refused while the layer holds tokens (nothing changed) unless kReencode,
+// which rewrites the layer's key bytes by the FP8 key rule.
+TEST_P(ScalesTest, Fp8KeysCalibrateGlobalScales) {
+  KVCacheOptions o = DefaultOptions(device());
+  o.geometry.key_format = KeyFormat::kFp8;
+  KVCache c = MustCreate(o);
+  Sequence s(&c);
+  const int64_t n = 20;  // two pages, the second partial
+  const std::vector<uint16_t> k = GaussianRows(n, 2.0, 41), v = GaussianRows(n, 0.1, 42);
+  absl::StatusOr<Calibrator> cal =
+      Calibrator::Create({n * kHeads * kDim, DType::kBF16, device(), c.options().recipe});
   ASSERT_TRUE(cal.ok()) << cal.status();
-  const testing::Buffer kb(device(), 64 * 2), vb(device(), 64 * 2);
-  const absl::Status st =
-      c.CalibrateGlobalScales(0, kb.View(DType::kBF16, {64}), vb.View(DType::kBF16, {64}), *cal,
-                              nullptr, StoredTokens::kReencode);
-  EXPECT_EQ(st.code(), absl::StatusCode::kUnimplemented) << st;
-  EXPECT_EQ(MustRead(c, 0).k, MustRead(c, 0).k_fp8);
-  EXPECT_EQ(testing::DownloadPools(c).regions, after.regions);
+  Buffer kb(device(), k.size() * 2), vb(device(), v.size() * 2);
+  ASSERT_TRUE(kb.Upload(k.data(), k.size() * 2) && vb.Upload(v.data(), v.size() * 2));
+  const TensorView kt = kb.View(DType::kBF16, {n, kHeads, kDim});
+  const TensorView vt = vb.View(DType::kBF16, {n, kHeads, kDim});
+  ASSERT_TRUE(s.Prepare(n).ok());
+  for (int layer = 0; layer < 2; ++layer) {
+    ASSERT_TRUE(c.CalibrateGlobalScales(layer, kt, vt, *cal).ok());
+    ASSERT_TRUE(s.AppendLayer(layer, k, v).ok());
+  }
+  const float gk = MakeFp8KeyScale(Amax(k));
+  ASSERT_GT(gk, 0.0f);
+  EXPECT_NE(gk, MakeGlobalScale(Amax(k), c.options().recipe));
+  for (int layer = 0; layer < 2; ++layer) {
+    const LayerScales sc = MustRead(c, layer);
+    EXPECT_TRUE(sc.k_calibrated && sc.v_calibrated);
+    EXPECT_EQ(sc.k, gk);
+    EXPECT_EQ(sc.k_fp8, gk);  // key pages are copied when materialized
+    EXPECT_EQ(sc.v, MakeGlobalScale(Amax(v), c.options().recipe));
+    EXPECT_EQ(sc.v_fp8, MinFp8ScaleFor(sc.v));
+    // The stored key bytes: QuantizeFp8Key under g_k, computed here.
+    std::vector<uint8_t> want(k.size());
+    const float r = Fp8KeyEncodeMultiplier(gk);
+    for (size_t i = 0; i < k.size(); ++i) want[i] = QuantizeFp8Key(Bf16BitsToFloat(k[i]), r);
+    EXPECT_EQ(Fp8KeyBytes(c, s.id(), layer, n), want) << "layer " << layer;
+    double ke = 0, ve = 0;
+    s.Errors(layer, &ke, &ve);
+    EXPECT_LT(ke, 0.04);
+    EXPECT_GT(ke, 0.0);
+    EXPECT_LT(ve, 0.15);
+  }
+  // Holding tokens: refused, nothing changed.
+  const std::vector<uint16_t> k2 = GaussianRows(n, 6.0, 43), v2 = GaussianRows(n, 0.5, 44);
+  ASSERT_TRUE(kb.Upload(k2.data(), k2.size() * 2) && vb.Upload(v2.data(), v2.size() * 2));
+  const testing::Snapshot before = TakeSnapshot(c);
+  const absl::Status refused = c.CalibrateGlobalScales(1, kt, vt, *cal);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition) << refused;
+  EXPECT_NE(refused.message().find("kReencode"), std::string::npos) << refused;
+  EXPECT_EQ(DiffSnapshots(before, TakeSnapshot(c)), "");
+  // kReencode: new scales from k2 / v2, layer 1's key bytes rewritten.
+  const testing::PoolCopy pools = testing::DownloadPools(c);
+  ASSERT_TRUE(c.CalibrateGlobalScales(1, kt, vt, *cal, nullptr, StoredTokens::kReencode).ok());
+  if (device().is_cuda()) {
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  }
+  const float gk2 = MakeFp8KeyScale(Amax(k2));
+  const LayerScales sc = MustRead(c, 1);
+  EXPECT_EQ(sc.k, gk2);
+  EXPECT_EQ(sc.k_fp8, gk2);
+  EXPECT_EQ(sc.v, MakeGlobalScale(Amax(v2), c.options().recipe));
+  const testing::PoolCopy after = testing::DownloadPools(c);
+  for (int kind = 0; kind < 4; ++kind) EXPECT_EQ(after.regions[kind], pools.regions[kind]);
+  std::vector<uint8_t> keys = pools.regions[4];
+  const float nr = Fp8KeyEncodeMultiplier(gk2);
+  for (uint8_t& b : keys) b = QuantizeFp8Key(DequantFp8Key(b, gk), nr);
+  EXPECT_EQ(after.regions[4], keys);
+  EXPECT_NE(keys, pools.regions[4]);
+  double ke = 0, ve = 0;
+  s.Errors(1, &ke, &ve);
+  EXPECT_LT(ke, 0.06) << "re-encoded FP8 keys";
+  EXPECT_TRUE(c.CheckInvariants().ok()) << c.CheckInvariants();
 }
 
 // Real post-RoPE keys (tests/data/realkv): stored as FP8 (K8V4), the

@@ -1,10 +1,11 @@
-// KVCache's host tier: SwapOut / SwapIn round trips byte for byte, shared
-// pages staying valid for the other holders, swapped sequences refused by
-// steps and reads (FailedPrecondition naming them), all-or-nothing
-// allocation, scale changes refused while tokens are swapped out, Stats,
-// and a fuzz of swaps interleaved with steps, forks, truncations, releases
-// and export/import against a model of every sequence's tokens. Cases run
-// on the CPU device and, named Gpu/..., on a GPU (skipped without one).
+// KVCache's host tier: SwapOut / SwapIn round trips byte for byte (NVFP4
+// and FP8 keys), shared pages staying valid for the other holders, swapped
+// sequences refused by steps and reads (FailedPrecondition naming them),
+// all-or-nothing allocation, scale changes refused while tokens are swapped
+// out, Stats, and a fuzz of swaps interleaved with steps, forks,
+// truncations, releases and export/import against a model of every
+// sequence's tokens (one seed with FP8 keys). Cases run on the CPU device
+// and, named Gpu/..., on a GPU (skipped without one).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -29,7 +30,8 @@ using testing::Token;
 using testing::TokenFactory;
 
 KVCacheOptions SwapOptions(Device device, int64_t pages, int64_t host_pages,
-                           Layout layout = Layout::kNHD, int page_size = 4) {
+                           Layout layout = Layout::kNHD, int page_size = 4,
+                           KeyFormat keys = KeyFormat::kNvfp4) {
   KVCacheOptions o;
   o.num_layers = 2;
   o.geometry.num_kv_heads = 2;
@@ -37,6 +39,7 @@ KVCacheOptions SwapOptions(Device device, int64_t pages, int64_t host_pages,
   o.geometry.head_dim_v = 32;
   o.geometry.page_size = page_size;
   o.geometry.layout = layout;
+  o.geometry.key_format = keys;
   o.geometry.num_pages = pages;
   o.device = device;
   o.k_global_scales = {0.5f, 1.5f};
@@ -139,40 +142,92 @@ class Model {
 };
 
 TEST_P(SwapTest, SwapOutInRoundTripIsByteExact) {
-  for (Layout layout : {Layout::kNHD, Layout::kHND}) {
-    for (int page_size : {1, 4, 5}) {
-      SCOPED_TRACE(::testing::Message() << LayoutName(layout) << " page " << page_size);
-      KVCache cache = MakeCache(SwapOptions(device_, 40, 40, layout, page_size));
-      Model m(&cache, stream_, 3);
-      const SequenceId a = m.Create();
-      const SequenceId b = m.Create();
-      ASSERT_TRUE(m.Step({{a, 13}, {b, 2 * page_size}}).ok()) << page_size;
-      const int64_t a_pages = (13 + page_size - 1) / page_size;
-      ASSERT_TRUE(cache.SwapOut(a, stream_).ok());
-      EXPECT_TRUE(*cache.IsSwappedOut(a));
-      // b keeps stepping while a is out (its copy may still be in flight).
-      ASSERT_TRUE(m.Step({{b, 3}}).ok());
-      ASSERT_TRUE(cache.SynchronizeSwaps().ok());
-      KVCacheStats st = cache.Stats();
-      EXPECT_EQ(st.sequences_swapped, 1);
-      EXPECT_EQ(st.host_pages_used, a_pages);
-      EXPECT_EQ(st.host_pages_total, 40);
-      EXPECT_EQ(st.swaps_in_flight, 0);
-      EXPECT_EQ(st.pages_used, (2 * page_size + 3 + page_size - 1) / page_size);
-      EXPECT_EQ(st.bytes_swapped_out, a_pages * cache.geometry().PageBytes() * 2);
-      EXPECT_TRUE(cache.CheckInvariants().ok()) << cache.CheckInvariants();
-      // Pages freed by the swap are reused by another sequence, overwritten.
-      const SequenceId c = m.Create();
-      ASSERT_TRUE(m.Step({{c, 13}}).ok());
-      ASSERT_TRUE(cache.SwapIn(a, stream_).ok());
-      EXPECT_FALSE(*cache.IsSwappedOut(a));
-      EXPECT_EQ(cache.Stats().host_pages_used, 0);
-      EXPECT_EQ(cache.Stats().bytes_swapped_in, a_pages * cache.geometry().PageBytes() * 2);
-      // a joins a step right away (its stream waits for the copy).
-      ASSERT_TRUE(m.Step({{a, 2}, {b, 1}, {c, 1}}).ok());
-      EXPECT_EQ(m.CheckResident(), "");
-      EXPECT_TRUE(cache.CheckInvariants().ok()) << cache.CheckInvariants();
+  for (KeyFormat keys : {KeyFormat::kNvfp4, KeyFormat::kFp8}) {
+    for (Layout layout : {Layout::kNHD, Layout::kHND}) {
+      for (int page_size : {1, 4, 5}) {
+        SCOPED_TRACE(::testing::Message() << LayoutName(layout) << " page " << page_size << " keys "
+                                          << KeyFormatName(keys));
+        KVCache cache = MakeCache(SwapOptions(device_, 40, 40, layout, page_size, keys));
+        // FP8 keys: Dk key bytes per row, no key scales (2 heads, Dk 64, Dv 32).
+        EXPECT_EQ(
+            cache.geometry().PageBytes(),
+            int64_t{page_size} * 2 * (keys == KeyFormat::kFp8 ? 64 + 16 + 2 : 32 + 4 + 16 + 2));
+        Model m(&cache, stream_, 3);
+        const SequenceId a = m.Create();
+        const SequenceId b = m.Create();
+        ASSERT_TRUE(m.Step({{a, 13}, {b, 2 * page_size}}).ok()) << page_size;
+        const int64_t a_pages = (13 + page_size - 1) / page_size;
+        ASSERT_TRUE(cache.SwapOut(a, stream_).ok());
+        EXPECT_TRUE(*cache.IsSwappedOut(a));
+        // b keeps stepping while a is out (its copy may still be in flight).
+        ASSERT_TRUE(m.Step({{b, 3}}).ok());
+        ASSERT_TRUE(cache.SynchronizeSwaps().ok());
+        KVCacheStats st = cache.Stats();
+        EXPECT_EQ(st.sequences_swapped, 1);
+        EXPECT_EQ(st.host_pages_used, a_pages);
+        EXPECT_EQ(st.host_pages_total, 40);
+        EXPECT_EQ(st.swaps_in_flight, 0);
+        EXPECT_EQ(st.pages_used, (2 * page_size + 3 + page_size - 1) / page_size);
+        EXPECT_EQ(st.bytes_swapped_out, a_pages * cache.geometry().PageBytes() * 2);
+        EXPECT_TRUE(cache.CheckInvariants().ok()) << cache.CheckInvariants();
+        // Pages freed by the swap are reused by another sequence, overwritten.
+        const SequenceId c = m.Create();
+        ASSERT_TRUE(m.Step({{c, 13}}).ok());
+        ASSERT_TRUE(cache.SwapIn(a, stream_).ok());
+        EXPECT_FALSE(*cache.IsSwappedOut(a));
+        EXPECT_EQ(cache.Stats().host_pages_used, 0);
+        EXPECT_EQ(cache.Stats().bytes_swapped_in, a_pages * cache.geometry().PageBytes() * 2);
+        // a joins a step right away (its stream waits for the copy).
+        ASSERT_TRUE(m.Step({{a, 2}, {b, 1}, {c, 1}}).ok());
+        EXPECT_EQ(m.CheckResident(), "");
+        EXPECT_TRUE(cache.CheckInvariants().ok()) << cache.CheckInvariants();
+      }
     }
+  }
+}
+
+// The host tier holds a sequence's bytes exactly: the pages a swap-in
+// brings back are byte for byte those swapped out (whole pages, every layer
+// and region; FP8 keys without key scales), also when the freed device
+// pages were overwritten meanwhile.
+TEST_P(SwapTest, SwappedBackPagesHoldTheSameBytes) {
+  for (KeyFormat keys : {KeyFormat::kNvfp4, KeyFormat::kFp8}) {
+    SCOPED_TRACE(KeyFormatName(keys));
+    KVCache cache = MakeCache(SwapOptions(device_, 12, 12, Layout::kHND, 4, keys));
+    Model m(&cache, stream_, 21);
+    const SequenceId a = m.Create();
+    ASSERT_TRUE(m.Step({{a, 15}}).ok());  // 4 pages, the last partial
+    auto page_bytes = [&](SequenceId id) {
+      const testing::PoolCopy pools = DownloadPools(cache);
+      std::vector<uint8_t> out;
+      absl::StatusOr<absl::Span<const int32_t>> pages = cache.SequencePages(id);
+      EXPECT_TRUE(pages.ok()) << pages.status();
+      if (!pages.ok()) return out;
+      for (const std::vector<uint8_t>& region : pools.regions) {
+        const int64_t pb = static_cast<int64_t>(region.size()) / cache.geometry().num_pages;
+        for (int32_t p : *pages) {
+          out.insert(out.end(), region.begin() + p * pb, region.begin() + (p + 1) * pb);
+        }
+      }
+      return out;
+    };
+    ASSERT_TRUE(cache.SynchronizeSwaps().ok());
+    if (cache.device().is_cuda()) {
+      ASSERT_EQ(cudaStreamSynchronize(cs_), cudaSuccess);
+    }
+    const std::vector<uint8_t> before = page_bytes(a);
+    ASSERT_TRUE(cache.SwapOut(a, stream_).ok());
+    const SequenceId b = m.Create();
+    ASSERT_TRUE(m.Step({{b, 30}}).ok());  // reuses the freed pages
+    ASSERT_TRUE(cache.SwapIn(a, stream_).ok());
+    ASSERT_TRUE(cache.SynchronizeSwaps().ok());
+    ASSERT_TRUE(m.Step({{b, 1}}).ok());  // a step after the swap-in orders the copy
+    if (cache.device().is_cuda()) {
+      ASSERT_EQ(cudaStreamSynchronize(cs_), cudaSuccess);
+    }
+    EXPECT_EQ(page_bytes(a), before);
+    EXPECT_EQ(m.CheckResident(), "");
+    EXPECT_TRUE(cache.CheckInvariants().ok()) << cache.CheckInvariants();
   }
 }
 
@@ -336,10 +391,11 @@ TEST_P(SwapTest, HostTierOptionsAreValidated) {
 // export/import round trips; after every operation the invariants hold and
 // every resident sequence holds its tokens' bytes.
 TEST_P(SwapTest, FuzzSwapsInterleavedWithSteps) {
-  for (uint64_t seed : {11u, 12u, 13u}) {
+  for (uint64_t seed : {11u, 12u, 13u, 14u}) {
     SCOPED_TRACE(seed);
     KVCache cache = MakeCache(SwapOptions(device_, 30, 20, seed % 2 ? Layout::kHND : Layout::kNHD,
-                                          seed % 3 == 0 ? 5 : 4));
+                                          seed % 3 == 0 ? 5 : 4,
+                                          seed == 14 ? KeyFormat::kFp8 : KeyFormat::kNvfp4));
     Model m(&cache, stream_, seed);
     std::mt19937_64 rng(seed);
     auto pick = [&](bool swapped) -> SequenceId {

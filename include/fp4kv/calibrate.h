@@ -4,6 +4,7 @@
 //   amax         = max |x| over the view (NaN ignored; +-0 count as 0; 0 for
 //                  an empty view)
 //   global_scale = MakeGlobalScale(amax, recipe)     (recipe.h)
+//                  (RunFp8Key: MakeFp8KeyScale(amax), format.h)
 //
 // On a CUDA device both results are written to device floats by work
 // enqueued on the given stream (a CUB max-reduction, then a one-thread kernel
@@ -67,12 +68,21 @@ class Calibrator {
   absl::Status Run(const TensorView& input, float* amax, float* global_scale,
                    Stream stream = nullptr, float* fp8_scale = nullptr);
 
+  // The same as Run (same checks, same amax reduction) for FP8 keys
+  // (KeyFormat::kFp8, docs/format.md "FP8 key pages"): global_scale gets
+  // MakeFp8KeyScale(amax) and fp8_scale, when not null,
+  // MinFp8ScaleForFp8Keys(global_scale) (format.h); the recipe plays no part.
+  absl::Status RunFp8Key(const TensorView& input, float* amax, float* global_scale,
+                         Stream stream = nullptr, float* fp8_scale = nullptr);
+
   const Options& options() const { return options_; }
   // Bytes of device scratch held (0 on the CPU).
   size_t scratch_bytes() const { return scratch_bytes_; }
 
  private:
   explicit Calibrator(const Options& o) : options_(o) {}
+  absl::Status RunImpl(const TensorView& input, float* amax, float* global_scale, Stream stream,
+                       float* fp8_scale, bool fp8_key);
 
   Options options_;
   void* d_scratch_ = nullptr;  // [internal amax slot | CUB temp storage]

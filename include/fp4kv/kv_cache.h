@@ -181,7 +181,9 @@ struct KVCacheOptions {
   // used as g_k, the key FP8 (materialize) scale is g_k itself (key pages are
   // copied), LayerCache() returns a PagedCache::Fp8Keys view, and
   // UpdateGlobalScales(kReencode) re-encodes the key bytes.
-  // CalibrateGlobalScales refuses FP8 keys (Unimplemented).
+  // CalibrateGlobalScales sets g_k = MakeFp8KeyScale(amax). Sequence images
+  // carry the key format (ExportSequence); an image imports only into a
+  // cache of the same key format.
   CacheGeometry geometry;
   int64_t memory_budget_bytes = 0;  // bytes for all pools of all layers
   Device device = Device::Cpu();
@@ -670,7 +672,8 @@ class KVCache {
   // (e.g. the layer's prefill rows) where they live, with no host sync:
   // each scale becomes MakeGlobalScale(amax, recipe) (no headroom: the data
   // given is taken as representative) and its FP8 decode scale
-  // MinFp8ScaleFor(scale), written into the cache's device scale array by
+  // MinFp8ScaleFor(scale) (FP8 keys: g_k = MakeFp8KeyScale(amax), its FP8
+  // decode scale g_k itself; Calibrator::RunFp8Key), written into the cache's device scale array by
   // work enqueued on `stream` (graph-capturable on CUDA; synchronous on the
   // CPU). `calibrator` must have the cache's device and recipe, and k and v
   // its dtype and at most its max_elements. Both tensors are checked before

@@ -37,10 +37,12 @@ inline constexpr uint64_t kSequenceImageHasTokens = 1;       // a tokens section
 inline constexpr uint64_t kSequenceImageScalesKnown = 2;     // scale_fingerprint is valid
 inline constexpr uint64_t kSequenceImageKnownFlags = 3;
 
-// How the keys are stored. 0: NVFP4 (packed E2M1 + E4M3 block scales), the
-// only format today; every size is derived from CacheGeometry::DataRowBytes
-// and ScaleRowBytes.
-inline constexpr uint8_t kKeyFormatNvfp4 = 0;
+// How the keys are stored: the source cache's KeyFormat. 0: NVFP4 (packed
+// E2M1 + E4M3 block scales); 1: FP8 (one E4M3 byte per value, no key block
+// scales: the K scales region of every layer section is 0 bytes). Every size
+// is derived from CacheGeometry::DataRowBytes and ScaleRowBytes.
+inline constexpr uint8_t kKeyFormatNvfp4 = static_cast<uint8_t>(KeyFormat::kNvfp4);
+inline constexpr uint8_t kKeyFormatFp8 = static_cast<uint8_t>(KeyFormat::kFp8);
 
 // The parsed header. Sizes are in bytes, offsets from the image start.
 struct SequenceImageHeader {
@@ -51,7 +53,7 @@ struct SequenceImageHeader {
   CacheGeometry geometry;       // the source cache's; num_pages = the image's pages
   Recipe recipe;
   int64_t recipe_code = 0;      // RecipeToCode(recipe)
-  uint8_t key_format = kKeyFormatNvfp4;
+  uint8_t key_format = kKeyFormatNvfp4;  // == geometry.key_format
   int64_t num_pages = 0;        // ceil(length / page_size)
   uint64_t flags = 0;           // kSequenceImage* bits
   int64_t scales_offset = 0, scales_bytes = 0;
@@ -71,8 +73,8 @@ struct SequenceImageHeader {
   bool has_tokens() const { return (flags & kSequenceImageHasTokens) != 0; }
 };
 
-// The header of an image of `length` tokens of a cache with this geometry,
-// layer count and recipe, with every size and offset filled in (flags as
+// The header of an image of `length` tokens of a cache with this geometry
+// (its key_format included), layer count and recipe, with every size and offset filled in (flags as
 // given; extra_key_bytes counts with kSequenceImageHasTokens). InvalidArgument
 // when a size does not fit in int64 or a field is out of range.
 absl::StatusOr<SequenceImageHeader> MakeSequenceImageHeader(const CacheGeometry& geometry,
@@ -103,8 +105,9 @@ enum class ScaleMismatch : uint8_t {
   // equal), it reads both scale tables back: a host sync of the stream.
   kRefuse = 0,
   // Requantize the imported blocks to the target's scales on the device
-  // (QuantizeBlock(DequantizeBlock(b, g_image), g_target)): no host sync,
-  // extra rounding error on the layers whose scales differ.
+  // (QuantizeBlock(DequantizeBlock(b, g_image), g_target); FP8 key bytes:
+  // QuantizeFp8Key(DequantFp8Key(c, g_image), Fp8KeyEncodeMultiplier(g_target))):
+  // no host sync, extra rounding error on the layers whose scales differ.
   kRequantize = 1,
 };
 

@@ -12,6 +12,7 @@ void ReferencePageCopy(const PageCopyParams& p) {
   for (int64_t l = 0; l < p.num_layers; ++l) {
     for (int r = 0; r < 4; ++r) {
       const int64_t bytes = p.page_bytes[r];
+      if (bytes == 0) continue;  // the K scales of FP8 keys
       for (int64_t i = 0; i < p.num_pages; ++i) {
         const int64_t s = p.src_ids != nullptr ? p.src_ids[i] : i;
         const int64_t d = p.dst_ids != nullptr ? p.dst_ids[i] : i;
@@ -40,8 +41,18 @@ void ReferenceRequantizePages(const RequantizePagesParams& p) {
       const float old_g = p.src_scales[4 * l + kv];
       const float new_g = p.dst_scales[4 * l + kv];
       if (FloatBits(old_g) == FloatBits(new_g)) continue;
-      const int64_t per_page = p.page_bytes[2 + kv];
       uint8_t* base = p.pool + l * p.layer_stride;
+      if (kv == 0 && p.fp8_keys) {  // FP8 key bytes, no block scales
+        const float r = Fp8KeyEncodeMultiplier(new_g);
+        for (int64_t i = 0; i < p.num_pages; ++i) {
+          uint8_t* c = base + p.region[0] + static_cast<int64_t>(p.pages[i]) * p.page_bytes[0];
+          for (int64_t b = 0; b < p.page_bytes[0]; ++b) {
+            c[b] = QuantizeFp8Key(DequantFp8Key(c[b], old_g), r);
+          }
+        }
+        continue;
+      }
+      const int64_t per_page = p.page_bytes[2 + kv];
       for (int64_t i = 0; i < p.num_pages; ++i) {
         const int64_t page = p.pages[i];
         for (int64_t b = 0; b < per_page; ++b) {
