@@ -23,7 +23,8 @@
 // 32 lanes copy the tile's K and V rows (codes and scales) with cp.async
 // into a 3-stage shared-memory ring (lane 2t + h: token t, half h; one
 // page-table entry per tile when page_size % 16 == 0 and the pools allow
-// 16-byte copies, else one lookup per lane and tile). Then
+// 16-byte copies, else one lookup per lane and tile; FP8 keys on that fast
+// path copy token-major instead, whole K and V rows per instruction). Then
 //   S = Q K^T : B fragments from page_reader's DecodeWordHalf2. The reduction
 //     index is permuted so that lane (g, c) decodes token g's bytes
 //     [c D/8, (c+1) D/8) (contiguous); Q is stored permuted the same way.
