@@ -23,7 +23,8 @@
 // 32 lanes copy the tile's K and V rows (codes and scales) with cp.async
 // into a 3-stage shared-memory ring (lane 2t + h: token t, half h; one
 // page-table entry per tile when page_size % 16 == 0 and the pools allow
-// 16-byte copies, else one lookup per lane and tile). Then
+// 16-byte copies, else one lookup per lane and tile; FP8 keys on that fast
+// path copy token-major instead, whole K and V rows per instruction). Then
 //   S = Q K^T : B fragments from page_reader's DecodeWordHalf2. The reduction
 //     index is permuted so that lane (g, c) decodes token g's bytes
 //     [c D/8, (c+1) D/8) (contiguous); Q is stored permuted the same way.
@@ -344,13 +345,17 @@ __device__ __forceinline__ uint32_t SmemAddr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
+// .L2::128B: a miss brings the whole 128-byte line into L2 (the rest of a
+// key row, or the neighbouring heads' rows and scales that other CTAs read
+// at about the same time), in one request.
 template <int kBytes>
 __device__ __forceinline__ void CpAsync(uint32_t dst, const void* src, bool valid) {
   const int n = valid ? kBytes : 0;
   if constexpr (kBytes == 16) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n));
+    asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+                 "r"(n));
   } else {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(dst), "l"(src),
+    asm volatile("cp.async.ca.shared.global.L2::128B [%0], [%1], %2, %3;\n" ::"r"(dst), "l"(src),
                  "n"(kBytes), "r"(n));
   }
 }
@@ -658,12 +663,36 @@ __global__ void __launch_bounds__(kAttnThreads, AttnConfig<D, kFp8K>::kCtasPerSm
       const uint32_t vdst =
           SmemAddr(st + Cfg::kVcOff + VSlot(tau) * Cfg::kRowBytes + hf * (D / 4));
       if constexpr (kFp8K) {
+        // Token-major: kKP lanes copy one whole K row (kVP lanes one V row)
+        // per instruction, so that each instruction covers whole sectors and
+        // lines. All tokens of the tile lie in page pg (fast path).
+        constexpr int kKP = Cfg::kKRowBytes / 16;
+        constexpr int kVP = D / 32;
+        const bool page_ok = pg >= 0 && pg < p.num_pages;
+        const uint32_t pgk = page_ok ? static_cast<uint32_t>(pg) : 0u;
+        const uint32_t e0 = e - static_cast<uint32_t>(tau);
+        const uint8_t* kb = cb.k - hf * (Cfg::kKRowBytes / 2) +
+                            static_cast<uint64_t>(pgk) * k_page32 + (lane % kKP) * 16;
+        const uint8_t* vb = cb.v - hf * (D / 4) + static_cast<uint64_t>(pgk) * v_page32 +
+                            (lane % kVP) * 16;
 #pragma unroll
-        for (int i = 0; i < Cfg::kKRowBytes / 32; ++i) {
-          CpAsync<16>(kdst + 16 * i, ksrc + 16 * i, valid);
+        for (int i = 0; i < kKP / 2; ++i) {
+          const int t = i * (32 / kKP) + lane / kKP;
+          const bool ok = page_ok && tile_start + t < w_t1;
+          CpAsync<16>(SmemAddr(st + Cfg::kKcOff + t * Cfg::kKRowStride + (lane % kKP) * 16),
+                      kb + (e0 + t) * k_entry, ok);
         }
 #pragma unroll
-        for (int i = 0; i < D / 64; ++i) CpAsync<16>(vdst + 16 * i, vsrc + 16 * i, valid);
+        for (int i = 0; i < kVP / 2; ++i) {
+          const int t = i * (32 / kVP) + lane / kVP;
+          const bool ok = page_ok && tile_start + t < w_t1;
+          CpAsync<16>(SmemAddr(st + Cfg::kVcOff + VSlot(t) * Cfg::kRowBytes + (lane % kVP) * 16),
+                      vb + (e0 + t) * v_entry, ok);
+        }
+        (void)ksrc;
+        (void)vsrc;
+        (void)kdst;
+        (void)vdst;
       } else {
 #pragma unroll
         for (int i = 0; i < D / 64; ++i) {
