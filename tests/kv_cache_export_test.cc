@@ -62,37 +62,8 @@ KVCacheOptions Options(const Config& c, Device device, bool prefix = false, int6
   return o;
 }
 
-KVCache MakeCache(const KVCacheOptions& o) {
-  absl::StatusOr<KVCache> c = KVCache::Create(o);
-  if (!c.ok()) {
-    ADD_FAILURE() << c.status();
-    std::abort();
-  }
-  return *std::move(c);
-}
-
-class ExportTest : public ::testing::TestWithParam<bool> {  // true: the GPU
- protected:
-  void SetUp() override {
-    if (GetParam()) {
-      FP4KV_SKIP_WITHOUT_GPU();
-      device_ = Device::Cuda(0);
-      ASSERT_EQ(cudaStreamCreate(&cs_), cudaSuccess);
-      stream_ = reinterpret_cast<Stream>(cs_);
-    }
-  }
-  void TearDown() override {
-    if (cs_ != nullptr) (void)cudaStreamDestroy(cs_);
-  }
-  void Sync() {
-    if (cs_ != nullptr) {
-      ASSERT_EQ(cudaStreamSynchronize(cs_), cudaSuccess);
-    }
-  }
-  Device device_ = Device::Cpu();
-  cudaStream_t cs_ = nullptr;
-  Stream stream_ = nullptr;
-};
+// true: the GPU
+class ExportTest : public testing::CpuOrGpuStreamTest {};
 
 // Appends tokens to sequences (with token ids when `ids` is set) and keeps
 // every sequence's expected tokens.
@@ -223,8 +194,8 @@ TEST_P(ExportTest, RoundTripIsByteExactOverGeometriesLayoutsRecipes) {
                      << "page " << c.page_size << " layout " << LayoutName(c.layout) << " dk "
                      << c.dk << " dv " << c.dv << " keys " << KeyFormatName(c.key_format)
                      << " kind " << static_cast<int>(kind) << " len " << len);
-        KVCache src = MakeCache(Options(c, device_));
-        KVCache dst = MakeCache(Options(c, device_));
+        KVCache src = testing::CreateCacheOrAbort(Options(c, device_));
+        KVCache dst = testing::CreateCacheOrAbort(Options(c, device_));
         Writer w(&src, stream_);
         // A sequence allocated first so that the exported pages are not 0..n-1.
         const SequenceId other = src.CreateSequence();
@@ -311,8 +282,8 @@ TEST_P(ExportTest, RoundTripIsByteExactOverGeometriesLayoutsRecipes) {
 
 TEST_P(ExportTest, ForkedAndSharedPagesExportWithTheirBytes) {
   const Config c{2, 2, 64, 64, 4, Layout::kNHD, Recipe()};
-  KVCache src = MakeCache(Options(c, device_));
-  KVCache dst = MakeCache(Options(c, device_));
+  KVCache src = testing::CreateCacheOrAbort(Options(c, device_));
+  KVCache dst = testing::CreateCacheOrAbort(Options(c, device_));
   Writer w(&src, stream_);
   const SequenceId parent = src.CreateSequence();
   ASSERT_TRUE(w.Append(parent, 10).ok());  // partial last page, shared by the fork
@@ -341,8 +312,8 @@ TEST_P(ExportTest, ForkedAndSharedPagesExportWithTheirBytes) {
 
 TEST_P(ExportTest, PrefixCachedSequenceCarriesTokensAndIsIndexedInTheTarget) {
   const Config c{2, 2, 64, 64, 4, Layout::kHND, Recipe()};
-  KVCache src = MakeCache(Options(c, device_, /*prefix=*/true));
-  KVCache dst = MakeCache(Options(c, device_, /*prefix=*/true));
+  KVCache src = testing::CreateCacheOrAbort(Options(c, device_, /*prefix=*/true));
+  KVCache dst = testing::CreateCacheOrAbort(Options(c, device_, /*prefix=*/true));
   Writer w(&src, stream_);
   std::vector<int32_t> prompt(14);
   for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = static_cast<int32_t>(100 + 7 * i);
@@ -395,7 +366,7 @@ TEST_P(ExportTest, PrefixCachedSequenceCarriesTokensAndIsIndexedInTheTarget) {
 
 TEST_P(ExportTest, IncompatibleCachesAreRefusedAndNothingChanges) {
   const Config c{2, 2, 64, 64, 4, Layout::kNHD, Recipe()};
-  KVCache src = MakeCache(Options(c, device_));
+  KVCache src = testing::CreateCacheOrAbort(Options(c, device_));
   Writer w(&src, stream_);
   const SequenceId id = src.CreateSequence();
   ASSERT_TRUE(w.Append(id, 9).ok());
@@ -421,7 +392,7 @@ TEST_P(ExportTest, IncompatibleCachesAreRefusedAndNothingChanges) {
   };
   for (const Bad& b : bads) {
     SCOPED_TRACE(b.field);
-    KVCache dst = MakeCache(Options(b.config, device_));
+    KVCache dst = testing::CreateCacheOrAbort(Options(b.config, device_));
     const testing::Snapshot before = TakeSnapshot(dst);
     absl::StatusOr<SequenceId> got = dst.ImportSequence(img.get(), bytes, {}, stream_);
     ASSERT_FALSE(got.ok());
@@ -436,7 +407,7 @@ TEST_P(ExportTest, IncompatibleCachesAreRefusedAndNothingChanges) {
   {
     KVCacheOptions o = Options(c, device_);
     o.max_pages_per_seq = 2;
-    KVCache dst = MakeCache(o);
+    KVCache dst = testing::CreateCacheOrAbort(o);
     const testing::Snapshot before = TakeSnapshot(dst);
     absl::StatusOr<ImportReservation> r = dst.ReserveImport(h);
     ASSERT_FALSE(r.ok());
@@ -444,7 +415,7 @@ TEST_P(ExportTest, IncompatibleCachesAreRefusedAndNothingChanges) {
     EXPECT_EQ(DiffSnapshots(before, TakeSnapshot(dst)), "");
   }
   {
-    KVCache dst = MakeCache(Options(c, device_, false, /*pages=*/2));
+    KVCache dst = testing::CreateCacheOrAbort(Options(c, device_, false, /*pages=*/2));
     const testing::Snapshot before = TakeSnapshot(dst);
     absl::StatusOr<ImportReservation> r = dst.ReserveImport(h);
     ASSERT_FALSE(r.ok());
@@ -452,7 +423,7 @@ TEST_P(ExportTest, IncompatibleCachesAreRefusedAndNothingChanges) {
     EXPECT_EQ(DiffSnapshots(before, TakeSnapshot(dst)), "");
   }
   // Bad arguments of a compatible cache.
-  KVCache dst = MakeCache(Options(c, device_));
+  KVCache dst = testing::CreateCacheOrAbort(Options(c, device_));
   const testing::Snapshot before = TakeSnapshot(dst);
   EXPECT_EQ(dst.ImportSequence(nullptr, bytes).status().code(),
             absl::StatusCode::kInvalidArgument);
@@ -495,7 +466,7 @@ TEST_P(ExportTest, IncompatibleCachesAreRefusedAndNothingChanges) {
 
 TEST_P(ExportTest, ScalesRefuseByDefaultRequantizeOnRequestAdoptWhenPending) {
   const Config c{2, 2, 64, 64, 4, Layout::kNHD, Recipe()};
-  KVCache src = MakeCache(Options(c, device_));
+  KVCache src = testing::CreateCacheOrAbort(Options(c, device_));
   Writer w(&src, stream_);
   const SequenceId id = src.CreateSequence();
   ASSERT_TRUE(w.Append(id, 11).ok());
@@ -510,7 +481,7 @@ TEST_P(ExportTest, ScalesRefuseByDefaultRequantizeOnRequestAdoptWhenPending) {
   KVCacheOptions o = Options(c, device_);
   o.k_global_scales[1] = 2.0f;
   {
-    KVCache dst = MakeCache(o);
+    KVCache dst = testing::CreateCacheOrAbort(o);
     const testing::Snapshot before = TakeSnapshot(dst);
     absl::StatusOr<SequenceId> got = dst.ImportSequence(img.get(), bytes, {}, stream_);
     ASSERT_FALSE(got.ok());
@@ -520,7 +491,7 @@ TEST_P(ExportTest, ScalesRefuseByDefaultRequantizeOnRequestAdoptWhenPending) {
     EXPECT_EQ(dst.Stats().pages_reserved, 0);
   }
   {
-    KVCache dst = MakeCache(o);
+    KVCache dst = testing::CreateCacheOrAbort(o);
     ImportOptions req;
     req.on_scale_mismatch = ScaleMismatch::kRequantize;
     absl::StatusOr<SequenceId> got = dst.ImportSequence(img.get(), bytes, req, stream_);
@@ -553,7 +524,7 @@ TEST_P(ExportTest, ScalesRefuseByDefaultRequantizeOnRequestAdoptWhenPending) {
   // Scales set again from the host to the same values: still host-known,
   // equal fingerprints, bytes copied.
   {
-    KVCache dst = MakeCache(Options(c, device_));
+    KVCache dst = testing::CreateCacheOrAbort(Options(c, device_));
     ASSERT_TRUE(dst.UpdateGlobalScales(0, 0.5f, 0.75f, stream_).ok());
     absl::StatusOr<SequenceId> got = dst.ImportSequence(img.get(), bytes, {}, stream_);
     ASSERT_TRUE(got.ok()) << got.status();
@@ -567,7 +538,7 @@ TEST_P(ExportTest, ScalesRefuseByDefaultRequantizeOnRequestAdoptWhenPending) {
     KVCacheOptions p = Options(c, device_);
     p.k_global_scales.clear();
     p.v_global_scales.clear();
-    KVCache dst = MakeCache(p);
+    KVCache dst = testing::CreateCacheOrAbort(p);
     Writer w2(&dst, stream_, 9);
     const SequenceId own = dst.CreateSequence();
     ASSERT_TRUE(w2.Append(own, 2).ok());
@@ -591,7 +562,7 @@ TEST_P(ExportTest, ScalesRefuseByDefaultRequantizeOnRequestAdoptWhenPending) {
     KVCacheOptions p = Options(c, device_);
     p.k_global_scales.clear();
     p.v_global_scales.clear();
-    KVCache dst = MakeCache(p);
+    KVCache dst = testing::CreateCacheOrAbort(p);
     absl::StatusOr<SequenceId> got = dst.ImportSequence(img.get(), bytes, {}, stream_);
     ASSERT_TRUE(got.ok()) << got.status();
     Sync();
@@ -621,7 +592,7 @@ TEST_P(ExportTest, ScalesRefuseByDefaultRequantizeOnRequestAdoptWhenPending) {
 // image imports into an FP8-key cache.
 TEST_P(ExportTest, Fp8KeyImageIntoNvfp4KeyCacheIsRefused) {
   const Config c{2, 2, 64, 64, 4, Layout::kHND, Recipe(), KeyFormat::kFp8};
-  KVCache src = MakeCache(Options(c, device_));
+  KVCache src = testing::CreateCacheOrAbort(Options(c, device_));
   Writer w(&src, stream_);
   const SequenceId id = src.CreateSequence();
   ASSERT_TRUE(w.Append(id, 9).ok());
@@ -634,7 +605,7 @@ TEST_P(ExportTest, Fp8KeyImageIntoNvfp4KeyCacheIsRefused) {
   EXPECT_EQ(h.key_format, kKeyFormatFp8);
   Config nv = c;
   nv.key_format = KeyFormat::kNvfp4;
-  KVCache dst = MakeCache(Options(nv, device_));
+  KVCache dst = testing::CreateCacheOrAbort(Options(nv, device_));
   const testing::Snapshot before = TakeSnapshot(dst);
   for (ImportOptions opt : {ImportOptions{}, ImportOptions{ScaleMismatch::kRequantize}}) {
     absl::StatusOr<SequenceId> got = dst.ImportSequence(img.get(), bytes, opt, stream_);
@@ -649,7 +620,7 @@ TEST_P(ExportTest, Fp8KeyImageIntoNvfp4KeyCacheIsRefused) {
   EXPECT_EQ(DiffSnapshots(before, TakeSnapshot(dst)), "");
   EXPECT_EQ(dst.Stats().pages_reserved, 0);
   EXPECT_TRUE(dst.CheckInvariants().ok());
-  KVCache same = MakeCache(Options(c, device_));
+  KVCache same = testing::CreateCacheOrAbort(Options(c, device_));
   absl::StatusOr<SequenceId> got = same.ImportSequence(img.get(), bytes, {}, stream_);
   ASSERT_TRUE(got.ok()) << got.status();
   Sync();
@@ -665,7 +636,7 @@ TEST_P(ExportTest, Fp8KeyImageIntoNvfp4KeyCacheIsRefused) {
 // included.
 TEST_P(ExportTest, Fp8KeyScalesRefuseRequantizeAndAdopt) {
   const Config c{2, 2, 64, 32, 4, Layout::kNHD, Recipe(), KeyFormat::kFp8};
-  KVCache src = MakeCache(Options(c, device_));
+  KVCache src = testing::CreateCacheOrAbort(Options(c, device_));
   Writer w(&src, stream_);
   const SequenceId id = src.CreateSequence();
   ASSERT_TRUE(w.Append(id, 11).ok());
@@ -682,7 +653,7 @@ TEST_P(ExportTest, Fp8KeyScalesRefuseRequantizeAndAdopt) {
   o.k_global_scales[1] = 0.375f;
   o.v_global_scales[0] = 1.25f;
   {
-    KVCache dst = MakeCache(o);
+    KVCache dst = testing::CreateCacheOrAbort(o);
     const testing::Snapshot before = TakeSnapshot(dst);
     absl::StatusOr<SequenceId> got = dst.ImportSequence(img.get(), bytes, {}, stream_);
     ASSERT_FALSE(got.ok());
@@ -691,7 +662,7 @@ TEST_P(ExportTest, Fp8KeyScalesRefuseRequantizeAndAdopt) {
     EXPECT_EQ(DiffSnapshots(before, TakeSnapshot(dst)), "");
   }
   {
-    KVCache dst = MakeCache(o);
+    KVCache dst = testing::CreateCacheOrAbort(o);
     ImportOptions req;
     req.on_scale_mismatch = ScaleMismatch::kRequantize;
     absl::StatusOr<SequenceId> got = dst.ImportSequence(img.get(), bytes, req, stream_);
@@ -745,7 +716,7 @@ TEST_P(ExportTest, Fp8KeyScalesRefuseRequantizeAndAdopt) {
     KVCacheOptions p = Options(c, device_);
     p.k_global_scales.clear();
     p.v_global_scales.clear();
-    KVCache calibrated = MakeCache(p);
+    KVCache calibrated = testing::CreateCacheOrAbort(p);
     Writer wc(&calibrated, stream_, 3);
     const SequenceId cid = calibrated.CreateSequence();
     ASSERT_TRUE(wc.Append(cid, 7).ok());
@@ -754,7 +725,7 @@ TEST_P(ExportTest, Fp8KeyScalesRefuseRequantizeAndAdopt) {
     Image cimg(ImageMemory::kPageable, cbytes);
     ASSERT_TRUE(calibrated.ExportSequence(cid, cimg.get(), cbytes, stream_).ok());
     Sync();
-    KVCache dst = MakeCache(p);
+    KVCache dst = testing::CreateCacheOrAbort(p);
     absl::StatusOr<SequenceId> got = dst.ImportSequence(cimg.get(), cbytes, {}, stream_);
     ASSERT_TRUE(got.ok()) << got.status();
     Sync();
@@ -786,7 +757,7 @@ TEST_P(ExportTest, Fp8KeyScalesRefuseRequantizeAndAdopt) {
 
 TEST_P(ExportTest, ReservationsCancelCommitOnceAndNeverLeak) {
   const Config c{2, 2, 64, 64, 4, Layout::kNHD, Recipe()};
-  KVCache src = MakeCache(Options(c, device_));
+  KVCache src = testing::CreateCacheOrAbort(Options(c, device_));
   Writer w(&src, stream_);
   const SequenceId id = src.CreateSequence();
   ASSERT_TRUE(w.Append(id, 9).ok());
@@ -796,7 +767,7 @@ TEST_P(ExportTest, ReservationsCancelCommitOnceAndNeverLeak) {
   ASSERT_TRUE(src.ExportSequence(id, img.get(), bytes, stream_).ok());
   Sync();
   const SequenceImageHeader h = *ParseSequenceImageHeader(img.get(), bytes);
-  KVCache dst = MakeCache(Options(c, device_));
+  KVCache dst = testing::CreateCacheOrAbort(Options(c, device_));
   const int64_t total = dst.Stats().pages_total;
   {
     absl::StatusOr<ImportReservation> r = dst.ReserveImport(h);
@@ -829,7 +800,7 @@ TEST_P(ExportTest, ReservationsCancelCommitOnceAndNeverLeak) {
     EXPECT_EQ(dst.Stats().pages_reserved, 3);
     // Empty and foreign reservations are refused.
     EXPECT_EQ(dst.CancelImport(ImportReservation()).code(), absl::StatusCode::kInvalidArgument);
-    KVCache other = MakeCache(Options(c, device_));
+    KVCache other = testing::CreateCacheOrAbort(Options(c, device_));
     absl::StatusOr<ImportReservation> foreign = other.ReserveImport(h);
     ASSERT_TRUE(foreign.ok());
     EXPECT_EQ(dst.CommitImport(*std::move(foreign), img.get(), bytes).status().code(),
@@ -844,7 +815,7 @@ TEST_P(ExportTest, ReservationsCancelCommitOnceAndNeverLeak) {
   // A reservation that outlives its cache is harmless.
   std::optional<ImportReservation> late;
   {
-    KVCache tmp = MakeCache(Options(c, device_));
+    KVCache tmp = testing::CreateCacheOrAbort(Options(c, device_));
     absl::StatusOr<ImportReservation> r = tmp.ReserveImport(h);
     ASSERT_TRUE(r.ok());
     late.emplace(*std::move(r));
@@ -855,7 +826,7 @@ TEST_P(ExportTest, ReservationsCancelCommitOnceAndNeverLeak) {
 
 TEST_P(ExportTest, FailedExportsWriteNothingAndMovedFromCachesRefuse) {
   const Config c{2, 2, 64, 64, 4, Layout::kNHD, Recipe()};
-  KVCache src = MakeCache(Options(c, device_));
+  KVCache src = testing::CreateCacheOrAbort(Options(c, device_));
   Writer w(&src, stream_);
   const SequenceId id = src.CreateSequence();
   ASSERT_TRUE(w.Append(id, 6).ok());

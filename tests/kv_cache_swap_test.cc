@@ -51,37 +51,8 @@ KVCacheOptions SwapOptions(Device device, int64_t pages, int64_t host_pages,
   return o;
 }
 
-KVCache MakeCache(const KVCacheOptions& o) {
-  absl::StatusOr<KVCache> c = KVCache::Create(o);
-  if (!c.ok()) {
-    ADD_FAILURE() << c.status();
-    std::abort();
-  }
-  return *std::move(c);
-}
-
-class SwapTest : public ::testing::TestWithParam<bool> {  // true: the GPU
- protected:
-  void SetUp() override {
-    if (GetParam()) {
-      FP4KV_SKIP_WITHOUT_GPU();
-      device_ = Device::Cuda(0);
-      ASSERT_EQ(cudaStreamCreate(&cs_), cudaSuccess);
-      stream_ = reinterpret_cast<Stream>(cs_);
-    }
-  }
-  void TearDown() override {
-    if (cs_ != nullptr) (void)cudaStreamDestroy(cs_);
-  }
-  void Sync() {
-    if (cs_ != nullptr) {
-      ASSERT_EQ(cudaStreamSynchronize(cs_), cudaSuccess);
-    }
-  }
-  Device device_ = Device::Cpu();
-  cudaStream_t cs_ = nullptr;
-  Stream stream_ = nullptr;
-};
+// true: the GPU
+class SwapTest : public testing::CpuOrGpuStreamTest {};
 
 // Steps of fresh tokens through the bound appender, and the model of every
 // sequence's tokens.
@@ -147,7 +118,7 @@ TEST_P(SwapTest, SwapOutInRoundTripIsByteExact) {
       for (int page_size : {1, 4, 5}) {
         SCOPED_TRACE(::testing::Message() << LayoutName(layout) << " page " << page_size << " keys "
                                           << KeyFormatName(keys));
-        KVCache cache = MakeCache(SwapOptions(device_, 40, 40, layout, page_size, keys));
+        KVCache cache = testing::CreateCacheOrAbort(SwapOptions(device_, 40, 40, layout, page_size, keys));
         // FP8 keys: Dk key bytes per row, no key scales (2 heads, Dk 64, Dv 32).
         EXPECT_EQ(
             cache.geometry().PageBytes(),
@@ -193,7 +164,7 @@ TEST_P(SwapTest, SwapOutInRoundTripIsByteExact) {
 TEST_P(SwapTest, SwappedBackPagesHoldTheSameBytes) {
   for (KeyFormat keys : {KeyFormat::kNvfp4, KeyFormat::kFp8}) {
     SCOPED_TRACE(KeyFormatName(keys));
-    KVCache cache = MakeCache(SwapOptions(device_, 12, 12, Layout::kHND, 4, keys));
+    KVCache cache = testing::CreateCacheOrAbort(SwapOptions(device_, 12, 12, Layout::kHND, 4, keys));
     Model m(&cache, stream_, 21);
     const SequenceId a = m.Create();
     ASSERT_TRUE(m.Step({{a, 15}}).ok());  // 4 pages, the last partial
@@ -212,9 +183,7 @@ TEST_P(SwapTest, SwappedBackPagesHoldTheSameBytes) {
       return out;
     };
     ASSERT_TRUE(cache.SynchronizeSwaps().ok());
-    if (cache.device().is_cuda()) {
-      ASSERT_EQ(cudaStreamSynchronize(cs_), cudaSuccess);
-    }
+    Sync();
     const std::vector<uint8_t> before = page_bytes(a);
     ASSERT_TRUE(cache.SwapOut(a, stream_).ok());
     const SequenceId b = m.Create();
@@ -222,9 +191,7 @@ TEST_P(SwapTest, SwappedBackPagesHoldTheSameBytes) {
     ASSERT_TRUE(cache.SwapIn(a, stream_).ok());
     ASSERT_TRUE(cache.SynchronizeSwaps().ok());
     ASSERT_TRUE(m.Step({{b, 1}}).ok());  // a step after the swap-in orders the copy
-    if (cache.device().is_cuda()) {
-      ASSERT_EQ(cudaStreamSynchronize(cs_), cudaSuccess);
-    }
+    Sync();
     EXPECT_EQ(page_bytes(a), before);
     EXPECT_EQ(m.CheckResident(), "");
     EXPECT_TRUE(cache.CheckInvariants().ok()) << cache.CheckInvariants();
@@ -232,7 +199,7 @@ TEST_P(SwapTest, SwappedBackPagesHoldTheSameBytes) {
 }
 
 TEST_P(SwapTest, SharedPagesStayValidForTheOtherSequence) {
-  KVCache cache = MakeCache(SwapOptions(device_, 24, 24));
+  KVCache cache = testing::CreateCacheOrAbort(SwapOptions(device_, 24, 24));
   Model m(&cache, stream_, 5);
   const SequenceId parent = m.Create();
   ASSERT_TRUE(m.Step({{parent, 10}}).ok());  // 2 full pages + a partial one
@@ -262,7 +229,7 @@ TEST_P(SwapTest, SharedPagesStayValidForTheOtherSequence) {
 }
 
 TEST_P(SwapTest, SwappedSequencesAreRefusedAndFailuresChangeNothing) {
-  KVCache cache = MakeCache(SwapOptions(device_, 12, 4));
+  KVCache cache = testing::CreateCacheOrAbort(SwapOptions(device_, 12, 4));
   Model m(&cache, stream_, 7);
   const SequenceId a = m.Create();
   const SequenceId b = m.Create();
@@ -330,7 +297,7 @@ TEST_P(SwapTest, SwappedSequencesAreRefusedAndFailuresChangeNothing) {
   EXPECT_TRUE(cache.CheckInvariants().ok()) << cache.CheckInvariants();
   EXPECT_EQ(st0.host_pages_used, 3);
   // Without a host tier.
-  KVCache plain = MakeCache(SwapOptions(device_, 8, 0));
+  KVCache plain = testing::CreateCacheOrAbort(SwapOptions(device_, 8, 0));
   const SequenceId p = plain.CreateSequence();
   EXPECT_EQ(plain.SwapOut(p, stream_).code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(plain.Stats().host_pages_total, 0);
@@ -342,7 +309,7 @@ TEST_P(SwapTest, SwappedSequencesAreRefusedAndFailuresChangeNothing) {
 TEST_P(SwapTest, PrefixCachedPagesStayIndexedWhileTheirSequenceIsOut) {
   KVCacheOptions o = SwapOptions(device_, 24, 24);
   o.prefix_cache.enabled = true;
-  KVCache cache = MakeCache(o);
+  KVCache cache = testing::CreateCacheOrAbort(o);
   Model m(&cache, stream_, 9);
   std::vector<int32_t> prompt(13);
   for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = static_cast<int32_t>(3 * i + 1);
@@ -393,7 +360,7 @@ TEST_P(SwapTest, HostTierOptionsAreValidated) {
 TEST_P(SwapTest, FuzzSwapsInterleavedWithSteps) {
   for (uint64_t seed : {11u, 12u, 13u, 14u}) {
     SCOPED_TRACE(seed);
-    KVCache cache = MakeCache(SwapOptions(device_, 30, 20, seed % 2 ? Layout::kHND : Layout::kNHD,
+    KVCache cache = testing::CreateCacheOrAbort(SwapOptions(device_, 30, 20, seed % 2 ? Layout::kHND : Layout::kNHD,
                                           seed % 3 == 0 ? 5 : 4,
                                           seed == 14 ? KeyFormat::kFp8 : KeyFormat::kNvfp4));
     Model m(&cache, stream_, seed);

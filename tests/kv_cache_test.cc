@@ -56,15 +56,6 @@ KVCacheOptions SmallOptions(Device device = Device::Cpu()) {
   return o;
 }
 
-KVCache MustCreate(const KVCacheOptions& o) {
-  absl::StatusOr<KVCache> c = KVCache::Create(o);
-  if (!c.ok()) {
-    ADD_FAILURE() << c.status();
-    std::abort();
-  }
-  return *std::move(c);
-}
-
 // Drives a cache: steps with fresh tokens appended through the bound
 // appender, and a model of every sequence's tokens.
 class Driver {
@@ -217,19 +208,19 @@ TEST(KVCacheCreate, MissingGpuIsFailedPrecondition) {
 TEST(KVCacheCreate, BudgetDerivesThePageCount) {
   KVCacheOptions o = SmallOptions();
   const int64_t pages = o.geometry.num_pages;
-  const int64_t exact = MustCreate(o).Stats().pool_bytes;
+  const int64_t exact = testing::CreateCacheOrAbort(o).Stats().pool_bytes;
   o.geometry.num_pages = 0;
   o.memory_budget_bytes = exact;
-  KVCache c = MustCreate(o);
+  KVCache c = testing::CreateCacheOrAbort(o);
   EXPECT_EQ(c.geometry().num_pages, pages);
   EXPECT_EQ(c.options().geometry.num_pages, pages);
   EXPECT_EQ(c.Stats().pool_bytes, exact);
   o.memory_budget_bytes = exact - 1;
-  KVCache d = MustCreate(o);
+  KVCache d = testing::CreateCacheOrAbort(o);
   EXPECT_LT(d.geometry().num_pages, pages);
   EXPECT_LE(d.Stats().pool_bytes, exact - 1);
   o.memory_budget_bytes = 40 * exact;  // roughly 40x the pages
-  KVCache e = MustCreate(o);
+  KVCache e = testing::CreateCacheOrAbort(o);
   EXPECT_GE(e.geometry().num_pages, 39 * pages);
   EXPECT_LE(e.Stats().pool_bytes, 40 * exact);
   // bytes per token: 2 layers * 2 heads * (32 + 32 + 4 + 4) bytes.
@@ -241,7 +232,7 @@ TEST(KVCacheCreate, BudgetDerivesThePageCount) {
 TEST(KVCacheCreate, Fp8KeysSizePoolsWithoutKeyScales) {
   KVCacheOptions o = SmallOptions();
   o.geometry.key_format = KeyFormat::kFp8;
-  KVCache c = MustCreate(o);
+  KVCache c = testing::CreateCacheOrAbort(o);
   // 2 layers * 2 heads * (64 + 32 + 4) bytes.
   EXPECT_EQ(c.Stats().bytes_per_token, 2.0 * 2 * 100);
   EXPECT_EQ(c.Stats().pool_bytes, 2 * 16 * 4 * 2 * 100);  // regions 256-byte multiples here
@@ -249,12 +240,12 @@ TEST(KVCacheCreate, Fp8KeysSizePoolsWithoutKeyScales) {
     o.geometry.layout = layout;
     o.geometry.num_pages = 0;
     o.memory_budget_bytes = 40 * 2 * 4 * 2 * 100 * 2;  // 80 pages of K8V4
-    KVCache b = MustCreate(o);
+    KVCache b = testing::CreateCacheOrAbort(o);
     EXPECT_EQ(b.geometry().num_pages, 80);
     EXPECT_EQ(b.geometry().key_format, KeyFormat::kFp8);
     KVCacheOptions n = o;
     n.geometry.key_format = KeyFormat::kNvfp4;
-    EXPECT_EQ(MustCreate(n).geometry().num_pages, 80 * 100 / 72);  // NVFP4 K+V: 72 B per head
+    EXPECT_EQ(testing::CreateCacheOrAbort(n).geometry().num_pages, 80 * 100 / 72);  // NVFP4 K+V: 72 B per head
     const PagedCache v = b.LayerCache(1);
     EXPECT_EQ(v.key_format, KeyFormat::kFp8);
     EXPECT_EQ(v.k_scales.data, nullptr);
@@ -279,7 +270,7 @@ TEST(KVCacheCreate, LayerViewsDescribeDisjointAlignedPools) {
     o.num_layers = 3;
     o.k_global_scales.clear();
     o.v_global_scales.clear();
-    KVCache c = MustCreate(o);
+    KVCache c = testing::CreateCacheOrAbort(o);
     std::vector<std::pair<uintptr_t, uintptr_t>> ranges;
     for (int l = 0; l < 3; ++l) {
       const PagedCache v = c.LayerCache(l);
@@ -310,7 +301,7 @@ TEST(KVCacheCreate, LayerViewsDescribeDisjointAlignedPools) {
 
 // ------------------------------------------------------------------- steps
 TEST(KVCacheStep, FillsSlotsTablesLengthsAndPadding) {
-  KVCache c = MustCreate(SmallOptions());
+  KVCache c = testing::CreateCacheOrAbort(SmallOptions());
   Driver d(&c);
   const SequenceId a = d.Create();
   const SequenceId b = d.Create();
@@ -380,7 +371,7 @@ TEST(KVCacheStep, BlockTablesFollowSequencesAcrossReorderedSteps) {
   KVCacheOptions o = SmallOptions();
   o.geometry.num_pages = 64;
   o.max_pages_per_seq = 16;
-  KVCache c = MustCreate(o);
+  KVCache c = testing::CreateCacheOrAbort(o);
   Driver d(&c);
   std::vector<SequenceId> live = {d.Create(), d.Create(), d.Create()};
   std::mt19937 rng(11);
@@ -435,7 +426,7 @@ TEST(KVCacheStep, BlockTablesFollowSequencesAcrossReorderedSteps) {
 
 // ------------------------------------------------------------ fork and COW
 TEST(KVCacheFork, SharesFullPagesAndCopiesAPartialPageOnWrite) {
-  KVCache c = MustCreate(SmallOptions());
+  KVCache c = testing::CreateCacheOrAbort(SmallOptions());
   Driver d(&c);
   const SequenceId parent = d.Create();
   ASSERT_TRUE(d.Step({{parent, 6}}).ok());  // pages: full, half
@@ -472,7 +463,7 @@ TEST(KVCacheFork, SharesFullPagesAndCopiesAPartialPageOnWrite) {
 }
 
 TEST(KVCacheFork, FullPagesAreNeverCopied) {
-  KVCache c = MustCreate(SmallOptions());
+  KVCache c = testing::CreateCacheOrAbort(SmallOptions());
   Driver d(&c);
   const SequenceId p = d.Create();
   ASSERT_TRUE(d.Step({{p, 8}}).ok());
@@ -485,7 +476,7 @@ TEST(KVCacheFork, FullPagesAreNeverCopied) {
 }
 
 TEST(KVCacheFork, ThreeHoldersAppendingInOneStepCopyOnlyWhileShared) {
-  KVCache c = MustCreate(SmallOptions());
+  KVCache c = testing::CreateCacheOrAbort(SmallOptions());
   Driver d(&c);
   const SequenceId a = d.Create();
   ASSERT_TRUE(d.Step({{a, 2}}).ok());
@@ -506,7 +497,7 @@ TEST(KVCacheFork, ThreeHoldersAppendingInOneStepCopyOnlyWhileShared) {
 }
 
 TEST(KVCacheFork, ZeroTokenEntryDoesNotCopy) {
-  KVCache c = MustCreate(SmallOptions());
+  KVCache c = testing::CreateCacheOrAbort(SmallOptions());
   Driver d(&c);
   const SequenceId a = d.Create();
   ASSERT_TRUE(d.Step({{a, 3}}).ok());
@@ -521,7 +512,7 @@ TEST(KVCacheFork, ZeroTokenEntryDoesNotCopy) {
 
 // --------------------------------------------------------------- truncate
 TEST(KVCacheTruncate, RollsBackSpeculativeTokensAndFreesPages) {
-  KVCache c = MustCreate(SmallOptions());
+  KVCache c = testing::CreateCacheOrAbort(SmallOptions());
   Driver d(&c);
   const SequenceId s = d.Create();
   ASSERT_TRUE(d.Step({{s, 7}}).ok());
@@ -546,7 +537,7 @@ TEST(KVCacheTruncate, RollsBackSpeculativeTokensAndFreesPages) {
 }
 
 TEST(KVCacheTruncate, IntoASharedPageCopiesOnTheNextAppend) {
-  KVCache c = MustCreate(SmallOptions());
+  KVCache c = testing::CreateCacheOrAbort(SmallOptions());
   Driver d(&c);
   const SequenceId p = d.Create();
   ASSERT_TRUE(d.Step({{p, 8}}).ok());
@@ -567,7 +558,7 @@ TEST(KVCacheTruncate, IntoASharedPageCopiesOnTheNextAppend) {
 
 // ------------------------------------------------------------------ stats
 TEST(KVCacheStats, CountPagesTokensAndWaste) {
-  KVCache c = MustCreate(SmallOptions());
+  KVCache c = testing::CreateCacheOrAbort(SmallOptions());
   Driver d(&c);
   const SequenceId a = d.Create();
   const SequenceId b = d.Create();
@@ -598,7 +589,7 @@ TEST(KVCacheStats, CountPagesTokensAndWaste) {
 
 // -------------------------------------------------------------- exhaustion
 TEST(KVCacheExhaustion, FullPoolRejectsTheStepThenRecovers) {
-  KVCache c = MustCreate(SmallOptions());  // 16 pages of 4
+  KVCache c = testing::CreateCacheOrAbort(SmallOptions());  // 16 pages of 4
   Driver d(&c);
   std::vector<SequenceId> s;
   for (int i = 0; i < 4; ++i) s.push_back(d.Create());
@@ -626,7 +617,7 @@ TEST(KVCacheExhaustion, FullPoolRejectsTheStepThenRecovers) {
 TEST(KVCacheExhaustion, CopyOnWriteCountsTowardTheReservation) {
   KVCacheOptions o = SmallOptions();
   o.geometry.num_pages = 3;
-  KVCache c = MustCreate(o);
+  KVCache c = testing::CreateCacheOrAbort(o);
   Driver d(&c);
   const SequenceId a = d.Create();
   ASSERT_TRUE(d.Step({{a, 6}}).ok());  // 2 pages, 1 free
@@ -649,7 +640,7 @@ TEST(KVCacheExhaustion, CopyOnWriteCountsTowardTheReservation) {
 TEST(KVCacheErrors, EveryErrorPathLeavesTheStateUnchanged) {
   KVCacheOptions o = SmallOptions();
   o.geometry.num_pages = 6;
-  KVCache c = MustCreate(o);
+  KVCache c = testing::CreateCacheOrAbort(o);
   Driver d(&c);
   const SequenceId a = d.Create();
   const SequenceId b = d.Create();
@@ -755,7 +746,7 @@ TEST(KVCacheErrors, EveryErrorPathLeavesTheStateUnchanged) {
 
 // ----------------------------------------------------------------- scales
 TEST(KVCacheScales, UpdatesBeforeStoringAreSeenByLaterRunsThroughTheDeviceArray) {
-  KVCache c = MustCreate(SmallOptions());
+  KVCache c = testing::CreateCacheOrAbort(SmallOptions());
   ASSERT_TRUE(c.UpdateGlobalScales(1, 9.0f, 0.5f).ok());  // nothing stored yet
   absl::StatusOr<LayerScales> sc = c.ReadScales(1);
   ASSERT_TRUE(sc.ok()) << sc.status();
@@ -785,7 +776,7 @@ TEST(KVCacheScales, UpdatesBeforeStoringAreSeenByLaterRunsThroughTheDeviceArray)
 void CheckCalibration(Device device) {
   KVCacheOptions o = SmallOptions(device);
   o.recipe = Recipe::FourOverSix(256, ErrorMetric::kMse);
-  KVCache c = MustCreate(o);
+  KVCache c = testing::CreateCacheOrAbort(o);
   const int64_t n = 5 * 2 * 64;
   std::vector<uint16_t> k = testing::RandomHalfBits(DType::kBF16, n, 41);
   std::vector<uint16_t> v = testing::RandomHalfBits(DType::kBF16, n, 42);
@@ -843,7 +834,7 @@ TEST(KVCacheGpu, CalibrationSetsGlobalAndFp8ScalesOnTheDevice) {
 
 // ------------------------------------------------------------- bound ops
 TEST(KVCacheOps, BoundOpsCheckTheirArguments) {
-  KVCache c = MustCreate(SmallOptions());
+  KVCache c = testing::CreateCacheOrAbort(SmallOptions());
   Driver d(&c);
   const SequenceId s = d.Create();
   ASSERT_TRUE(d.Step({{s, 6}}).ok());
@@ -897,11 +888,11 @@ TEST(KVCacheOps, BoundOpsCheckTheirArguments) {
   // A geometry that cannot be materialized.
   KVCacheOptions o = SmallOptions();
   o.geometry.page_size = 3;
-  KVCache c3 = MustCreate(o);
+  KVCache c3 = testing::CreateCacheOrAbort(o);
   EXPECT_EQ(c3.materializer().status().code(), absl::StatusCode::kFailedPrecondition);
   o = SmallOptions();
   o.geometry.head_dim_v = 32;
-  EXPECT_EQ(MustCreate(o).materializer().status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(testing::CreateCacheOrAbort(o).materializer().status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(c.Fp8WorkspacePagesAtCapacity(), 1 + 4 * 8);
   EXPECT_EQ(c.Fp8WorkspaceShape(7), (std::vector<int64_t>{7, 2, 2, 4, 64}));
 }
@@ -911,7 +902,7 @@ TEST(KVCacheOps, BoundOpsMatchTheFunctionalApiOnExplicitMetadata) {
     SCOPED_TRACE(KeyFormatName(kf));
     KVCacheOptions o = SmallOptions();
     o.geometry.key_format = kf;
-    KVCache c = MustCreate(o);
+    KVCache c = testing::CreateCacheOrAbort(o);
     Driver d(&c);
     const SequenceId a = d.Create(), b = d.Create(), e = d.Create();
     ASSERT_TRUE(d.Step({{a, 9}, {b, 4}, {e, 1}}).ok());
@@ -988,7 +979,7 @@ TEST(KVCacheOps, BoundOpsMatchTheFunctionalApiOnExplicitMetadata) {
 }
 
 TEST(KVCacheOps, BoundOpsSurviveMovingTheCache) {
-  KVCache c = MustCreate(SmallOptions());
+  KVCache c = testing::CreateCacheOrAbort(SmallOptions());
   absl::StatusOr<CacheAppender> app = c.appender();
   ASSERT_TRUE(app.ok());
   KVCache moved = std::move(c);
@@ -1000,7 +991,7 @@ TEST(KVCacheOps, BoundOpsSurviveMovingTheCache) {
   ASSERT_TRUE(testing::FillStepInputs(moved, toks, &in, nullptr).ok());
   ASSERT_TRUE(testing::RunAppendAllLayers(moved, *app, &in, nullptr).ok());
   EXPECT_EQ(CheckSequenceBytes(moved, DownloadPools(moved), s, toks), "");
-  KVCache other = MustCreate(SmallOptions());
+  KVCache other = testing::CreateCacheOrAbort(SmallOptions());
   other = std::move(moved);  // move-assign frees `other`'s pools
   EXPECT_EQ(CheckSequenceBytes(other, DownloadPools(other), s, toks), "");
 }
@@ -1026,10 +1017,10 @@ void CapturedStepReplaysLikeEagerAndCpu(KeyFormat key_format) {
   o.max_seqs_per_step = 5;
   o.max_tokens_per_step = 24;
   o.max_pages_per_seq = 10;
-  KVCache cpu = MustCreate(o);
+  KVCache cpu = testing::CreateCacheOrAbort(o);
   o.device = Device::Cuda(0);
-  KVCache eager = MustCreate(o);
-  KVCache graph = MustCreate(o);
+  KVCache eager = testing::CreateCacheOrAbort(o);
+  KVCache graph = testing::CreateCacheOrAbort(o);
   KVCache* caches[3] = {&cpu, &eager, &graph};
   const int L = o.num_layers;
   const int S = o.max_seqs_per_step;

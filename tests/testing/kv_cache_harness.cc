@@ -13,6 +13,36 @@
 namespace fp4kv {
 namespace testing {
 
+KVCache CreateCacheOrAbort(const KVCacheOptions& options) {
+  absl::StatusOr<KVCache> c = KVCache::Create(options);
+  if (!c.ok()) {
+    ADD_FAILURE() << c.status();
+    std::abort();
+  }
+  return *std::move(c);
+}
+
+void CpuOrGpuStreamTest::SetUp() {
+  if (!GetParam()) return;
+  FP4KV_SKIP_WITHOUT_GPU();
+  device_ = Device::Cuda(0);
+  cudaStream_t s = nullptr;
+  ASSERT_EQ(cudaStreamCreate(&s), cudaSuccess);
+  cuda_stream_ = s;
+  stream_ = reinterpret_cast<Stream>(s);
+}
+
+void CpuOrGpuStreamTest::TearDown() {
+  if (cuda_stream_ != nullptr) (void)cudaStreamDestroy(static_cast<cudaStream_t>(cuda_stream_));
+}
+
+void CpuOrGpuStreamTest::Sync() {
+  if (cuda_stream_ != nullptr) {
+    ASSERT_EQ(cudaStreamSynchronize(static_cast<cudaStream_t>(cuda_stream_)), cudaSuccess);
+  }
+}
+
+
 // ------------------------------------------------------------------ Buffer
 Buffer::Buffer(const Device& device, size_t bytes) : device_(device), bytes_(bytes) {
   if (device.is_cuda()) {

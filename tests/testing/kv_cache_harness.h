@@ -15,6 +15,23 @@
 namespace fp4kv {
 namespace testing {
 
+// KVCache::Create, or a test failure and abort: for tests whose every later
+// step needs the cache.
+KVCache CreateCacheOrAbort(const KVCacheOptions& options);
+
+// Cases that run on the CPU (parameter false) and on GPU 0 with a stream of
+// their own (true; skipped without a GPU). stream_ is null on the CPU.
+class CpuOrGpuStreamTest : public ::testing::TestWithParam<bool> {
+ protected:
+  void SetUp() override;
+  void TearDown() override;
+  // Waits for the stream (nothing on the CPU).
+  void Sync();
+  Device device_ = Device::Cpu();
+  void* cuda_stream_ = nullptr;  // cudaStream_t
+  Stream stream_ = nullptr;
+};
+
 // Bytes on a device: host memory for the CPU, cudaMalloc for CUDA.
 class Buffer {
  public:
