@@ -256,6 +256,21 @@ absl::Status CheckScale(float v, const char* name, int layer) {
   return absl::OkStatus();
 }
 
+// The most pages (at most INT32_MAX; 0 if not even one) of geometry g whose
+// pools for num_layers layers fit in budget bytes, with their layout.
+int64_t MostPagesWithin(const CacheGeometry& g, int num_layers, int64_t budget,
+                        internal::PoolLayout* layout) {
+  int64_t per_page = 0;
+  if (__builtin_mul_overflow(g.PageBytes(), int64_t{num_layers}, &per_page)) per_page = INT64_MAX;
+  int64_t p = std::min<int64_t>(budget / per_page, INT32_MAX);
+  for (; p >= 1; --p) {
+    CacheGeometry t = g;
+    t.num_pages = p;
+    if (internal::ComputePoolLayout(t, num_layers, layout) && layout->total_bytes <= budget) break;
+  }
+  return std::max<int64_t>(p, 0);
+}
+
 }  // namespace
 
 class KVCacheState;
@@ -1043,20 +1058,8 @@ absl::StatusOr<KVCache> KVCache::Create(const KVCacheOptions& o) {
     }
   }
   if (g.num_pages == 0) {
-    // The most pages (at most INT32_MAX) whose pools fit the budget.
-    int64_t per_page = 0;
-    if (__builtin_mul_overflow(g.PageBytes(), int64_t{o.num_layers}, &per_page)) {
-      per_page = INT64_MAX;
-    }
-    int64_t p = std::min<int64_t>(o.memory_budget_bytes / per_page, INT32_MAX);
-    for (internal::PoolLayout l; p >= 1; --p) {
-      CacheGeometry t = g;
-      t.num_pages = p;
-      if (internal::ComputePoolLayout(t, o.num_layers, &l) &&
-          l.total_bytes <= o.memory_budget_bytes) {
-        break;
-      }
-    }
+    internal::PoolLayout unused;
+    const int64_t p = MostPagesWithin(g, o.num_layers, o.memory_budget_bytes, &unused);
     if (p < 1) {
       return absl::InvalidArgumentError(absl::StrCat(
           "memory_budget_bytes: expected at least ", one_page.total_bytes,
@@ -1123,17 +1126,7 @@ absl::StatusOr<KVCache> KVCache::Create(const KVCacheOptions& o) {
   int64_t host_pages = ht.host_pages;
   internal::PoolLayout host_layout;
   if (ht.host_bytes > 0) {
-    int64_t per_page = 0;
-    if (__builtin_mul_overflow(g.PageBytes(), int64_t{o.num_layers}, &per_page)) per_page = INT64_MAX;
-    host_pages = std::min<int64_t>(ht.host_bytes / per_page, INT32_MAX);
-    for (; host_pages >= 1; --host_pages) {
-      CacheGeometry t = g;
-      t.num_pages = host_pages;
-      if (internal::ComputePoolLayout(t, o.num_layers, &host_layout) &&
-          host_layout.total_bytes <= ht.host_bytes) {
-        break;
-      }
-    }
+    host_pages = MostPagesWithin(g, o.num_layers, ht.host_bytes, &host_layout);
     if (host_pages < 1) {
       return absl::InvalidArgumentError(absl::StrCat(
           "host_tier.host_bytes: expected at least ", one_page.total_bytes,
