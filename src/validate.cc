@@ -227,12 +227,6 @@ absl::Status CheckPool(const TensorView& data, const TensorView& scales, const c
 
 }  // namespace
 
-absl::Status RefuseFp8Keys(const CacheGeometry& g, const char* what) {
-  if (!g.fp8_keys()) return absl::OkStatus();
-  return absl::UnimplementedError(
-      absl::StrCat("geometry.key_format: ", what, " expected NVFP4 keys, got FP8"));
-}
-
 absl::Status CheckCache(const PagedCache& cache, const CacheGeometry& g, const Device& device,
                         PoolPtrs* k, PoolPtrs* v) {
   if (cache.layout != g.layout) {

@@ -50,10 +50,6 @@ absl::Status CheckDevice(const TensorView& t, const char* name, const Device& de
 absl::Status CheckGlobalScale(const GlobalScale& s, const char* name);
 absl::Status CheckFloatDType(DType t, const char* name);  // f16 or bf16
 
-// UnimplementedError naming `what` when g keeps FP8 keys and the op does not
-// handle them yet.
-absl::Status RefuseFp8Keys(const CacheGeometry& g, const char* what);
-
 // Checks a cache's four views against `g` (shape, dtype, contiguous rows,
 // 8-byte aligned data rows, device) and fills the pool pointers.
 absl::Status CheckCache(const PagedCache& cache, const CacheGeometry& g, const Device& device,
