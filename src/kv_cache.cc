@@ -1515,6 +1515,9 @@ absl::StatusOr<SequenceId> KVCache::ImportSequence(absl::Span<const HalfPagedCac
   // Commit: the sequence and its pages.
   const SequenceId id = CreateSequence();
   KVCacheState::Sequence& q = *s.Find(id);
+  // The rows' token ids are unknown: the sequence is never prefix-tracked, so
+  // its pages are not indexed (nor are those of later steps).
+  if (q.chain.tracked) q.chain.Untrack();
   for (int64_t i = 0; i < n; ++i) {
     q.pages.push_back(s.allocator.Allocate());
     lists[i] = src_pages[i];

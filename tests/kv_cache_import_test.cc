@@ -126,6 +126,36 @@ TEST(KVCacheImport, EqualsAppendingTheSameRows) {
     }
 }
 
+// With prefix caching on, an imported sequence's token ids are unknown: it is
+// not prefix-tracked, so its pages are never indexed (later steps with token
+// ids included) and no later prompt can match them; the cache stays consistent.
+TEST(KVCacheImport, ImportedSequencesAreNotPrefixTracked) {
+  const Source src(5);
+  KVCacheOptions o = Options(true);
+  o.prefix_cache.enabled = true;
+  o.prefix_cache.max_pending_events = 64;
+  auto c = KVCache::Create(o);
+  ASSERT_TRUE(c.ok()) << c.status();
+  const int64_t length = 2 * kPage + 3;
+  auto id = c->ImportSequence(src.views, {2, 3, 4}, length);
+  ASSERT_TRUE(id.ok()) << id.status();
+  ASSERT_TRUE(c->CheckInvariants().ok()) << c->CheckInvariants();
+  std::vector<int32_t> ids(kPage);
+  for (int i = 0; i < kPage; ++i) ids[i] = 1000 + i;
+  StepEntry e{*id, kPage};
+  e.token_ids = ids;
+  ASSERT_TRUE(c->PrepareStep({e}).ok());
+  ASSERT_TRUE(c->CheckInvariants().ok()) << c->CheckInvariants();
+  EXPECT_EQ(c->Stats().pages_indexed, 0);
+  ASSERT_TRUE(c->ReleaseSequence(*id).ok());
+  ASSERT_TRUE(c->CheckInvariants().ok()) << c->CheckInvariants();
+  EXPECT_EQ(c->Stats().pages_cached, 0);
+  EXPECT_EQ(c->Stats().pages_free, 32);
+  std::vector<int32_t> prompt(length + kPage);
+  for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = static_cast<int32_t>(i);
+  EXPECT_EQ(c->MatchPrefix(prompt).tokens, 0);
+}
+
 TEST(KVCacheImport, ZeroRowsLeaveAPendingLayerPending) {
   std::vector<uint16_t> zeros(2 * 2 * kHeads * kPage * kDim, 0);
   const HalfPagedCache z = HalfPagedCache::FromStacked(

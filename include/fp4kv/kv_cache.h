@@ -475,7 +475,9 @@ class KVCache {
   // when the free pages do not suffice) before anything changes. CUDA: the
   // host page ids are copied to a stream-ordered temporary, so this is not
   // for graph capture; the sources must stay valid until the stream gets
-  // there. The current step's buffers are not touched.
+  // there. The current step's buffers are not touched. With prefix caching
+  // on, the new sequence is not prefix-tracked (its token ids are unknown):
+  // its pages, later ones included, are never indexed.
   absl::StatusOr<SequenceId> ImportSequence(absl::Span<const HalfPagedCache> layers,
                                             absl::Span<const int32_t> src_pages, int64_t length,
                                             Stream stream = nullptr);
