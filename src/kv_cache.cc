@@ -354,6 +354,24 @@ class KVCacheState {
     return absl::NotFoundError(
         absl::StrCat(name, ": unknown sequence id ", id, " (never created or already released)"));
   }
+  // The live sequence `id` whose pages are on the device: NotFound naming
+  // `name` when unknown, FailedPrecondition naming `call` when swapped out.
+  absl::StatusOr<Sequence*> FindResident(SequenceId id, const char* call,
+                                         const char* name = "seq") {
+    Sequence* q = Find(id);
+    if (q == nullptr) return Unknown(name, id);
+    if (q->swapped) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          call, ": sequence ", id, " is swapped out to the host tier (SwapIn it first)"));
+    }
+    return q;
+  }
+  absl::StatusOr<const Sequence*> FindResident(SequenceId id, const char* call,
+                                               const char* name = "seq") const {
+    absl::StatusOr<Sequence*> q = const_cast<KVCacheState*>(this)->FindResident(id, call, name);
+    if (!q.ok()) return q.status();
+    return *q;
+  }
 
   PagedCache LayerCache(int layer) const {
     const CacheGeometry& g = geometry;
@@ -1334,11 +1352,7 @@ absl::StatusOr<SequenceId> KVCache::ForkSequence(SequenceId parent) {
   FP4KV_KV_RETURN_IF_MOVED_FROM();
   KVCacheState& s = *state_;
   s.FlushIndex();
-  if (s.Find(parent) == nullptr) return KVCacheState::Unknown("parent", parent);
-  if (s.Find(parent)->swapped) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "ForkSequence: sequence ", parent, " is swapped out to the host tier (SwapIn it first)"));
-  }
+  FP4KV_KV_RETURN_IF_ERROR(s.FindResident(parent, "ForkSequence", "parent").status());
   const SequenceId child = CreateSequence();  // may move s.seqs: look the parent up again
   const KVCacheState::Sequence& p = *s.Find(parent);
   KVCacheState::Sequence& c = *s.Find(child);
@@ -1355,12 +1369,9 @@ absl::Status KVCache::Truncate(SequenceId seq, int64_t new_len) {
   FP4KV_KV_RETURN_IF_MOVED_FROM();
   KVCacheState& s = *state_;
   s.FlushIndex();
-  KVCacheState::Sequence* q = s.Find(seq);
-  if (q == nullptr) return KVCacheState::Unknown("seq", seq);
-  if (q->swapped) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "Truncate: sequence ", seq, " is swapped out to the host tier (SwapIn it first)"));
-  }
+  absl::StatusOr<KVCacheState::Sequence*> found = s.FindResident(seq, "Truncate");
+  if (!found.ok()) return found.status();
+  KVCacheState::Sequence* q = *found;
   if (new_len < 0 || new_len > q->length) {
     return absl::InvalidArgumentError(absl::StrCat("new_len: expected in [0, ", q->length,
                                                    "] (the sequence's length), got ", new_len));
@@ -1618,12 +1629,9 @@ absl::Status KVCache::ReadSequence(int layer, SequenceId seq, const TensorView& 
   FP4KV_KV_RETURN_IF_MOVED_FROM();
   const KVCacheState& s = *state_;
   FP4KV_KV_RETURN_IF_ERROR(s.CheckLayer(layer));
-  const KVCacheState::Sequence* q = s.Find(seq);
-  if (q == nullptr) return KVCacheState::Unknown("seq", seq);
-  if (q->swapped) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "ReadSequence: sequence ", seq, " is swapped out to the host tier (SwapIn it first)"));
-  }
+  absl::StatusOr<const KVCacheState::Sequence*> found = s.FindResident(seq, "ReadSequence");
+  if (!found.ok()) return found.status();
+  const KVCacheState::Sequence* q = *found;
   const CacheGeometry& g = s.geometry;
   // Shapes here; dtype, alignment and device through the Dequantizer below.
   for (const auto& [t, name, dim] :
@@ -2707,12 +2715,9 @@ absl::Status KVCache::ExportSequence(SequenceId seq, void* dst, int64_t dst_byte
   FP4KV_KV_RETURN_IF_MOVED_FROM();
   KVCacheState& s = *state_;
   s.FlushIndex();
-  KVCacheState::Sequence* q = s.Find(seq);
-  if (q == nullptr) return KVCacheState::Unknown("seq", seq);
-  if (q->swapped) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "ExportSequence: sequence ", seq, " is swapped out to the host tier (SwapIn it first)"));
-  }
+  absl::StatusOr<KVCacheState::Sequence*> found = s.FindResident(seq, "ExportSequence");
+  if (!found.ok()) return found.status();
+  KVCacheState::Sequence* q = *found;
   absl::StatusOr<SequenceImageHeader> hs = internal::ImageHeaderOf(s, *q);
   if (!hs.ok()) return hs.status();
   const SequenceImageHeader& h = *hs;
