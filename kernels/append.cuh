@@ -21,8 +21,12 @@ namespace kernels {
 
 inline constexpr int kAppendUnroll = 2;
 
-struct AppendLaunch {
-  internal::AppendParams p;
+// One launch of a grid whose rows are token slots and whose items are the
+// 16-value blocks of K then V over all heads (the append, the whole-cache
+// quantize).
+template <typename Params>
+struct BlockRowLaunch {
+  Params p;
   int64_t row_begin = 0;  // first row of this launch
   int64_t rows = 0;       // rows of this launch
   TileShape shape;
@@ -33,27 +37,35 @@ struct AppendLaunch {
   FastDivmod page_div;    // page_size
 };
 
-// Calls f(launch) for each launch that covers p's rows (one unless nnz >=
-// 2^30). Returns false when a row has too many blocks for one grid.
-template <typename F>
-bool ForEachAppendLaunch(const internal::AppendParams& p, F&& f, uint32_t rows_per_cta = 0) {
+// Calls f(launch) for each launch that covers `rows` rows of p (one unless
+// rows >= 2^30). Returns false when a row has too many blocks for one grid.
+template <typename Params, typename F>
+bool ForEachBlockRowLaunch(const Params& p, int64_t rows, uint32_t rows_per_cta, F&& f) {
   const int64_t kb = static_cast<int64_t>(p.num_heads) * (p.k.head_dim / kBlockSize);
   const int64_t vb = static_cast<int64_t>(p.num_heads) * (p.v.head_dim / kBlockSize);
-  AppendLaunch a;
+  BlockRowLaunch<Params> a;
   a.p = p;
   a.items = static_cast<uint32_t>(kb + vb);
   a.k_blocks = static_cast<uint32_t>(kb);
   a.k_head_div = FastDivmod::Make(static_cast<uint32_t>(p.k.head_dim / kBlockSize));
   a.v_head_div = FastDivmod::Make(static_cast<uint32_t>(p.v.head_dim / kBlockSize));
   a.page_div = FastDivmod::Make(static_cast<uint32_t>(p.page_size));
-  const uint32_t per_cta = rows_per_cta > 0 ? rows_per_cta : RowsPerCta(p.nnz);
-  for (int64_t r = 0; r < p.nnz; r += kMaxLaunchItems) {
+  const uint32_t per_cta = rows_per_cta > 0 ? rows_per_cta : RowsPerCta(rows);
+  for (int64_t r = 0; r < rows; r += kMaxLaunchItems) {
     a.row_begin = r;
-    a.rows = p.nnz - r < kMaxLaunchItems ? p.nnz - r : kMaxLaunchItems;
+    a.rows = rows - r < kMaxLaunchItems ? rows - r : kMaxLaunchItems;
     if (!MakeTileShape(kb + vb, a.rows, per_cta, &a.shape)) return false;
     f(a);
   }
   return true;
+}
+
+using AppendLaunch = BlockRowLaunch<internal::AppendParams>;
+
+// The launches covering p's nnz rows.
+template <typename F>
+bool ForEachAppendLaunch(const internal::AppendParams& p, F&& f, uint32_t rows_per_cta = 0) {
+  return ForEachBlockRowLaunch(p, p.nnz, rows_per_cta, static_cast<F&&>(f));
 }
 
 // internal::ResolveAppendRow with the division by page_size done by

@@ -25,40 +25,13 @@
 namespace fp4kv {
 namespace kernels {
 
-struct QuantizeCacheLaunch {
-  internal::QuantizeCacheParams p;
-  int64_t row_begin = 0;  // first row of this launch
-  int64_t rows = 0;       // rows of this launch
-  TileShape shape;
-  uint32_t items = 0;     // blocks per row: H * (Dk + Dv) / 16
-  uint32_t k_blocks = 0;  // H * Dk / 16
-  FastDivmod k_head_div;  // Dk / 16
-  FastDivmod v_head_div;  // Dv / 16
-  FastDivmod page_div;    // page_size
-};
+using QuantizeCacheLaunch = BlockRowLaunch<internal::QuantizeCacheParams>;
 
-// Calls f(launch) for each launch covering p's rows (one unless rows >=
-// 2^30). Returns false when a row has too many blocks for one grid.
+// The launches covering p's rows.
 template <typename F>
 bool ForEachQuantizeCacheLaunch(const internal::QuantizeCacheParams& p, F&& f,
                                 uint32_t rows_per_cta = 0) {
-  const int64_t kb = static_cast<int64_t>(p.num_heads) * (p.k.head_dim / kBlockSize);
-  const int64_t vb = static_cast<int64_t>(p.num_heads) * (p.v.head_dim / kBlockSize);
-  QuantizeCacheLaunch a;
-  a.p = p;
-  a.items = static_cast<uint32_t>(kb + vb);
-  a.k_blocks = static_cast<uint32_t>(kb);
-  a.k_head_div = FastDivmod::Make(static_cast<uint32_t>(p.k.head_dim / kBlockSize));
-  a.v_head_div = FastDivmod::Make(static_cast<uint32_t>(p.v.head_dim / kBlockSize));
-  a.page_div = FastDivmod::Make(static_cast<uint32_t>(p.page_size));
-  const uint32_t per_cta = rows_per_cta > 0 ? rows_per_cta : RowsPerCta(p.rows);
-  for (int64_t r = 0; r < p.rows; r += kMaxLaunchItems) {
-    a.row_begin = r;
-    a.rows = p.rows - r < kMaxLaunchItems ? p.rows - r : kMaxLaunchItems;
-    if (!MakeTileShape(kb + vb, a.rows, per_cta, &a.shape)) return false;
-    f(a);
-  }
-  return true;
+  return ForEachBlockRowLaunch(p, p.rows, rows_per_cta, static_cast<F&&>(f));
 }
 
 // internal::ResolveCacheRow for row r, with the division by page_size done
