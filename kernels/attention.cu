@@ -52,17 +52,13 @@ absl::Status LaunchFor(const AttentionParams& p, Stream stream) {
   const size_t smem = static_cast<size_t>(kernels::kAttnWarps) * Cfg::kWarpBytes + sched_bytes;
   auto* kernel = p.soft_cap > 0.0f ? &kernels::DecodeAttentionKernel<D, kBf16, true, kFp8K>
                                     : &kernels::DecodeAttentionKernel<D, kBf16, false, kFp8K>;
-  FP4KV_CUDA_RETURN_IF_ERROR(
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           static_cast<int>(smem)));
+  // The dynamic shared memory limit was raised at Create() (PrepareFor).
   kernel<<<grid, kernels::kAttnThreads, smem, stream>>>(a);
   FP4KV_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   // The merge kernel may launch while the attention kernel runs (it derives
   // its schedule, then waits in griddepcontrol.wait): only when its loaded
-  // code was built for sm_90+, where that wait exists.
+  // code was built for sm_90+, where that wait exists (found at Create()).
   auto* merge = &kernels::MergeAttentionKernel<D, kBf16>;
-  cudaFuncAttributes fa;
-  FP4KV_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&fa, merge));
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
@@ -72,8 +68,35 @@ absl::Status LaunchFor(const AttentionParams& p, Stream stream) {
   cfg.dynamicSmemBytes = sched_bytes;
   cfg.stream = stream;
   cfg.attrs = attr;
-  cfg.numAttrs = fa.ptxVersion >= 90 ? 1 : 0;
+  cfg.numAttrs = p.merge_overlaps ? 1 : 0;
   return CudaStatus(cudaLaunchKernelEx(&cfg, merge, a), "MergeAttentionKernel launch");
+}
+
+// Create()-time setup of the one kernel instance `o` selects: raises its
+// dynamic shared memory limit to what max_batch needs and tells whether the
+// merge kernel's loaded code can overlap (PTX 9.0+). On the current device.
+template <int D, bool kBf16, bool kFp8K>
+absl::Status PrepareFor(const DecodeAttention::Options& o, AttentionKernelSetup* out) {
+  using Cfg = kernels::AttnConfig<D, kFp8K>;
+  const size_t smem = static_cast<size_t>(kernels::kAttnWarps) * Cfg::kWarpBytes +
+                      kernels::AttnScheduleBytes(o.max_batch);
+  auto* kernel = o.logits_soft_cap > 0.0f ? &kernels::DecodeAttentionKernel<D, kBf16, true, kFp8K>
+                                          : &kernels::DecodeAttentionKernel<D, kBf16, false, kFp8K>;
+  FP4KV_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
+      kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  cudaFuncAttributes fa;
+  FP4KV_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&fa, &kernels::MergeAttentionKernel<D, kBf16>));
+  out->merge_overlaps = fa.ptxVersion >= 90;
+  return absl::OkStatus();
+}
+
+template <int D>
+absl::Status PrepareForDim(const DecodeAttention::Options& o, AttentionKernelSetup* out) {
+  const bool bf16 = o.dtype == DType::kBF16;
+  if (o.geometry.fp8_keys()) {
+    return bf16 ? PrepareFor<D, true, true>(o, out) : PrepareFor<D, false, true>(o, out);
+  }
+  return bf16 ? PrepareFor<D, true, false>(o, out) : PrepareFor<D, false, false>(o, out);
 }
 
 template <int D, bool kFp8K>
@@ -101,6 +124,33 @@ int64_t AttentionWorkspaceBytes(const DecodeAttention::Options& o, int num_sms) 
   const int64_t rows = kernels::AttnRowsPerSlot(group, o.max_q_len);
   const int64_t bytes = slots * rows * (d + 2) * static_cast<int64_t>(sizeof(float));
   return (bytes + 255) / 256 * 256;
+}
+
+absl::Status PrepareDecodeAttention(const DecodeAttention::Options& o,
+                                    AttentionKernelSetup* out) {
+  int previous = 0;
+  FP4KV_CUDA_RETURN_IF_ERROR(cudaGetDevice(&previous));
+  if (previous != o.device.ordinal) FP4KV_CUDA_RETURN_IF_ERROR(cudaSetDevice(o.device.ordinal));
+  absl::Status st;
+  switch (o.geometry.head_dim_v) {
+    case 64:
+      st = PrepareForDim<64>(o, out);
+      break;
+    case 128:
+      st = PrepareForDim<128>(o, out);
+      break;
+    case 256:
+      st = PrepareForDim<256>(o, out);
+      break;
+    default:
+      st = absl::UnimplementedError(absl::StrCat("DecodeAttention on CUDA: head_dim ",
+                                                 o.geometry.head_dim_v, " (64, 128, 256)"));
+  }
+  if (previous != o.device.ordinal) {
+    const cudaError_t err = cudaSetDevice(previous);
+    if (st.ok() && err != cudaSuccess) st = CudaStatus(err, "cudaSetDevice(restore)");
+  }
+  return st;
 }
 
 absl::Status LaunchDecodeAttention(const AttentionParams& p, Stream stream) {

@@ -99,6 +99,7 @@ absl::StatusOr<DecodeAttention> DecodeAttention::Create(const Options& o) {
   FP4KV_RETURN_IF_ERROR(internal::CheckDeviceAvailable(o.device));
   int num_sms = 0;
   int64_t workspace_bytes = 0;
+  internal::AttentionKernelSetup setup;
   if (o.device.is_cuda() && g.head_dim_k != g.head_dim_v) {
     return absl::InvalidArgumentError(absl::StrCat(
         "geometry.head_dim_v: expected head_dim_k (", g.head_dim_k,
@@ -115,8 +116,9 @@ absl::StatusOr<DecodeAttention> DecodeAttention::Create(const Options& o) {
       return absl::InternalError(absl::StrCat(
           "DecodeAttention: the kernel asked for a negative workspace (", workspace_bytes, ")"));
     }
+    FP4KV_RETURN_IF_ERROR(internal::PrepareDecodeAttention(o, &setup));
   }
-  return DecodeAttention(o, num_sms, workspace_bytes);
+  return DecodeAttention(o, num_sms, workspace_bytes, setup.merge_overlaps);
 }
 
 namespace internal {
@@ -247,6 +249,7 @@ absl::Status DecodeAttention::Run(const DecodeAttentionArgs& args, const PagedCa
       internal::MakeAttentionParams(options_, args, cache, workspace, workspace_bytes, num_sms_);
   if (!p.ok()) return p.status();
   if (p->total_q == 0) return absl::OkStatus();
+  p->merge_overlaps = merge_overlaps_;
   if (!options_.device.is_cuda()) {
     internal::ReferenceDecodeAttention(*p);
     return absl::OkStatus();

@@ -58,6 +58,7 @@ struct AttentionParams {
   // Launch-shape inputs fixed at Create (options, not per-call values).
   int max_batch = 0;
   int num_sms = 0;
+  bool merge_overlaps = false;  // see AttentionKernelSetup
 
   // Reference only (tests): when set, the CPU reference also stores every
   // output element unrounded here, [total_q, Hq, Dv] with out's strides.
@@ -107,6 +108,15 @@ int64_t AttentionWorkspaceBytes(const DecodeAttention::Options& o, int num_sms);
 // CPU reference (src/reference/attention_reference.cc): fp64 accumulation over
 // the values format.h decodes. Synchronous, host memory.
 void ReferenceDecodeAttention(const AttentionParams& p);
+
+// What Create() settles once for the CUDA launch (kernels/attention.cu).
+struct AttentionKernelSetup {
+  bool merge_overlaps = false;  // the merge kernel's code waits in griddepcontrol (PTX 9.0+)
+};
+
+// Create()-time setup on options.device: raises the selected kernel's dynamic
+// shared memory limit and fills *out. Leaves the current device as it was.
+absl::Status PrepareDecodeAttention(const DecodeAttention::Options& o, AttentionKernelSetup* out);
 
 // CUDA launcher (kernels/attention.cu): enqueues on `stream`, allocates
 // nothing, never synchronizes; returns the launch status.

@@ -86,8 +86,9 @@ class DecodeAttention {
     Device device;
   };
 
-  // Validates the options and picks the launch shape (on CUDA it reads the
-  // device's SM count once, here).
+  // Validates the options and picks the launch shape. On CUDA it reads the
+  // device's SM count and sets the selected kernel's attributes once, here,
+  // so Run() makes no device query or attribute call.
   static absl::StatusOr<DecodeAttention> Create(const Options& options);
 
   // Scratch bytes Run() needs for split-KV partials (0 on the CPU): any
@@ -106,11 +107,15 @@ class DecodeAttention {
   const Options& options() const { return options_; }
 
  private:
-  DecodeAttention(const Options& o, int num_sms, int64_t workspace_bytes)
-      : options_(o), num_sms_(num_sms), workspace_bytes_(workspace_bytes) {}
+  DecodeAttention(const Options& o, int num_sms, int64_t workspace_bytes, bool merge_overlaps)
+      : options_(o),
+        num_sms_(num_sms),
+        workspace_bytes_(workspace_bytes),
+        merge_overlaps_(merge_overlaps) {}
   Options options_;
   int num_sms_ = 0;
   int64_t workspace_bytes_ = 0;
+  bool merge_overlaps_ = false;  // found at Create() (CUDA)
 };
 
 // Create + Run with a caller-given workspace (WorkspaceBytes() of the same
