@@ -12,7 +12,8 @@
 #              after scripts/package_for_gpu.sh)
 #   OUT_DIR    default $OUT, else ./gpu-out
 # Environment: SANITIZER_TIMEOUT (seconds per sanitizer run, default 900),
-#   SKIP_SANITIZER=1, SKIP_BENCH=1, SKIP_TESTS=1, SKIP_EXAMPLES=1.
+#   SKIP_SANITIZER=1, SKIP_BENCH=1, SKIP_TESTS=1, SKIP_EXAMPLES=1, SKIP_SM80=1;
+#   SM80_DIR (default: BUILD_DIR/../sm80, i.e. .carry/sm80).
 # Exit status: 0 when every test passed and the sanitizers found nothing.
 set -u -o pipefail
 
@@ -64,6 +65,35 @@ for exe in $( [ "${SKIP_TESTS:-0}" = 1 ] || executables '*_test'); do
     | tee -a "$SUMMARY"
   [ "$rc" -ne 0 ] && status=1
 done
+
+# ------------------------------------------- sm_80 code through PTX JIT
+# package_for_gpu.sh builds the GPU tests a second time with compute_80 PTX
+# only; the driver compiles those kernels for this GPU, so the sm_80 paths
+# (__CUDA_ARCH__ == 800) run here. SKIP_SM80=1 skips them.
+SM80_DIR=${SM80_DIR:-$(dirname "$BUILD_DIR")/sm80}
+if [ "${SKIP_TESTS:-0}" != 1 ] && [ "${SKIP_SM80:-0}" != 1 ] && [ -d "$SM80_DIR/bin" ]; then
+  note "== tests, sm_80 code (compute_80 PTX, JIT-compiled by the driver)"
+  if command -v cuobjdump > /dev/null || [ -x /usr/local/cuda/bin/cuobjdump ]; then
+    objdump=$(command -v cuobjdump || echo /usr/local/cuda/bin/cuobjdump)
+    lib=$(ls "$SM80_DIR"/lib/libfp4kv.so* | head -1)
+    note "libfp4kv (sm80): $("$objdump" --list-ptx "$lib" 2>/dev/null | grep -c 'sm_80') PTX files for sm_80, $("$objdump" --list-elf "$lib" 2>/dev/null | grep -c 'cubin') cubins"
+  fi
+  printf '%-28s %7s %7s %7s %5s %8s\n' binary passed failed skipped rc seconds | tee -a "$SUMMARY"
+  for exe in $(find "$SM80_DIR/bin" -maxdepth 1 -type f -perm -u+x -name '*_test' | sort); do
+    name=$(basename "$exe")
+    start=$(date +%s)
+    LD_LIBRARY_PATH="$(cd "$SM80_DIR/lib" && pwd):${LD_LIBRARY_PATH:-}" \
+      "$exe" --gtest_output="json:$OUT_DIR/sm80_$name.gtest.json" > "$OUT_DIR/sm80_$name.log" 2>&1
+    rc=$?
+    secs=$(( $(date +%s) - start ))
+    passed=$(grep -c '^\[       OK \]' "$OUT_DIR/sm80_$name.log")
+    failed=$(grep -c '^\[  FAILED  \] .*(' "$OUT_DIR/sm80_$name.log")
+    skipped=$(grep -c '^\[  SKIPPED \] .*(' "$OUT_DIR/sm80_$name.log")
+    printf '%-28s %7s %7s %7s %5s %8s\n' "sm80/$name" "$passed" "$failed" "$skipped" "$rc" "$secs" \
+      | tee -a "$SUMMARY"
+    [ "$rc" -ne 0 ] && status=1
+  done
+fi
 
 # ------------------------------------------------------------ sanitizers
 SANITIZER=$(command -v compute-sanitizer || true)

@@ -25,8 +25,13 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 BUILD=build-gpu
+launcher=()
+if command -v ccache >/dev/null 2>&1; then
+  launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache -DCMAKE_CUDA_COMPILER_LAUNCHER=ccache)
+fi
 cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 \
-  -DFP4KV_BUILD_TESTS=ON -DFP4KV_BUILD_BENCHMARKS=ON -DFP4KV_BUILD_EXAMPLES=ON -DBUILD_SHARED_LIBS=ON
+  -DFP4KV_BUILD_TESTS=ON -DFP4KV_BUILD_BENCHMARKS=ON -DFP4KV_BUILD_EXAMPLES=ON -DBUILD_SHARED_LIBS=ON \
+  "${launcher[@]}"
 if [ -n "${TARGETS:-}" ]; then
   # shellcheck disable=SC2086
   cmake --build "$BUILD" -j"${JOBS:-2}" --target $TARGETS
@@ -65,7 +70,31 @@ done
 mkdir -p .carry/data
 cp -r tests/data/realkv .carry/data/
 
-du -sh .carry .carry/bin .carry/lib
+# The sm_80 code path on a Hopper GPU: the GPU test executables built again
+# with compute_80 PTX only (no SASS), so the driver JIT-compiles the sm_80
+# kernels (__CUDA_ARCH__ == 800) for the GPU at hand. They go to
+# .carry/sm80/bin with their own libfp4kv in .carry/sm80/lib; gpu_check.sh
+# runs them. SM80=0 skips this build.
+if [ "${SM80:-1}" = 1 ] && [ -z "${TARGETS:-}" ]; then
+  B80=build-sm80
+  cmake -S . -B "$B80" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=80-virtual \
+    -DFP4KV_BUILD_TESTS=ON -DFP4KV_BUILD_BENCHMARKS=OFF -DFP4KV_BUILD_EXAMPLES=OFF \
+    -DBUILD_SHARED_LIBS=ON "${launcher[@]}" >/dev/null
+  mapfile -t t80 < <(cd tests && ls gpu_*_test.cu | sed 's/\.cu$//' | grep -v transfer)
+  cmake --build "$B80" -j"${JOBS:-2}" --target "${t80[@]}"
+  mkdir -p .carry/sm80/bin .carry/sm80/lib
+  for t in "${t80[@]}"; do
+    cp "$B80/$t" .carry/sm80/bin/
+    strip --strip-unneeded ".carry/sm80/bin/$t"
+  done
+  cp -L "$B80/libfp4kv.so" .carry/sm80/lib/libfp4kv.so
+  lib=$(ldd "$B80/${t80[0]}" | awk '$1 ~ /^libfp4kv/ {print $1}')
+  [ -n "$lib" ] && [ "$lib" != libfp4kv.so ] && mv .carry/sm80/lib/libfp4kv.so ".carry/sm80/lib/$lib"
+  chmod u+w .carry/sm80/lib/*
+  strip --strip-unneeded .carry/sm80/lib/* || true
+fi
+
+du -sh .carry .carry/bin .carry/lib .carry/sm80 2>/dev/null || true
 size_kb=$(du -sk .carry | cut -f1)
 if [ "$size_kb" -gt $((60 * 1024)) ]; then
   echo "package_for_gpu: warning: .carry is ${size_kb} KiB (> 60 MiB)" >&2
