@@ -5,11 +5,13 @@
 // median of kTimedRuns timed runs).
 //
 // Shapes: 32 qo heads over 8 KV heads (group 4), head_dim 128, page size 16,
-// bf16 q/out, NHD tuple pools of random bytes (finite block scales and FP8
-// key codes), every
-// request's pages a random permutation of the pool. When one case's cache is
-// smaller than 256 MB, several disjoint page sets (one block table each) are
-// rotated through the timed runs so L2 (50 MB on H200) never holds a case.
+// bf16 q/out, NHD tuple pools whose every slot holds random bf16 rows
+// appended through the Appender (bench::AppendRandomRows; FP8 keys too),
+// every request's pages a random permutation of the pool, q random. When one
+// case's cache is smaller than 256 MB, several disjoint page sets (one block
+// table each) are rotated through the timed runs so L2 (60 MB on H200) never
+// holds a case. Timed region: one Run() (attention + merge kernels), CUDA
+// events around it.
 // Counters per case:
 //   bytes          K + V codes and scales of the attended tokens (NVFP4 keys:
 //                  Dk/2 + Dk/16 bytes per token and head, FP8 keys: Dk; values
@@ -160,6 +162,11 @@ void BM_DecodeAttention(benchmark::State& state) {
     view = PagedCache::Fp8Keys(
         TensorView::Contiguous(k8.get(), DType::kU8, {g.num_pages, kPage, kKvHeads, kDim}, d),
         view.v_data, view.v_scales, Layout::kNHD);
+    // FP8 key rows (and the values again) written through the Appender.
+    const PagedCache append_view = PagedCache::Fp8Keys(
+        TensorView::Contiguous(k8.get(), DType::kE4M3, {g.num_pages, kPage, kKvHeads, kDim}, d),
+        view.v_data, view.v_scales, Layout::kNHD);
+    BENCH_CHECK(state, bench::AppendRandomRows(g, append_view, 19), "FP8 key append");
   }
   cudaStream_t s;
   BENCH_CUDA(state, cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));

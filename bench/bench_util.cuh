@@ -1,7 +1,8 @@
 // Shared pieces of the GPU benchmarks: GPU presence, checked CUDA calls,
 // owned device memory with random fills, the median time of a launch by CUDA
 // events, the device-to-device copy every case is compared with, counters,
-// and a paged NVFP4 cache on the device.
+// and a paged NVFP4 cache on the device whose every slot holds random bf16
+// rows written through the Appender (the real append path).
 #ifndef FP4KV_BENCH_BENCH_UTIL_CUH_
 #define FP4KV_BENCH_BENCH_UTIL_CUH_
 
@@ -17,6 +18,7 @@
 #include "benchmark/benchmark.h"
 #include "fp4kv/format.h"
 #include "fp4kv/geometry.h"
+#include "fp4kv/ops.h"
 #include "fp4kv/tensor.h"
 
 namespace fp4kv {
@@ -165,7 +167,47 @@ inline void Report(benchmark::State& state, double ms, double bytes) {
   state.counters["pct_of_copy"] = copy > 0 ? 100.0 * gbps / copy : 0.0;
 }
 
-// A paged cache in device memory (tuple form), random content.
+// Writes every slot of `view` (g.num_pages * g.page_size tokens) with random
+// bf16 K/V rows through an Appender (slot indexing), in chunks; the global
+// scales (0.1) hold the rows' magnitudes (up to 32) for NVFP4 and FP8 keys.
+inline bool AppendRandomRows(const CacheGeometry& g, const PagedCache& view, uint64_t seed) {
+  constexpr int64_t kChunk = 32768;
+  const int64_t total = g.num_pages * g.page_size;
+  const int64_t chunk = std::min(kChunk, total);
+  const Device d = Device::Cuda(0);
+  auto op = Appender::Create({g, DType::kBF16, AppendIndexing::kSlot, Recipe(), d});
+  if (!op.ok()) return false;
+  DeviceMem k, v, slots;
+  if (!k.Alloc(chunk * g.num_kv_heads * g.head_dim_k * 2) ||
+      !v.Alloc(chunk * g.num_kv_heads * g.head_dim_v * 2) || !slots.Alloc(chunk * 8) ||
+      !FillHalves(k, seed, true) || !FillHalves(v, seed + 1, true)) {
+    return false;
+  }
+  std::vector<int64_t> slot(chunk);
+  for (int64_t at = 0; at < total; at += chunk) {
+    const int64_t n = std::min(chunk, total - at);
+    for (int64_t i = 0; i < chunk; ++i) slot[i] = i < n ? at + i : -1;
+    if (!slots.Upload(slot)) return false;
+    AppendArgs a;
+    a.key = TensorView::Contiguous(k.get(), DType::kBF16, {chunk, g.num_kv_heads, g.head_dim_k}, d);
+    a.value =
+        TensorView::Contiguous(v.get(), DType::kBF16, {chunk, g.num_kv_heads, g.head_dim_v}, d);
+    a.slot_mapping = TensorView::Contiguous(slots.get(), DType::kI64, {chunk}, d);
+    a.k_scale = GlobalScale::Value(0.1f);
+    a.v_scale = GlobalScale::Value(0.1f);
+    if (!op->Run(a, view, nullptr).ok() || cudaDeviceSynchronize() != cudaSuccess) return false;
+    // The next chunk's rows differ: refill from another seed.
+    if (at + chunk < total &&
+        (!FillHalves(k, seed + 2 + 2 * (at / chunk), true) ||
+         !FillHalves(v, seed + 3 + 2 * (at / chunk), true))) {
+      return false;
+    }
+  }
+  return true;
+}
+
+// A paged cache in device memory (tuple form): random bytes, then every
+// slot written with random rows through the Appender (AppendRandomRows).
 struct DeviceCache {
   CacheGeometry g;
   DeviceMem k_data, v_data, k_scales, v_scales;
@@ -176,7 +218,8 @@ struct DeviceCache {
     return k_data.Alloc(rows * g.head_dim_k / 2) && v_data.Alloc(rows * g.head_dim_v / 2) &&
            k_scales.Alloc(rows * g.head_dim_k / 16) && v_scales.Alloc(rows * g.head_dim_v / 16) &&
            FillBytes(k_data, seed, false) && FillBytes(v_data, seed + 1, false) &&
-           FillBytes(k_scales, seed + 2, true) && FillBytes(v_scales, seed + 3, true);
+           FillBytes(k_scales, seed + 2, true) && FillBytes(v_scales, seed + 3, true) &&
+           AppendRandomRows(g, View(), seed + 4);
   }
   PagedCache View() const {
     const Device d = Device::Cuda(0);

@@ -19,7 +19,8 @@
 //     copies run on the cache's copy stream), median of 7 runs.
 //   page-copy CTA sweep: the page-copy kernel alone, pool -> pinned host,
 //     with 132 / 512 / 4096 CTAs (the cache uses 512 for host copies).
-//   decode loop: 64 sequences of 2048 tokens, one token each per step,
+//   decode loop: 64 sequences of 2048 tokens (pages scattered over the pool;
+//     random pool bytes, new rows random bf16), one token each per step,
 //     append + NVFP4 decode attention (32 query heads, bf16) on 4 layers;
 //     median step time (events) of 40 steps alone, then with a SwapOut of
 //     the 1 GiB sequence in flight, then with its SwapIn in flight.
@@ -33,6 +34,7 @@
 #include <vector>
 
 #include "bench/bench_util.cuh"
+#include "bench/scatter_pages.h"
 #include "fp4kv/kv_cache.h"
 #include "src/params.h"
 
@@ -58,6 +60,12 @@ constexpr int kRuns = 7;
       std::exit(1);                                                             \
     }                                                                           \
   } while (0)
+
+SequenceId NewSequenceOrDie(KVCache& cache) {
+  absl::StatusOr<SequenceId> id = bench::NewSequence(cache);
+  CHECK_OK(id.status());
+  return *id;
+}
 
 template <typename F>
 double MedianEventMs(cudaStream_t s, F&& f) {
@@ -159,8 +167,8 @@ int Main(const char* json_out) {
     CHECK_CUDA(cudaDeviceSynchronize());
   }
   // The 1 GiB sequence, its pages interleaved with a filler's.
-  const SequenceId big = cache.CreateSequence();
-  const SequenceId filler = cache.CreateSequence();
+  const SequenceId big = NewSequenceOrDie(cache);
+  const SequenceId filler = NewSequenceOrDie(cache);
   for (int64_t p = 0; p < big_pages; ++p) {
     CHECK_OK(cache.PrepareStep({{big, kPage}}, stream).status());
     CHECK_OK(cache.PrepareStep({{filler, kPage}}, stream).status());
@@ -274,10 +282,12 @@ int Main(const char* json_out) {
     CHECK_CUDA(cudaFree(d_ids));
   }
 
-  // Decode loop, with and without a swap in flight.
+  // Decode loop, with and without a swap in flight; its sequences' pages
+  // come from the scattered rest of the pool.
+  CHECK_OK(bench::ScatterFreePages(cache, 99, stream));
   std::vector<StepEntry> entries;
   for (int i = 0; i < kDecodeSeqs; ++i) {
-    const SequenceId id = cache.CreateSequence();
+    const SequenceId id = NewSequenceOrDie(cache);
     CHECK_OK(cache.PrepareStep({{id, kDecodeContext}}, stream).status());
     entries.push_back({id, 1});
   }
@@ -296,9 +306,11 @@ int Main(const char* json_out) {
   CHECK_CUDA(cudaMalloc(&d_q, q_bytes));
   CHECK_CUDA(cudaMalloc(&d_out, q_bytes));
   CHECK_CUDA(cudaMalloc(&d_ws, ws_bytes));
-  CHECK_CUDA(cudaMemset(d_k, 0x3c, T * kHeads * kDim * 2));
-  CHECK_CUDA(cudaMemset(d_v, 0xbc, T * kHeads * kDim * 2));
-  CHECK_CUDA(cudaMemset(d_q, 0x3c, q_bytes));
+  // Random bf16 inputs (never zero).
+  bench::FillHalvesKernel<<<1024, 256>>>(static_cast<uint16_t*>(d_k), T * kHeads * kDim, 31, true);
+  bench::FillHalvesKernel<<<1024, 256>>>(static_cast<uint16_t*>(d_v), T * kHeads * kDim, 32, true);
+  bench::FillHalvesKernel<<<1024, 256>>>(static_cast<uint16_t*>(d_q), q_bytes / 2, 33, true);
+  CHECK_CUDA(cudaGetLastError());
   CHECK_CUDA(cudaDeviceSynchronize());
   const Device dev = Device::Cuda(0);
   const TensorView k = TensorView::Contiguous(d_k, DType::kBF16, {T, kHeads, kDim}, dev);
