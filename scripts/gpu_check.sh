@@ -5,7 +5,8 @@
 #      test executables (gpu_*_test),
 #   3. every benchmark executable (*_bench) with --benchmark_out=OUT/NAME.json,
 # then prints a summary: passed/failed/skipped per test binary, sanitizer
-# error counts, and per benchmark case the median time, GB/s and % of copy.
+# error counts, and per benchmark case the median time, % of copy and counters
+# (scripts/check_results.py; also written to OUT/bench_tables.md).
 #
 # Usage: scripts/gpu_check.sh [BUILD_DIR] [OUT_DIR]
 #   BUILD_DIR  folder with the executables (default build-gpu; .carry/bin
@@ -13,6 +14,8 @@
 #   OUT_DIR    default $OUT, else ./gpu-out
 # Environment: SANITIZER_TIMEOUT (seconds per sanitizer run, default 900),
 #   SKIP_SANITIZER=1, SKIP_BENCH=1, SKIP_TESTS=1, SKIP_EXAMPLES=1, SKIP_SM80=1;
+#   BENCHES="a_bench b_bench" (only those), BENCH_ARGS (extra arguments for
+#   every bench), BENCH_TIMEOUT (seconds per bench, default 300);
 #   SM80_DIR (default: BUILD_DIR/../sm80, i.e. .carry/sm80).
 # Exit status: 0 when every test passed and the sanitizers found nothing.
 set -u -o pipefail
@@ -132,36 +135,37 @@ else
 fi
 
 # ------------------------------------------------------------ benchmarks
+# Each bench writes its Google Benchmark JSON to OUT_DIR/NAME.json (the
+# source of every number in bench/RESULTS.md and README.md) and its console
+# output to OUT_DIR/NAME.log; scripts/check_results.py turns all of them into
+# the markdown tables of OUT_DIR/bench_tables.md. A bench that runs past
+# BENCH_TIMEOUT seconds (default 300) is stopped and reported, so one stuck
+# case cannot use up a device call; on an H200 the whole section takes a few
+# minutes (each case takes its own medians; no --benchmark_repetitions).
 if [ "${SKIP_BENCH:-0}" = 1 ]; then
   note "== benchmarks skipped (SKIP_BENCH=1)"
 else
   note "== benchmarks"
+  bench_jsons=()
   for exe in $(executables '*_bench'); do
     name=$(basename "$exe")
-    "$exe" --benchmark_out="$OUT_DIR/$name.json" --benchmark_out_format=json 2>&1 \
-      | tee "$OUT_DIR/$name.log"
-    if command -v python3 > /dev/null; then
-      python3 - "$OUT_DIR/$name.json" <<'PY' | tee -a "$SUMMARY"
-import json, sys
-data = json.load(open(sys.argv[1]))
-print(f"{'case':<72} {'median_us':>10} {'GBps':>8} {'pct_copy':>8}")
-for b in data.get("benchmarks", []):
-    name = b.get("name", "?").replace("/iterations:1", "").replace("/manual_time", "")
-    if b.get("error_occurred"):
-        print(f"{name:<72} error: {b.get('error_message', '')}")
-        continue
-    if "median_us" in b:
-        print(f"{name:<72} {b['median_us']:>10.2f} {b.get('GBps', 0):>8.1f} "
-              f"{b.get('pct_of_copy', 0):>8.1f}"
-              + (f"   eager {b['eager_us']:.2f} us" if "eager_us" in b else ""))
-    else:  # plain timing (host cost): real and cpu time per call
-        unit = b.get("time_unit", "ns")
-        print(f"{name:<72} real {b.get('real_time', 0):.3f} {unit}, cpu {b.get('cpu_time', 0):.3f} {unit}")
-PY
-    else
-      note "(python3 not found: see $OUT_DIR/$name.json)"
-    fi
+    # BENCHES="kernels_bench kv_cache_bench" runs only those.
+    if [ -n "${BENCHES:-}" ] && ! [[ " $BENCHES " == *" $name "* ]]; then continue; fi
+    start=$(date +%s)
+    # shellcheck disable=SC2086
+    timeout "${BENCH_TIMEOUT:-300}" "$exe" --benchmark_out="$OUT_DIR/$name.json" \
+      --benchmark_out_format=json ${BENCH_ARGS:-} > "$OUT_DIR/$name.log" 2>&1
+    rc=$?
+    secs=$(( $(date +%s) - start ))
+    note "$name: exit $rc, ${secs} s$([ "$rc" = 124 ] && echo " (timed out after ${BENCH_TIMEOUT:-300} s)")"
+    [ -s "$OUT_DIR/$name.json" ] && bench_jsons+=("$OUT_DIR/$name.json")
   done
+  if command -v python3 > /dev/null && [ ${#bench_jsons[@]} -gt 0 ]; then
+    python3 "$(dirname "$0")/check_results.py" "${bench_jsons[@]}" > "$OUT_DIR/bench_tables.md"
+    tee -a "$SUMMARY" < "$OUT_DIR/bench_tables.md"
+  else
+    note "(python3 or JSON missing: see $OUT_DIR/*_bench.json)"
+  fi
 fi
 
 # -------------------------------------------------------------- examples
