@@ -82,54 +82,15 @@ SequenceId NewSequence(KVCache& c) {
   return id;
 }
 
-constexpr uint8_t kPoisonByte = 0xA5;  // out and lse are filled with it
+constexpr uint8_t kPoisonByte = testing::kCacheAttentionPoison;
 constexpr uint16_t kOutPoison = 0xA5A5;
 
-float LsePoison() {
-  const uint32_t bits = 0xA5A5A5A5u;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
+float LsePoison() { return testing::CacheAttentionLsePoison(); }
 
-// Runs `op` for `layer` on the current step (whose entries were `entries`)
-// with queries q ([rows, Hq, Dk] bf16 bits), outputs and lse poisoned first,
-// and compares out and lse with the fp64 reference over the cache's own
-// pages (testing/cache_attention_reference.h). "" or the first difference.
 std::string RunAndCheck(const KVCache& c, const CacheAttention& op, int layer,
                         const std::vector<StepEntry>& entries, const std::vector<uint16_t>& q,
-                        int64_t rows, int num_qo_heads, Stream stream = nullptr) {
-  const CacheGeometry& g = c.geometry();
-  const Device dev = c.device();
-  const int64_t q_elems = rows * num_qo_heads * g.head_dim_k;
-  const int64_t o_elems = rows * num_qo_heads * g.head_dim_v;
-  if (static_cast<int64_t>(q.size()) != q_elems) return "q has the wrong size";
-  Buffer qb(dev, q_elems * 2), ob(dev, o_elems * 2), lb(dev, rows * num_qo_heads * 4);
-  Buffer ws(dev, std::max<int64_t>(op.WorkspaceBytes(), 256));
-  if (!qb.ok() || !ob.ok() || !lb.ok() || !ws.ok()) return "allocation failed";
-  if (!qb.Upload(q.data(), q_elems * 2) || !ob.Fill(kPoisonByte) || !lb.Fill(kPoisonByte) ||
-      !ws.Fill(0xff)) {
-    return "upload or fill failed";
-  }
-  if (dev.is_cuda() && cudaDeviceSynchronize() != cudaSuccess) return "cudaDeviceSynchronize";
-  const absl::Status s =
-      op.Run(layer, qb.View(DType::kBF16, {rows, num_qo_heads, g.head_dim_k}),
-             ob.View(DType::kBF16, {rows, num_qo_heads, g.head_dim_v}), ws.get(), ws.size(),
-             stream, lb.View(DType::kF32, {rows, num_qo_heads}));
-  if (!s.ok()) return "Run: " + s.ToString();
-  if (dev.is_cuda()) {
-    const cudaError_t e = cudaDeviceSynchronize();
-    if (e != cudaSuccess) return std::string("after Run: ") + cudaGetErrorString(e);
-  }
-  const std::vector<uint16_t> got = ob.DownloadAs<uint16_t>(o_elems);
-  const std::vector<float> got_lse = lb.DownloadAs<float>(rows * num_qo_heads);
-  if (got.empty() || got_lse.empty()) return "download failed";
-  const int max_q_len = op.op().options().max_q_len;
-  absl::StatusOr<testing::CacheAttentionWant> want = testing::CacheAttentionReference(
-      c, layer, q, rows, num_qo_heads, testing::StepRequests(entries, max_q_len));
-  if (!want.ok()) return "reference: " + want.status().ToString();
-  if (want->queries == 0) return "the step has no query: the check checks nothing";
-  return testing::CompareCacheAttention(*want, got, got_lse, DType::kBF16, kOutPoison, LsePoison());
+                        int64_t rows, int num_qo_heads) {
+  return testing::RunAndCheckCacheAttention(c, op, layer, entries, q, rows, num_qo_heads);
 }
 
 // (on the GPU, key format)

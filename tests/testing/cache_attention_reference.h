@@ -77,6 +77,22 @@ std::string CompareCacheAttention(const CacheAttentionWant& want,
                                   uint16_t out_poison, float lse_poison,
                                   double rel_tol = 4e-3, double lse_tol = 1e-3);
 
+// The byte out and lse are filled with before a checked run, and lse's
+// poison as a float.
+inline constexpr uint8_t kCacheAttentionPoison = 0xA5;
+float CacheAttentionLsePoison();
+
+// Runs `op` (bound to `cache`) for `layer` on the current step, whose
+// entries were `entries`, with queries q ([rows, Hq, Dk] bf16 bits; lse
+// written), out, lse and the workspace poisoned first, on `stream` (then
+// the device is synchronized), and compares with CacheAttentionReference.
+// "" or the first difference; a step without any query fails (the check
+// would check nothing).
+std::string RunAndCheckCacheAttention(const KVCache& cache, const CacheAttention& op, int layer,
+                                      absl::Span<const StepEntry> entries,
+                                      const std::vector<uint16_t>& q, int64_t rows,
+                                      int num_qo_heads, Stream stream = nullptr);
+
 }  // namespace testing
 }  // namespace fp4kv
 
