@@ -1,13 +1,18 @@
-// KVCache::attention: the bound decode attention over a step's sequences
-// equals DecodeAttention run on host copies of the layer's pools and the
-// step's tables (the CPU reference), for decode steps (one query per entry)
-// and speculative steps (q rows = the step's new tokens); on a GPU also when
-// the whole step (append + attention of every layer) is captured once and
-// replayed for later steps.
+// KVCache::attention against an fp64 attention computed independently over
+// the cache's own pages (testing/cache_attention_reference.h: the pools'
+// bytes decoded from the format's definition, the sequences' block tables
+// and lengths, no code shared with the op): decode steps (one query per
+// entry) and verification steps (q rows = the step's new tokens), NVFP4 and
+// FP8 keys, GQA groups 1 to 8, lengths on and around page boundaries,
+// several sequences of different lengths, real model rows; on a GPU also
+// when the whole step (append + attention of every layer) is captured once
+// and replayed for later steps. Outputs and lse are poisoned first; rows the
+// step does not own must stay poison.
 #include <cuda_runtime_api.h>
 
 #include <cmath>
 #include <cstring>
+#include <map>
 #include <optional>
 #include <random>
 #include <string>
@@ -18,6 +23,8 @@
 #include "fp4kv/format.h"
 #include "fp4kv/kv_cache.h"
 #include "gtest/gtest.h"
+#include "testing/attention_case.h"
+#include "testing/cache_attention_reference.h"
 #include "testing/kv_cache_harness.h"
 #include "testing/test_util.h"
 
@@ -57,100 +64,33 @@ KVCacheOptions Options(Device device, KeyFormat key_format = KeyFormat::kNvfp4) 
   return o;
 }
 
-// bf16 queries [rows, Hq, D], deterministic.
-std::vector<uint16_t> Queries(int64_t rows, uint64_t seed) {
+// bf16 queries [rows, qo_heads, dim], deterministic.
+std::vector<uint16_t> Queries(int64_t rows, uint64_t seed, int qo_heads = kQoHeads,
+                              int dim = kDim) {
   std::mt19937_64 rng(seed);
   std::normal_distribution<float> d(0.0f, 1.0f);
-  std::vector<uint16_t> q(rows * kQoHeads * kDim);
+  std::vector<uint16_t> q(rows * qo_heads * dim);
   for (uint16_t& x : q) x = FloatToBf16Bits(d(rng));
   return q;
 }
 
-// The reference: DecodeAttentionPaged on the CPU over host copies of the
-// layer's pools and of the step's host tables. Returns bf16 [rows, Hq, D]
-// (poison where nothing is written) and lse.
-void ReferenceAttention(const KVCache& c, int layer, const std::vector<uint16_t>& q, int64_t rows,
-                        int max_q_len, std::vector<uint16_t>* out, std::vector<float>* lse) {
-  const testing::PoolCopy pools = testing::DownloadPools(c);
-  PagedCache host = pools.views[layer];
-  TensorView* parts[4] = {&host.k_data, &host.k_scales, &host.v_data, &host.v_scales};
-  std::vector<std::vector<uint8_t>> copies(4);
-  for (int kind = 0; kind < 4; ++kind) {
-    copies[kind] = pools.regions[layer * 4 + kind];
-    parts[kind]->data = copies[kind].data();
-    parts[kind]->device = Device::Cpu();
-  }
-  const int S = c.options().max_seqs_per_step, M = c.options().max_pages_per_seq;
-  const int n = c.step().num_seqs;
-  std::vector<int32_t> tables(static_cast<size_t>(S) * M, 0), lens(S, 0), indptr(S + 1, 0);
-  for (int b = 0; b < n; ++b) {
-    const absl::Span<const int32_t> row = c.host_block_table(b);
-    std::copy(row.begin(), row.end(), tables.begin() + static_cast<int64_t>(b) * M);
-    lens[b] = c.host_seq_lens()[b];
-  }
-  for (int b = 0; b <= S; ++b) indptr[b] = c.host_token_indptr()[std::min(b, n)];
-  DecodeAttention::Options o;
-  o.geometry = c.geometry();
-  o.num_qo_heads = kQoHeads;
-  o.dtype = DType::kBF16;
-  o.max_batch = S;
-  o.max_pages_per_seq = M;
-  o.max_q_len = max_q_len;
-  o.write_lse = true;
-  o.device = Device::Cpu();
-  std::vector<uint16_t> qh = q;
-  out->assign(rows * kQoHeads * kDim, 0xA5A5);
-  lse->assign(rows * kQoHeads, -7.0f);
-  DecodeAttentionArgs a;
-  a.q = TensorView::Contiguous(qh.data(), DType::kBF16, {rows, kQoHeads, kDim});
-  if (max_q_len > 1) a.q_indptr = TensorView::Contiguous(indptr.data(), DType::kI32, {S + 1});
-  a.block_tables = TensorView::Contiguous(tables.data(), DType::kI32, {S, M});
-  a.seq_lens = TensorView::Contiguous(lens.data(), DType::kI32, {S});
-  a.out = TensorView::Contiguous(out->data(), DType::kBF16, {rows, kQoHeads, kDim});
-  a.lse = TensorView::Contiguous(lse->data(), DType::kF32, {rows, kQoHeads});
-  const LayerScales sc = *c.ReadScales(layer);
-  a.k_scale = GlobalScale::Value(sc.k);
-  a.v_scale = GlobalScale::Value(sc.v);
-  const absl::Status s = DecodeAttentionPaged(o, a, host, nullptr, 0);
-  ASSERT_TRUE(s.ok()) << s;
+// Every sequence of this file is made here (one place to adapt when
+// creation reports errors).
+SequenceId NewSequence(KVCache& c) {
+  const SequenceId id = c.CreateSequence();
+  EXPECT_NE(id, SequenceId{0}) << "CreateSequence failed";
+  return id;
 }
 
-// "" when equal (CPU) or within the GPU tolerance (rel L2 per row and head
-// <= 4e-3 for bf16, lse within 1e-3), poison where the reference is poison.
-std::string Compare(const std::vector<uint16_t>& want, const std::vector<float>& want_lse,
-                    const std::vector<uint16_t>& got, const std::vector<float>& got_lse,
-                    bool exact) {
-  if (exact) {
-    if (want != got) return "outputs differ";
-    if (std::memcmp(want_lse.data(), got_lse.data(), want_lse.size() * 4) != 0) return "lse differ";
-    return "";
-  }
-  const size_t rows = want.size() / kDim;
-  for (size_t r = 0; r < rows; ++r) {
-    double num = 0, den = 0;
-    bool poison = true;
-    for (int d = 0; d < kDim; ++d) {
-      const uint16_t w = want[r * kDim + d], g = got[r * kDim + d];
-      poison = poison && w == 0xA5A5;
-      const double e = Bf16BitsToFloat(g) - Bf16BitsToFloat(w);
-      num += e * e;
-      den += static_cast<double>(Bf16BitsToFloat(w)) * Bf16BitsToFloat(w);
-    }
-    if (poison) {
-      for (int d = 0; d < kDim; ++d) {
-        if (got[r * kDim + d] != 0xA5A5) return "row/head " + std::to_string(r) + " written";
-      }
-      continue;
-    }
-    if (std::sqrt(num) > 4e-3 * std::sqrt(den) + 1e-6) {
-      return "row/head " + std::to_string(r) + ": rel err " + std::to_string(std::sqrt(num / den));
-    }
-    if (std::fabs(want_lse[r] - got_lse[r]) > 1e-3) {
-      return "row/head " + std::to_string(r) + ": lse " + std::to_string(got_lse[r]) + " want " +
-             std::to_string(want_lse[r]);
-    }
-  }
-  return "";
+constexpr uint8_t kPoisonByte = testing::kCacheAttentionPoison;
+constexpr uint16_t kOutPoison = 0xA5A5;
+
+float LsePoison() { return testing::CacheAttentionLsePoison(); }
+
+std::string RunAndCheck(const KVCache& c, const CacheAttention& op, int layer,
+                        const std::vector<StepEntry>& entries, const std::vector<uint16_t>& q,
+                        int64_t rows, int num_qo_heads) {
+  return testing::RunAndCheckCacheAttention(c, op, layer, entries, q, rows, num_qo_heads);
 }
 
 // (on the GPU, key format)
@@ -177,12 +117,10 @@ TEST_P(CacheAttentionTest, MatchesTheReferenceOnDecodeAndSpeculativeSteps) {
   ao.max_q_len = 4;
   absl::StatusOr<CacheAttention> spec = c.attention(ao);
   ASSERT_TRUE(spec.ok()) << spec.status();
-  const int64_t ws_bytes = std::max(decode->WorkspaceBytes(), spec->WorkspaceBytes());
-  Buffer ws(device(), std::max<int64_t>(ws_bytes, 256));
   StepInputs inputs;
   TokenFactory f(c);
   std::vector<SequenceId> seqs;
-  for (int i = 0; i < 4; ++i) seqs.push_back(c.CreateSequence());
+  for (int i = 0; i < 4; ++i) seqs.push_back(NewSequence(c));
   uint64_t seed = 1;
   auto step = [&](const std::vector<StepEntry>& entries) {
     ASSERT_TRUE(c.PrepareStep(entries).ok());
@@ -203,35 +141,200 @@ TEST_P(CacheAttentionTest, MatchesTheReferenceOnDecodeAndSpeculativeSteps) {
       entries.push_back({seqs[i], speculative ? 1 + (i + round) % 4 : 1});
     }
     step(entries);
+    if (HasFatalFailure()) return;
     const CacheAttention& op = speculative ? *spec : *decode;
     const int64_t rows = speculative ? c.options().max_tokens_per_step : S;
-    const int mq = speculative ? 4 : 1;
     for (int layer = 0; layer < kLayers; ++layer) {
-      const std::vector<uint16_t> q = Queries(rows, 100 * round + layer);
-      Buffer qb(device(), q.size() * 2), ob(device(), q.size() * 2), lb(device(), rows * kQoHeads * 4);
-      ASSERT_TRUE(qb.Upload(q.data(), q.size() * 2) && ob.Fill(0xA5) && lb.Fill(0xA5));
-      std::vector<float> lse_poison(rows * kQoHeads);
-      for (float& x : lse_poison) x = -7.0f;
-      ASSERT_TRUE(lb.Upload(lse_poison.data(), lse_poison.size() * 4));
-      const absl::Status s =
-          op.Run(layer, qb.View(DType::kBF16, {rows, kQoHeads, kDim}),
-                 ob.View(DType::kBF16, {rows, kQoHeads, kDim}), ws.get(), ws.size(), nullptr,
-                 lb.View(DType::kF32, {rows, kQoHeads}));
-      ASSERT_TRUE(s.ok()) << s;
-      if (device().is_cuda()) {
-        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-      }
-      std::vector<uint16_t> want;
-      std::vector<float> want_lse;
-      ReferenceAttention(c, layer, q, rows, mq, &want, &want_lse);
-      const std::vector<uint16_t> got = ob.DownloadAs<uint16_t>(want.size());
-      const std::vector<float> got_lse = lb.DownloadAs<float>(want_lse.size());
-      int written = 0;
-      for (size_t i = 0; i < want.size(); i += kDim) written += want[i] != 0xA5A5;
-      EXPECT_GT(written, 0) << "the reference wrote nothing";
-      EXPECT_EQ(Compare(want, want_lse, got, got_lse, !device().is_cuda()), "")
+      EXPECT_EQ(RunAndCheck(c, op, layer, entries, Queries(rows, 100 * round + layer), rows,
+                            kQoHeads),
+                "")
           << "round " << round << " layer " << layer;
     }
+  }
+}
+
+// Lengths on and around page boundaries (page 16: prompts of 1, 15, 16, 17,
+// 31, 32, 33 and 47 tokens, then steps adding one to four tokens each, so
+// lengths cross 16, 32 and 48), eight sequences of different lengths in one
+// step, GQA groups 1, 4 and 8, head dims 64 and 128, both layouts.
+TEST_P(CacheAttentionTest, PageBoundaryLengthsGqaGroupsAndLayouts) {
+  struct Shape {
+    int group, dim;
+    Layout layout;
+  };
+  for (const Shape& sh : {Shape{1, 128, Layout::kNHD}, Shape{4, 64, Layout::kHND},
+                          Shape{8, 64, Layout::kNHD}}) {
+    SCOPED_TRACE(::testing::Message() << "group " << sh.group << " dim " << sh.dim
+                                      << (sh.layout == Layout::kNHD ? " NHD" : " HND"));
+    KVCacheOptions o = options();
+    o.geometry.head_dim_k = o.geometry.head_dim_v = sh.dim;
+    o.geometry.layout = sh.layout;
+    o.geometry.num_pages = 64;
+    o.max_seqs_per_step = 8;
+    o.max_tokens_per_step = 256;
+    o.max_pages_per_seq = 8;
+    const int qo_heads = kKvHeads * sh.group;
+    absl::StatusOr<KVCache> made = KVCache::Create(o);
+    ASSERT_TRUE(made.ok()) << made.status();
+    KVCache& c = *made;
+    absl::StatusOr<CacheAppender> app = c.appender(DType::kBF16);
+    ASSERT_TRUE(app.ok()) << app.status();
+    CacheAttentionOptions ao;
+    ao.num_qo_heads = qo_heads;
+    ao.write_lse = true;
+    absl::StatusOr<CacheAttention> decode = c.attention(ao);
+    ASSERT_TRUE(decode.ok()) << decode.status();
+    ao.max_q_len = 4;
+    absl::StatusOr<CacheAttention> spec = c.attention(ao);
+    ASSERT_TRUE(spec.ok()) << spec.status();
+    StepInputs inputs;
+    TokenFactory f(c);
+    uint64_t seed = 11;
+    auto step = [&](const std::vector<StepEntry>& entries) {
+      ASSERT_TRUE(c.PrepareStep(entries).ok());
+      std::vector<Token> toks;
+      for (int64_t i = 0; i < c.step().num_tokens; ++i) toks.push_back(f.Make(seed++));
+      ASSERT_TRUE(testing::FillStepInputs(c, toks, &inputs, nullptr).ok());
+      ASSERT_TRUE(testing::RunAppendAllLayers(c, *app, &inputs, nullptr).ok());
+    };
+    const int prompts[8] = {1, 15, 16, 17, 31, 32, 33, 47};
+    std::vector<SequenceId> seqs;
+    std::vector<StepEntry> entries;
+    for (int p : prompts) {
+      seqs.push_back(NewSequence(c));
+      entries.push_back({seqs.back(), p});
+    }
+    step(entries);
+    if (HasFatalFailure()) return;
+    // The prefill step's last rows through the decode op.
+    for (int layer = 0; layer < kLayers; ++layer) {
+      EXPECT_EQ(RunAndCheck(c, *decode, layer, entries, Queries(8, 50 + layer, qo_heads, sh.dim),
+                            8, qo_heads),
+                "")
+          << "prefill, layer " << layer;
+    }
+    for (int round = 0; round < 4; ++round) {
+      const bool speculative = round % 2 == 0;
+      entries.clear();
+      for (int i = 0; i < 8; ++i) {
+        entries.push_back({seqs[i], speculative ? 1 + (i + round) % 4 : 1});
+      }
+      step(entries);
+      if (HasFatalFailure()) return;
+      const int64_t rows = speculative ? o.max_tokens_per_step : o.max_seqs_per_step;
+      for (int layer = 0; layer < kLayers; ++layer) {
+        EXPECT_EQ(RunAndCheck(c, speculative ? *spec : *decode, layer, entries,
+                              Queries(rows, 300 + 10 * round + layer, qo_heads, sh.dim), rows,
+                              qo_heads),
+                  "")
+            << "round " << round << " layer " << layer;
+      }
+    }
+  }
+}
+
+// Real model rows (/work/shared/data/realkv: SmolLM2-135M, 3 KV heads and 9
+// query heads of dim 64, keys with outlier channels and a large key at
+// position 0): two sequences, the prompt of 1020 and 296 tokens appended in
+// chunks with the scales calibrated by the first append, then a decode step
+// and a verification step whose queries are the model's own queries at those
+// positions.
+TEST_P(CacheAttentionTest, RealModelRows) {
+  FP4KV_SKIP_WITHOUT_REALKV();
+  constexpr int kH = 3, kHq = 9, kD = 64;
+  const int realkv_layers[2] = {11, 23};
+  KVCacheOptions o;
+  o.num_layers = 2;
+  o.geometry.num_kv_heads = kH;
+  o.geometry.head_dim_k = o.geometry.head_dim_v = kD;
+  o.geometry.page_size = 16;
+  o.geometry.layout = Layout::kNHD;
+  o.geometry.num_pages = 96;
+  o.geometry.key_format = std::get<1>(GetParam());
+  o.device = device();
+  o.max_seqs_per_step = 2;
+  o.max_tokens_per_step = 300;
+  o.max_pages_per_seq = 65;
+  absl::StatusOr<KVCache> made = KVCache::Create(o);
+  ASSERT_TRUE(made.ok()) << made.status();
+  KVCache& c = *made;
+  const testing::RealKvLayer* rk[2];
+  for (int l = 0; l < 2; ++l) {
+    rk[l] = testing::LoadRealKvLayer(realkv_layers[l]);
+    ASSERT_NE(rk[l], nullptr);
+  }
+  absl::StatusOr<CacheAppender> app = c.appender(DType::kBF16);
+  ASSERT_TRUE(app.ok()) << app.status();
+  CacheAttentionOptions ao;
+  ao.num_qo_heads = kHq;
+  ao.write_lse = true;
+  absl::StatusOr<CacheAttention> decode = c.attention(ao);
+  ASSERT_TRUE(decode.ok()) << decode.status();
+  ao.max_q_len = 4;
+  absl::StatusOr<CacheAttention> spec = c.attention(ao);
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  const SequenceId a = NewSequence(c), b = NewSequence(c);
+  std::map<SequenceId, int64_t> len;
+  const int64_t T = o.max_tokens_per_step;
+  std::vector<Buffer> kb, vb;
+  for (int l = 0; l < 2; ++l) {
+    kb.emplace_back(c.device(), T * kH * kD * 2);
+    vb.emplace_back(c.device(), T * kH * kD * 2);
+  }
+  // Appends the model's rows at the entries' next positions, every layer.
+  auto step = [&](const std::vector<StepEntry>& entries) {
+    ASSERT_TRUE(c.PrepareStep(entries).ok());
+    for (int l = 0; l < 2; ++l) {
+      std::vector<uint16_t> k(T * kH * kD, 0), v(T * kH * kD, 0);
+      int64_t row = 0;
+      for (const StepEntry& e : entries) {
+        for (int i = 0; i < e.num_new_tokens; ++i, ++row) {
+          const int64_t pos = len[e.seq] + i;
+          std::copy_n(rk[l]->k.begin() + pos * kH * kD, kH * kD, k.begin() + row * kH * kD);
+          std::copy_n(rk[l]->v.begin() + pos * kH * kD, kH * kD, v.begin() + row * kH * kD);
+        }
+      }
+      ASSERT_TRUE(kb[l].Upload(k.data(), k.size() * 2) && vb[l].Upload(v.data(), v.size() * 2));
+      const absl::Status s = app->Run(l, kb[l].View(DType::kBF16, {T, kH, kD}),
+                                      vb[l].View(DType::kBF16, {T, kH, kD}));
+      ASSERT_TRUE(s.ok()) << s;
+    }
+    for (const StepEntry& e : entries) len[e.seq] += e.num_new_tokens;
+  };
+  // The model's queries of the step's rows: decode row b is entry b's last
+  // position, verification rows are the new tokens' positions.
+  auto queries = [&](int l, const std::vector<StepEntry>& entries, int64_t rows, bool verify) {
+    std::vector<uint16_t> q(rows * kHq * kD, 0);
+    int64_t row = 0;
+    for (const StepEntry& e : entries) {
+      const int n = verify ? e.num_new_tokens : 1;
+      for (int i = 0; i < n; ++i, ++row) {
+        const int64_t pos = len[e.seq] - n + i;
+        std::copy_n(rk[l]->q.begin() + pos * kHq * kD, kHq * kD, q.begin() + row * kHq * kD);
+      }
+    }
+    return q;
+  };
+  for (int chunk = 0; chunk < 4; ++chunk) {
+    step({{a, 255}});  // 1020
+    if (HasFatalFailure()) return;
+  }
+  step({{b, 296}});
+  if (HasFatalFailure()) return;
+  std::vector<StepEntry> entries = {{a, 1}, {b, 1}};
+  step(entries);
+  if (HasFatalFailure()) return;
+  for (int l = 0; l < 2; ++l) {
+    EXPECT_EQ(RunAndCheck(c, *decode, l, entries, queries(l, entries, 2, false), 2, kHq), "")
+        << "decode, layer " << realkv_layers[l];
+  }
+  entries = {{a, 4}, {b, 3}};
+  step(entries);
+  if (HasFatalFailure()) return;
+  ASSERT_EQ(len[a], testing::kRealKvTokens);
+  for (int l = 0; l < 2; ++l) {
+    EXPECT_EQ(RunAndCheck(c, *spec, l, entries, queries(l, entries, T, true), T, kHq), "")
+        << "verification, layer " << realkv_layers[l];
   }
 }
 
@@ -246,7 +349,7 @@ TEST_P(CacheAttentionTest, RejectsBadRowsAndPrefillChunksAndChangesNothing) {
   ao.max_q_len = 4;
   absl::StatusOr<CacheAttention> spec = c.attention(ao);
   ASSERT_TRUE(spec.ok());
-  const SequenceId a = c.CreateSequence(), b = c.CreateSequence();
+  const SequenceId a = NewSequence(c), b = NewSequence(c);
   ASSERT_TRUE(c.PrepareStep({{a, 9}, {b, 1}}).ok());
   Buffer qb(device(), 160 * kQoHeads * kDim * 2), ob(device(), 160 * kQoHeads * kDim * 2);
   Buffer ws(device(), std::max<int64_t>(256, std::max(decode->WorkspaceBytes(), spec->WorkspaceBytes())));
@@ -312,8 +415,10 @@ TEST_P(CapturedStepTest, CapturedStepReplaysForLaterSteps) {
   TokenFactory f(c);
   uint64_t seed = 7;
   std::vector<SequenceId> seqs;
-  for (int i = 0; i < 4; ++i) seqs.push_back(c.CreateSequence());
+  for (int i = 0; i < 4; ++i) seqs.push_back(NewSequence(c));
+  std::vector<StepEntry> entries;
   auto prepare = [&](const std::vector<StepEntry>& e) {
+    entries = e;
     ASSERT_TRUE(c.PrepareStep(e, st).ok());
     std::vector<Token> toks;
     for (int64_t i = 0; i < c.step().num_tokens; ++i) toks.push_back(f.Make(seed++));
@@ -333,10 +438,10 @@ TEST_P(CapturedStepTest, CapturedStepReplaysForLaterSteps) {
     std::vector<std::vector<uint16_t>> qs;
     for (int l = 0; l < kLayers; ++l) {
       qs.push_back(Queries(S, 1000 * step + l));
-      ASSERT_TRUE(qb[l].Upload(qs[l].data(), qs[l].size() * 2) && ob[l].Fill(0xA5));
-      std::vector<float> lp(S * kQoHeads, -7.0f);
-      ASSERT_TRUE(lb[l].Upload(lp.data(), lp.size() * 4));
+      ASSERT_TRUE(qb[l].Upload(qs[l].data(), qs[l].size() * 2) && ob[l].Fill(kPoisonByte) &&
+                  lb[l].Fill(kPoisonByte));
     }
+    FP4KV_ASSERT_CUDA(cudaDeviceSynchronize());
     if (step == 0) {
       FP4KV_ASSERT_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
       absl::Status s = testing::RunAppendAllLayers(c, *app, &inputs, st);
@@ -352,11 +457,14 @@ TEST_P(CapturedStepTest, CapturedStepReplaysForLaterSteps) {
     FP4KV_ASSERT_CUDA(cudaGraphLaunch(exec, stream));
     FP4KV_ASSERT_CUDA(cudaStreamSynchronize(stream));
     for (int l = 0; l < kLayers; ++l) {
-      std::vector<uint16_t> want;
-      std::vector<float> want_lse;
-      ReferenceAttention(c, l, qs[l], S, 1, &want, &want_lse);
-      EXPECT_EQ(Compare(want, want_lse, ob[l].DownloadAs<uint16_t>(want.size()),
-                        lb[l].DownloadAs<float>(want_lse.size()), false),
+      absl::StatusOr<testing::CacheAttentionWant> want = testing::CacheAttentionReference(
+          c, l, qs[l], S, kQoHeads, testing::StepRequests(entries, 1));
+      ASSERT_TRUE(want.ok()) << want.status();
+      ASSERT_GT(want->queries, 0);
+      const std::vector<uint16_t> got = ob[l].DownloadAs<uint16_t>(qs[l].size());
+      const std::vector<float> got_lse = lb[l].DownloadAs<float>(S * kQoHeads);
+      EXPECT_EQ(testing::CompareCacheAttention(*want, got, got_lse, DType::kBF16, kOutPoison,
+                                               LsePoison()),
                 "")
           << "step " << step << " layer " << l;
     }

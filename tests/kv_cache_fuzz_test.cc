@@ -6,12 +6,17 @@
 // shared it through a fork, and failed calls changed nothing. Stored tokens
 // are compared byte for byte with the reference quantizer's bytes (the
 // step's sequences after every step, all sequences periodically), and the
-// bound materializer and dequantizer are checked on every step.
+// bound materializer and dequantizer are checked on every step. On every
+// third successful step (where the head dims allow attention) the bound
+// attention runs on a random layer, as decode (one query per entry) or as
+// verification (the step's new tokens as queries), and is compared with the
+// fp64 reference over the cache's own pages.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <iostream>
 #include <map>
 #include <optional>
 #include <random>
@@ -19,8 +24,10 @@
 #include <string>
 #include <vector>
 
+#include "fp4kv/format.h"
 #include "fp4kv/kv_cache.h"
 #include "gtest/gtest.h"
+#include "testing/cache_attention_reference.h"
 #include "testing/kv_cache_harness.h"
 #include "testing/test_util.h"
 
@@ -53,6 +60,13 @@ struct FuzzConfig {
 
 constexpr uint16_t kOutPoison = 0xA5A5;
 
+// Whether the bound attention supports the geometry's head dims (equal, 64,
+// 128 or 256: what the CUDA kernel needs; the CPU accepts the same).
+bool AttentionHeadDims(const CacheGeometry& g) {
+  return g.head_dim_k == g.head_dim_v &&
+         (g.head_dim_k == 64 || g.head_dim_k == 128 || g.head_dim_k == 256);
+}
+
 class Fuzzer {
  public:
   Fuzzer(KVCache* cache, uint64_t seed, Stream stream)
@@ -67,6 +81,19 @@ class Fuzzer {
     dequantizer_.emplace(*deq);
     absl::StatusOr<CacheMaterializer> mat = cache_->materializer();
     if (mat.ok()) materializer_.emplace(*mat);
+    CacheAttentionOptions ao;
+    ao.num_qo_heads = 2 * cache_->geometry().num_kv_heads;
+    ao.write_lse = true;
+    absl::StatusOr<CacheAttention> decode = cache_->attention(ao);
+    ao.max_q_len = 16;  // RandomEntries adds at most 9 tokens an entry
+    absl::StatusOr<CacheAttention> verify = cache_->attention(ao);
+    const bool attention = AttentionHeadDims(cache_->geometry());
+    ASSERT_EQ(decode.ok(), attention) << decode.status();
+    ASSERT_EQ(verify.ok(), attention) << verify.status();
+    if (attention) {
+      decode_.emplace(*decode);
+      verify_.emplace(*verify);
+    }
     for (op_ = 0; op_ < ops; ++op_) {
       const int r = Uniform(0, 99);
       if (r < 40) {
@@ -98,7 +125,12 @@ class Fuzzer {
     EXPECT_GT(steps_ok_, ops / 5);
     EXPECT_GT(exhausted_, 0) << "the pool never ran out: the test did not reach exhaustion";
     EXPECT_GT(cows_, 0) << "no copy on write happened";
+    if (decode_) {
+      EXPECT_GT(attention_checks_[0], 3) << "decode attention was checked too rarely";
+      EXPECT_GT(attention_checks_[1], 3) << "verification attention was checked too rarely";
+    }
   }
+  int attention_checks(int kind) const { return attention_checks_[kind]; }
 
  private:
   struct ModelSeq {
@@ -280,6 +312,34 @@ class Fuzzer {
     const int layer = Uniform(0, cache_->num_layers() - 1);
     if (materializer_) CheckMaterialize(layer, rows);
     CheckDequantize(layer, rows);
+    if (decode_ && steps_ok_ % 3 == 0) CheckAttention(entries);
+  }
+
+  // The bound attention of a random layer on this step against the fp64
+  // reference over the cache's pages, as decode or as verification.
+  void CheckAttention(const std::vector<StepEntry>& entries) {
+    const int kind = Uniform(0, 1);  // 0 decode, 1 verification
+    bool any = false;
+    for (const StepEntry& e : entries) {
+      any = any || (kind == 0 ? !FindModel(e.seq)->tokens.empty() : e.num_new_tokens > 0);
+    }
+    if (!any) return;  // no query would be written
+    const KVCacheOptions& o = cache_->options();
+    const int layer = Uniform(0, cache_->num_layers() - 1);
+    const int qo_heads = 2 * o.geometry.num_kv_heads;
+    const int64_t rows = kind == 0 ? Uniform(static_cast<int>(entries.size()), o.max_seqs_per_step)
+                                   : Uniform(cache_->step().num_tokens, o.max_tokens_per_step);
+    // Small queries: the factory's keys reach thousands, and logits of
+    // that size would leave fp32 (the kernel) too little room for the lse
+    // tolerance and every weight on one token.
+    std::normal_distribution<float> normal(0.0f, 1.0f / 64);
+    std::vector<uint16_t> q(static_cast<size_t>(rows * qo_heads * o.geometry.head_dim_k));
+    for (uint16_t& x : q) x = FloatToBf16Bits(normal(rng_));
+    ASSERT_EQ(testing::RunAndCheckCacheAttention(*cache_, kind == 0 ? *decode_ : *verify_, layer,
+                                                 entries, q, rows, qo_heads, stream_),
+              "")
+        << (kind == 0 ? "decode" : "verification") << " attention, layer " << layer;
+    ++attention_checks_[kind];
   }
 
   // The device step buffers hold exactly what the model says.
@@ -514,6 +574,8 @@ class Fuzzer {
   std::optional<CacheAppender> appender_;
   std::optional<CacheDequantizer> dequantizer_;
   std::optional<CacheMaterializer> materializer_;
+  std::optional<CacheAttention> decode_, verify_;
+  int attention_checks_[2] = {0, 0};
   std::vector<ModelSeq> seqs_;
   std::vector<SequenceId> released_;
   StepInputs inputs_;
@@ -566,6 +628,8 @@ TEST_P(KVCacheFuzz, CpuRandomOperationsKeepInvariants) {
     KVCache cache = MakeCache(c, Device::Cpu());
     Fuzzer f(&cache, seed * 7919 + GetParam(), nullptr);
     f.Run(900);
+    std::cout << "seed " << seed << ": attention checked on " << f.attention_checks(0)
+              << " decode and " << f.attention_checks(1) << " verification steps\n";
     if (HasFailure()) return;
   }
 }
@@ -579,6 +643,8 @@ TEST_P(KVCacheFuzz, GpuRandomOperationsKeepInvariants) {
     KVCache cache = MakeCache(c, Device::Cuda(0));
     Fuzzer f(&cache, seed * 7919 + GetParam(), reinterpret_cast<Stream>(stream));
     f.Run(900);
+    std::cout << "seed " << seed << ": attention checked on " << f.attention_checks(0)
+              << " decode and " << f.attention_checks(1) << " verification steps\n";
     if (HasFailure()) break;
   }
   FP4KV_ASSERT_CUDA(cudaStreamDestroy(stream));

@@ -1,6 +1,9 @@
 // The transfer protocol on the CPU: framing, ordering and failure handling
-// over the loopback transport, against a scripted image cache (every fault
-// on demand) and against real KVCaches (byte-exact round trips).
+// over the loopback transport, between scripted image caches
+// (testing/fake_image_cache.h: images, reservations and every fault on
+// demand), byte-exact for the images they hold. No KVCache is involved
+// here; tests/kv_cache_transfer_test.cc moves sequences between real
+// KVCaches.
 #include <algorithm>
 #include <chrono>
 #include <cstring>

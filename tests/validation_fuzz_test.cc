@@ -7,16 +7,29 @@
 // untouched, or return OK after touching only memory inside the views it was
 // given: each view owns an allocation of exactly its byte extent, so the
 // sanitizers of the CI build catch any access outside. A call that accepts a
-// malformed view fails the test. Deterministic (fixed seeds) and bounded
-// (fixed iteration counts, views of at most kMaxViewBytes).
+// malformed view fails the test. A view placed on another device, or at a
+// pointer misaligned for its elements (or, for NVFP4 pool data, for the
+// 8-byte blocks), must be rejected: InvalidArgument, or FailedPrecondition
+// naming an unusable CUDA device when the op takes its device from the views. A call that
+// succeeds with mutated views is run again on contiguous, aligned copies of
+// the same views: every output must then hold the same bytes, and the bytes
+// of an output's allocation outside its elements must be untouched. The
+// number of calls of each mutation kind, and their outcomes, is printed.
+// Deterministic (fixed seeds) and bounded (fixed iteration counts, views of
+// at most kMaxViewBytes).
+#include <algorithm>
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <cstdlib>
+#include <functional>
+#include <iostream>
 #include <limits>
 #include <memory>
 #include <random>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <dlpack/dlpack.h>
@@ -81,10 +94,13 @@ class Fuzzer {
                                            1.0f, 0.01f}));
   }
 
-  // Breaks `t` in one random way (or none, most of the time).
+  // Breaks `t` in one random way (or none, most of the time); kind_ says
+  // which (-1: none).
   void Mutate(TensorView& t, double p) {
+    kind_ = -1;
     if (!Chance(p)) return;
-    switch (Int(0, 9)) {
+    kind_ = Int(0, 9);
+    switch (kind_) {
       case 0: t.dtype = static_cast<DType>(Int(0, 6)); break;
       case 1:
         if (t.ndim > 0) {
@@ -124,10 +140,44 @@ class Fuzzer {
 
   int misalign_ = 0;
   bool null_ = false;
+  int kind_ = -1;
 
  private:
   std::mt19937_64 rng_;
 };
+
+// Mutation kinds of Fuzzer::Mutate, for the tally.
+constexpr int kKinds = 10;
+constexpr const char* kKindNames[kKinds] = {"dtype",  "extent",   "stride", "rank",
+                                            "ndim",   "device",   "misalign", "null",
+                                            "dim0",   "dim1"};
+constexpr int kDevice = 5, kMisalign = 6;
+struct Tally {
+  int calls = 0, ok = 0, rejected = 0, bytes_checked = 0;
+};
+Tally g_tally[kKinds];
+int g_unmutated_calls = 0, g_mutated_ok_checked = 0, g_mutated_ok_unchecked = 0;
+
+// Element offsets (in elements) of a well-formed view, in row-major index
+// order.
+std::vector<int64_t> ElementOffsets(const TensorView& t) {
+  int64_t n = 1;
+  for (int d = 0; d < t.ndim; ++d) n *= t.shape[d];
+  std::vector<int64_t> out;
+  if (n <= 0) return out;
+  out.reserve(static_cast<size_t>(n));
+  int64_t idx[TensorView::kMaxDims] = {};
+  for (int64_t i = 0; i < n; ++i) {
+    int64_t off = 0;
+    for (int d = 0; d < t.ndim; ++d) off += idx[d] * t.strides[d];
+    out.push_back(off);
+    for (int d = t.ndim - 1; d >= 0; --d) {
+      if (++idx[d] < t.shape[d]) break;
+      idx[d] = 0;
+    }
+  }
+  return out;
+}
 
 // The memory behind the views of one call: one exact-size allocation per view.
 class Call {
@@ -136,12 +186,20 @@ class Call {
 
   // A contiguous view of `shape`, maybe broken, with its own allocation
   // holding random bytes (or indices in [lo, hi] for index tensors).
+  // `align`: the alignment the op requires of the pointer beyond the
+  // element size (8 for NVFP4 pool data), for the misalignment rule.
   TensorView View(DType dtype, std::initializer_list<int64_t> shape, double p = 0.08,
-                  int64_t lo = 0, int64_t hi = 0, bool output = false) {
+                  int64_t lo = 0, int64_t hi = 0, bool output = false, int align = 0) {
     TensorView t = TensorView::Contiguous(static_cast<void*>(nullptr), dtype, shape);
     f_.misalign_ = 0;
     f_.null_ = false;
     f_.Mutate(t, p);
+    if (f_.kind_ >= 0) kinds_ |= 1u << f_.kind_;
+    if (f_.kind_ == kDevice && t.device != Device::Cpu()) must_reject_device_ = true;
+    if (f_.kind_ == kMisalign) {
+      const int need = std::max(align, DTypeSize(t.dtype));
+      if (f_.misalign_ % need != 0) must_reject_misaligned_ = true;
+    }
     int64_t bytes = 0;
     const bool ok = WellFormed(t, &bytes);
     if (!ok) malformed_ = true;
@@ -166,22 +224,55 @@ class Call {
     t.data = f_.null_ ? nullptr : base;
     if (f_.null_ && ok && bytes > 0) malformed_ = true;  // a null pointer with elements
     if (output) outputs_.push_back({base, alloc, std::vector<uint8_t>(base, base + alloc)});
+    if (ok && alloc == bytes) records_.push_back({t, output, base, alloc});
     bufs_.push_back(std::move(buf));
     return t;
   }
 
+  // Maps a view of this call to its contiguous copy (Check's rerun).
+  using Remap = std::function<TensorView(const TensorView&)>;
+  using Rerun = std::function<absl::Status(const Remap&)>;
+
   // Checks the outcome of the call: named error and untouched outputs, or OK
-  // with only well-formed views.
-  void Check(const absl::Status& s, const char* what) {
+  // with only well-formed views, on the CPU, aligned; when views were
+  // mutated and `rerun` is given, the same op on contiguous copies must
+  // write the same bytes.
+  void Check(const absl::Status& s, const char* what, const Rerun& rerun = nullptr) {
     ++calls_;
+    if (kinds_ == 0) ++g_unmutated_calls;
+    for (int k = 0; k < kKinds; ++k) {
+      if (kinds_ & (1u << k)) {
+        ++g_tally[k].calls;
+        ++(s.ok() ? g_tally[k].ok : g_tally[k].rejected);
+      }
+    }
     if (s.ok()) {
       ++ok_calls_;
       EXPECT_FALSE(malformed_) << what << ": accepted a malformed view";
+      EXPECT_FALSE(must_reject_device_) << what << ": accepted a view on another device";
+      EXPECT_FALSE(must_reject_misaligned_) << what << ": accepted a misaligned view";
+      if (kinds_ != 0) {
+        if (rerun != nullptr && !malformed_) {
+          CheckAgainstContiguous(rerun, what);
+        } else {
+          ++g_mutated_ok_unchecked;
+        }
+      }
       return;
     }
     EXPECT_TRUE(s.code() == absl::StatusCode::kInvalidArgument ||
                 s.code() == absl::StatusCode::kFailedPrecondition)
         << what << ": " << s;
+    if (must_reject_misaligned_) {
+      EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << what << " (misaligned view): " << s;
+    }
+    if (must_reject_device_ && s.code() != absl::StatusCode::kInvalidArgument) {
+      // A functional op takes its device from its views: a device that is
+      // not there is FailedPrecondition, and the message says so.
+      EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << what << ": " << s;
+      EXPECT_NE(s.message().find("usable CUDA device"), std::string_view::npos)
+          << what << " (view on another device): " << s;
+    }
     const std::string msg(s.message());
     const size_t at = msg.find(": expected ");
     EXPECT_TRUE(at != std::string::npos && at > 0) << what << ": unnamed error: " << msg;
@@ -201,11 +292,108 @@ class Call {
     int64_t bytes;
     std::vector<uint8_t> before;
   };
+  struct Record {
+    TensorView view;
+    bool output;
+    uint8_t* base;
+    int64_t bytes;
+  };
+  struct Copy {
+    const Record* rec;
+    std::vector<int64_t> offsets;  // elements
+    std::shared_ptr<uint8_t> data;  // 64-byte aligned, contiguous
+    TensorView view;
+  };
+
+  const Output* OutputAt(const uint8_t* base) const {
+    for (const Output& o : outputs_) {
+      if (o.data == base) return &o;
+    }
+    return nullptr;
+  }
+
+  // Runs the op again on contiguous copies of every view (outputs copied
+  // from their contents before the call) and compares the outputs'
+  // elements; bytes of an output allocation outside its elements must be
+  // as before.
+  void CheckAgainstContiguous(const Rerun& rerun, const char* what) {
+    std::vector<Copy> copies;
+    for (const Record& r : records_) {
+      if (r.view.data == nullptr) continue;
+      Copy c;
+      c.rec = &r;
+      c.offsets = ElementOffsets(r.view);
+      const int es = DTypeSize(r.view.dtype);
+      const size_t n = c.offsets.size() * es;
+      c.data.reset(static_cast<uint8_t*>(std::aligned_alloc(64, (n + 64) / 64 * 64)), std::free);
+      const Output* o = r.output ? OutputAt(r.base) : nullptr;
+      const uint8_t* src = o != nullptr ? o->before.data() : r.base;
+      for (size_t i = 0; i < c.offsets.size(); ++i) {
+        std::memcpy(c.data.get() + i * es, src + c.offsets[i] * es, es);
+      }
+      c.view = r.view;
+      c.view.data = c.data.get();
+      int64_t stride = 1;
+      for (int d = r.view.ndim - 1; d >= 0; --d) {
+        c.view.strides[d] = stride;
+        stride *= r.view.shape[d];
+      }
+      copies.push_back(std::move(c));
+    }
+    // Outputs whose elements overlap (a zero stride) have no single
+    // expected content: not compared.
+    for (const Copy& c : copies) {
+      if (!c.rec->output) continue;
+      std::vector<int64_t> sorted = c.offsets;
+      std::sort(sorted.begin(), sorted.end());
+      if (std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end()) {
+        ++g_mutated_ok_unchecked;
+        return;
+      }
+    }
+    const Remap remap = [&](const TensorView& v) {
+      for (const Copy& c : copies) {
+        if (c.rec->view.data == v.data && v.data != nullptr) return c.view;
+      }
+      return v;
+    };
+    const absl::Status again = rerun(remap);
+    ASSERT_TRUE(again.ok()) << what << ": accepted with mutated views, but the contiguous copy "
+                            << "was refused: " << again;
+    for (const Copy& c : copies) {
+      if (!c.rec->output) continue;
+      const int es = DTypeSize(c.rec->view.dtype);
+      std::vector<bool> covered(static_cast<size_t>(c.rec->bytes), false);
+      for (size_t i = 0; i < c.offsets.size(); ++i) {
+        const uint8_t* got = c.rec->base + c.offsets[i] * es;
+        ASSERT_EQ(0, std::memcmp(got, c.data.get() + i * es, es))
+            << what << ": element " << i << " of an output differs from the same op on "
+            << "contiguous copies of the views";
+        for (int b = 0; b < es; ++b) covered[c.offsets[i] * es + b] = true;
+      }
+      const Output* o = OutputAt(c.rec->base);
+      if (o == nullptr) continue;
+      for (int64_t b = 0; b < c.rec->bytes; ++b) {
+        ASSERT_TRUE(covered[b] || c.rec->base[b] == o->before[b])
+            << what << ": byte " << b << " of an output allocation, outside its elements, was "
+            << "written";
+      }
+    }
+    ++g_mutated_ok_checked;
+    for (int k = 0; k < kKinds; ++k) {
+      if (kinds_ & (1u << k)) ++g_tally[k].bytes_checked;
+    }
+  }
+
   Fuzzer& f_;
   bool malformed_ = false;
   bool too_big_ = false;
+  bool must_reject_device_ = false;
+  bool must_reject_misaligned_ = false;
+  uint32_t kinds_ = 0;
   std::vector<std::unique_ptr<uint8_t[]>> bufs_;
   std::vector<Output> outputs_;
+  std::vector<Record> records_;
 };
 int Call::calls_ = 0;
 int Call::ok_calls_ = 0;
@@ -231,11 +419,20 @@ PagedCache CacheViews(Call& c, const Geo& g, bool output) {
   const bool nhd = g.layout == Layout::kNHD;
   const int64_t a = nhd ? g.S : g.H, b = nhd ? g.H : g.S;
   const double p = 0.03;
-  return PagedCache::FromTuple(c.View(DType::kU8, {g.P, a, b, g.Dk / 2}, p, 0, 0, output),
-                               c.View(DType::kU8, {g.P, a, b, g.Dv / 2}, p, 0, 0, output),
+  return PagedCache::FromTuple(c.View(DType::kU8, {g.P, a, b, g.Dk / 2}, p, 0, 0, output, 8),
+                               c.View(DType::kU8, {g.P, a, b, g.Dv / 2}, p, 0, 0, output, 8),
                                c.View(DType::kE4M3, {g.P, a, b, g.Dk / 16}, p, 0, 0, output),
                                c.View(DType::kE4M3, {g.P, a, b, g.Dv / 16}, p, 0, 0, output),
                                g.layout);
+}
+
+PagedCache Remapped(const PagedCache& c, const Call::Remap& m) {
+  PagedCache r = c;
+  r.k_data = m(c.k_data);
+  r.v_data = m(c.v_data);
+  r.k_scales = m(c.k_scales);
+  r.v_scales = m(c.v_scales);
+  return r;
 }
 
 constexpr int kIterations = 600;
@@ -257,7 +454,11 @@ TEST(ValidationFuzz, AppendBySlotAndPaged) {
       const TensorView slots = c.View(DType::kI64, {f.Int(0, static_cast<int>(n))}, 0.08, -3,
                                       g.P * g.S + 3);
       if (c.too_big()) continue;
-      c.Check(QuantizeAppendBySlot(key, value, slots, cache, ks, vs, recipe), "by slot");
+      c.Check(QuantizeAppendBySlot(key, value, slots, cache, ks, vs, recipe), "by slot",
+              [&](const Call::Remap& m) {
+                return QuantizeAppendBySlot(m(key), m(value), m(slots), Remapped(cache, m), ks, vs,
+                                            recipe);
+              });
     } else {
       const int64_t batch = f.Int(0, 4);
       const TensorView bi = c.View(DType::kI32, {n}, 0.08, -1, batch + 1);
@@ -267,7 +468,10 @@ TEST(ValidationFuzz, AppendBySlotAndPaged) {
       const TensorView last = c.View(DType::kI32, {batch}, 0.08, 0, g.S);
       if (c.too_big()) continue;
       c.Check(QuantizeAppendPaged(key, value, bi, pos, cache, kvi, indptr, last, ks, vs, recipe),
-              "paged");
+              "paged", [&](const Call::Remap& m) {
+                return QuantizeAppendPaged(m(key), m(value), m(bi), m(pos), Remapped(cache, m),
+                                           m(kvi), m(indptr), m(last), ks, vs, recipe);
+              });
     }
   }
 }
@@ -291,7 +495,11 @@ TEST(ValidationFuzz, DequantizeAndMaterialize) {
       const TensorView k_out = c.View(out, {batch, T, g.H, g.Dk}, 0.08, 0, 0, true);
       const TensorView v_out = c.View(out, {batch, T, g.H, g.Dv}, 0.08, 0, 0, true);
       if (c.too_big()) continue;
-      c.Check(DequantizePaged(cache, tables, lens, k_out, v_out, ks, vs), "dequantize");
+      c.Check(DequantizePaged(cache, tables, lens, k_out, v_out, ks, vs), "dequantize",
+              [&](const Call::Remap& m) {
+                return DequantizePaged(Remapped(cache, m), m(tables), m(lens), m(k_out), m(v_out),
+                                       ks, vs);
+              });
     } else {
       const bool separate = f.Chance(0.3);
       const TensorView tables = separate ? c.View(table, {batch, 2, width}, 0.08, -2, g.P + 2)
@@ -305,7 +513,10 @@ TEST(ValidationFuzz, DequantizeAndMaterialize) {
       if (c.too_big()) continue;
       c.Check(MaterializeFp8(cache, tables, lens, indptr, out, fp8_tables, ks, vs, kf,
                              GlobalScale::Value(1.5f)),
-              "materialize");
+              "materialize", [&](const Call::Remap& m) {
+                return MaterializeFp8(Remapped(cache, m), m(tables), m(lens), m(indptr), m(out),
+                                      m(fp8_tables), ks, vs, kf, GlobalScale::Value(1.5f));
+              });
     }
   }
 }
@@ -325,9 +536,13 @@ TEST(ValidationFuzz, LinearCalibrateAndAttention) {
       const GlobalScale gs = f.Chance(0.15) ? f.WildScale() : GlobalScale::Value(0.1f);
       if (c.too_big()) continue;
       if (quantize) {
-        c.Check(QuantizeLinear(x, packed, scales, gs), "quantize linear");
+        c.Check(QuantizeLinear(x, packed, scales, gs), "quantize linear",
+                [&](const Call::Remap& m) { return QuantizeLinear(m(x), m(packed), m(scales), gs); });
       } else {
-        c.Check(DequantizeLinear(packed, scales, x, gs), "dequantize linear");
+        c.Check(DequantizeLinear(packed, scales, x, gs), "dequantize linear",
+                [&](const Call::Remap& m) {
+                  return DequantizeLinear(m(packed), m(scales), m(x), gs);
+                });
       }
     } else if (choice == 1) {
       absl::StatusOr<Calibrator> cal =
@@ -361,7 +576,15 @@ TEST(ValidationFuzz, LinearCalibrateAndAttention) {
       a.k_scale = f.Chance(0.1) ? f.WildScale() : GlobalScale::Value(0.01f);
       a.v_scale = GlobalScale::Value(0.01f);
       if (cc.too_big()) continue;
-      cc.Check(DecodeAttentionPaged(o, a, cache, nullptr, 0), "attention");
+      cc.Check(DecodeAttentionPaged(o, a, cache, nullptr, 0), "attention",
+               [&](const Call::Remap& m) {
+                 DecodeAttentionArgs b = a;
+                 b.seq_lens = m(a.seq_lens);
+                 b.block_tables = m(a.block_tables);
+                 b.q = m(a.q);
+                 b.out = m(a.out);
+                 return DecodeAttentionPaged(o, b, Remapped(cache, m), nullptr, 0);
+               });
     }
   }
 }
@@ -472,7 +695,11 @@ TEST(ValidationFuzz, KVCacheOptions) {
     const int64_t T = f.Int(0, 5);
     const TensorView ko = r.View(DType::kBF16, {T, g.num_kv_heads, g.head_dim_k}, 0.1, 0, 0, true);
     const TensorView vo = r.View(DType::kBF16, {T, g.num_kv_heads, g.head_dim_v}, 0.1, 0, 0, true);
-    if (!r.too_big()) r.Check(cache->ReadSequence(f.Int(-1, 1), seq, ko, vo), "read sequence");
+    const int layer = f.Int(-1, 1);
+    if (!r.too_big()) {
+      r.Check(cache->ReadSequence(layer, seq, ko, vo), "read sequence",
+              [&](const Call::Remap& m) { return cache->ReadSequence(layer, seq, m(ko), m(vo)); });
+    }
   }
   EXPECT_GT(created, 20);
 }
@@ -484,6 +711,22 @@ TEST(ValidationFuzz, SomeCallsSucceedAndSomeFail) {
   EXPECT_GT(Call::ok_calls_, Call::calls_ / 20) << Call::ok_calls_ << " of " << Call::calls_;
   EXPECT_LT(Call::ok_calls_, Call::calls_ - Call::calls_ / 20) << Call::ok_calls_ << " of "
                                                                << Call::calls_;
+  // Calls by mutation kind (a call counts once for every kind among its
+  // views): accepted, rejected, and accepted calls whose bytes were checked
+  // against contiguous copies.
+  std::cout << "calls " << Call::calls_ << " (accepted " << Call::ok_calls_ << "), unmutated "
+            << g_unmutated_calls << "; mutated and accepted: " << g_mutated_ok_checked
+            << " checked against contiguous copies, " << g_mutated_ok_unchecked
+            << " not (no rerun, or overlapping output elements)\n";
+  for (int k = 0; k < kKinds; ++k) {
+    std::cout << "  " << kKindNames[k] << ": " << g_tally[k].calls << " calls, "
+              << g_tally[k].ok << " accepted (" << g_tally[k].bytes_checked
+              << " bytes checked), " << g_tally[k].rejected << " rejected\n";
+    EXPECT_GT(g_tally[k].calls, 0) << kKindNames[k] << " mutations never ran";
+  }
+  EXPECT_GT(g_tally[kDevice].rejected, 0);
+  EXPECT_GT(g_tally[kMisalign].rejected, 0);
+  EXPECT_GT(g_mutated_ok_checked, 50) << "few mutated-but-valid calls were checked";
 }
 
 }  // namespace
