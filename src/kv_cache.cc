@@ -20,20 +20,14 @@
 #include "src/cuda_util.h"
 #include "src/kv_event_queue.h"
 #include "src/page_pool.h"
-#include "src/prefix_hash.h"
 #include "src/params.h"
+#include "src/prefix_hash.h"
+#include "src/status_macros.h"
 #include "src/validate.h"
 
 namespace fp4kv {
 namespace internal {
 namespace {
-
-#define FP4KV_KV_RETURN_IF_ERROR(expr)        \
-  do {                                        \
-    if (absl::Status s_ = (expr); !s_.ok()) { \
-      return s_;                              \
-    }                                         \
-  } while (0)
 
 constexpr int64_t kRegionAlign = 256;  // every pool region and step buffer
 constexpr int64_t kHostAlign = 256;    // as cudaMalloc: regions stay 256-byte aligned
@@ -510,7 +504,7 @@ class KVCacheState {
       if (!cuda) {
         ReferenceReencode(p);
       } else {
-        FP4KV_KV_RETURN_IF_ERROR(LaunchReencode(p, stream));
+        FP4KV_RETURN_IF_ERROR(LaunchReencode(p, stream));
       }
     }
     return absl::OkStatus();
@@ -682,7 +676,7 @@ class KVCacheState {
                                const std::vector<int32_t>& host, bool to_host, Stream stream,
                                int* event) {
     int e = -1;
-    FP4KV_KV_RETURN_IF_ERROR(TakeEvent(&e));
+    FP4KV_RETURN_IF_ERROR(TakeEvent(&e));
     absl::Status st = [&]() -> absl::Status {
       const int64_t n = static_cast<int64_t>(pages.size());
       FP4KV_CUDA_RETURN_IF_ERROR(
@@ -697,7 +691,7 @@ class KVCacheState {
       FP4KV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(d_ids, ids.data(), ids.size() * sizeof(int32_t),
                                                  cudaMemcpyHostToDevice, copy_stream));
       const Stream side = reinterpret_cast<Stream>(copy_stream);
-      FP4KV_KV_RETURN_IF_ERROR(LaunchPageCopy(
+      FP4KV_RETURN_IF_ERROR(LaunchPageCopy(
           to_host ? PoolToHost(d_ids, d_ids + M, n) : HostToPool(d_ids + M, d_ids, n), side));
       FP4KV_CUDA_RETURN_IF_ERROR(cudaEventRecord(swap_events[e], copy_stream));
       return absl::OkStatus();
@@ -744,7 +738,7 @@ class KVCacheState {
   absl::Status WaitSwapOuts() {
     if (outs.empty()) return absl::OkStatus();
     ScopedDevice d;
-    FP4KV_KV_RETURN_IF_ERROR(d.Set(options.device));
+    FP4KV_RETURN_IF_ERROR(d.Set(options.device));
     for (SwapOutCopy& c : outs) {
       FP4KV_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(swap_events[c.event]));
     }
@@ -825,7 +819,7 @@ class KVCacheState {
   absl::Status MakeAvailable(int64_t n, const char* what) {
     PollSwaps();
     if (n > allocator.available_count() && !outs.empty()) {
-      FP4KV_KV_RETURN_IF_ERROR(WaitSwapOuts());
+      FP4KV_RETURN_IF_ERROR(WaitSwapOuts());
     }
     if (n > allocator.available_count()) {
       return absl::ResourceExhaustedError(absl::StrCat(
@@ -1062,7 +1056,7 @@ absl::StatusOr<KVCache> KVCache::Create(const KVCacheOptions& o) {
   {
     CacheGeometry probe = g;
     probe.num_pages = 1;
-    FP4KV_KV_RETURN_IF_ERROR(probe.Validate());
+    FP4KV_RETURN_IF_ERROR(probe.Validate());
   }
   internal::PoolLayout one_page;
   {
@@ -1101,7 +1095,7 @@ absl::StatusOr<KVCache> KVCache::Create(const KVCacheOptions& o) {
     max_pages_per_seq = static_cast<int>(std::min<int64_t>(
         g.num_pages, CeilDiv(internal::kDefaultMaxSeqTokens, g.page_size)));
   }
-  FP4KV_KV_RETURN_IF_ERROR(ValidateRecipe(o.recipe));
+  FP4KV_RETURN_IF_ERROR(ValidateRecipe(o.recipe));
   for (const auto& [v, name] :
        {std::pair<const std::vector<float>&, const char*>{o.k_global_scales, "k_global_scales"},
         std::pair<const std::vector<float>&, const char*>{o.v_global_scales, "v_global_scales"}}) {
@@ -1110,7 +1104,7 @@ absl::StatusOr<KVCache> KVCache::Create(const KVCacheOptions& o) {
           name, ": expected ", o.num_layers, " values (one per layer) or none, got ", v.size()));
     }
     for (size_t l = 0; l < v.size(); ++l) {
-      FP4KV_KV_RETURN_IF_ERROR(internal::CheckScale(v[l], name, static_cast<int>(l)));
+      FP4KV_RETURN_IF_ERROR(internal::CheckScale(v[l], name, static_cast<int>(l)));
     }
   }
   for (const auto& [v, name] :
@@ -1133,7 +1127,7 @@ absl::StatusOr<KVCache> KVCache::Create(const KVCacheOptions& o) {
     return absl::InvalidArgumentError(absl::StrCat(
         "calibration_headroom: expected a finite value >= 1, got ", o.calibration_headroom));
   }
-  FP4KV_KV_RETURN_IF_ERROR(internal::CheckDeviceAvailable(o.device));
+  FP4KV_RETURN_IF_ERROR(internal::CheckDeviceAvailable(o.device));
 
   const HostTierOptions& ht = o.host_tier;
   if (ht.host_pages < 0 || ht.host_bytes < 0 || (ht.host_pages > 0 && ht.host_bytes > 0)) {
@@ -1187,16 +1181,16 @@ absl::StatusOr<KVCache> KVCache::Create(const KVCacheOptions& o) {
   const internal::StepLayout& sl = s->step_layout;
 
   internal::ScopedDevice scoped;
-  FP4KV_KV_RETURN_IF_ERROR(scoped.Set(o.device));
+  FP4KV_RETURN_IF_ERROR(scoped.Set(o.device));
   using Kind = internal::Memory::Kind;
-  FP4KV_KV_RETURN_IF_ERROR(
+  FP4KV_RETURN_IF_ERROR(
       s->pools.Allocate(s->cuda ? Kind::kDevice : Kind::kHost, s->pool.total_bytes, "the pools"));
-  FP4KV_KV_RETURN_IF_ERROR(s->device_step.Allocate(s->cuda ? Kind::kDevice : Kind::kHost,
+  FP4KV_RETURN_IF_ERROR(s->device_step.Allocate(s->cuda ? Kind::kDevice : Kind::kHost,
                                                    sl.device_bytes, "the step buffers"));
   if (host_pages > 0) {
     s->host_pages_total = host_pages;
     s->host_layout = host_layout;
-    FP4KV_KV_RETURN_IF_ERROR(s->host_pool.Allocate(s->cuda ? Kind::kPinnedMapped : Kind::kHost,
+    FP4KV_RETURN_IF_ERROR(s->host_pool.Allocate(s->cuda ? Kind::kPinnedMapped : Kind::kHost,
                                                    host_layout.total_bytes, "the host tier"));
     s->host_pool_dev = s->host_pool.get();
     if (s->cuda) {
@@ -1218,7 +1212,7 @@ absl::StatusOr<KVCache> KVCache::Create(const KVCacheOptions& o) {
   }
   uint8_t* host = s->device_step.get();
   if (s->cuda) {
-    FP4KV_KV_RETURN_IF_ERROR(
+    FP4KV_RETURN_IF_ERROR(
         s->staging.Allocate(Kind::kPinned, sl.staging_bytes, "the pinned step staging"));
     host = s->staging.get();
     FP4KV_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&s->upload_done, cudaEventDisableTiming));
@@ -1258,7 +1252,7 @@ absl::StatusOr<KVCache> KVCache::Create(const KVCacheOptions& o) {
     flags[2 * l + 1] = o.v_global_scales.empty() ? 0 : 1;
   }
   if (s->cuda) {
-    FP4KV_KV_RETURN_IF_ERROR(s->mapped_flags.Allocate(Kind::kPinnedMapped, 4 * 2 * L,
+    FP4KV_RETURN_IF_ERROR(s->mapped_flags.Allocate(Kind::kPinnedMapped, 4 * 2 * L,
                                                       "the mapped calibration flags"));
     s->h_flags = reinterpret_cast<int32_t*>(s->mapped_flags.get());
     void* dev_ptr = nullptr;
@@ -1352,7 +1346,7 @@ absl::StatusOr<SequenceId> KVCache::ForkSequence(SequenceId parent) {
   FP4KV_KV_RETURN_IF_MOVED_FROM();
   KVCacheState& s = *state_;
   s.FlushIndex();
-  FP4KV_KV_RETURN_IF_ERROR(s.FindResident(parent, "ForkSequence", "parent").status());
+  FP4KV_RETURN_IF_ERROR(s.FindResident(parent, "ForkSequence", "parent").status());
   const SequenceId child = CreateSequence();  // may move s.seqs: look the parent up again
   const KVCacheState::Sequence& p = *s.Find(parent);
   KVCacheState::Sequence& c = *s.Find(child);
@@ -1505,7 +1499,7 @@ absl::StatusOr<SequenceId> KVCache::ImportSequence(absl::Span<const HalfPagedCac
     params[l] = *p;
   }
   if (n > s.allocator.available_count() && !s.outs.empty()) {
-    FP4KV_KV_RETURN_IF_ERROR(s.WaitSwapOuts());
+    FP4KV_RETURN_IF_ERROR(s.WaitSwapOuts());
   }
   if (n > s.allocator.available_count()) {
     return absl::ResourceExhaustedError(absl::StrCat("ImportSequence: needs ", n,
@@ -1515,7 +1509,7 @@ absl::StatusOr<SequenceId> KVCache::ImportSequence(absl::Span<const HalfPagedCac
   internal::ScopedDevice scoped;
   int32_t* d_lists = lists.data();
   if (s.cuda) {
-    FP4KV_KV_RETURN_IF_ERROR(scoped.Set(s.options.device));
+    FP4KV_RETURN_IF_ERROR(scoped.Set(s.options.device));
     if (n > 0) {
       void* mem = nullptr;
       FP4KV_CUDA_RETURN_IF_ERROR(
@@ -1628,7 +1622,7 @@ absl::Status KVCache::ReadSequence(int layer, SequenceId seq, const TensorView& 
                                   const TensorView& v_out, Stream stream) const {
   FP4KV_KV_RETURN_IF_MOVED_FROM();
   const KVCacheState& s = *state_;
-  FP4KV_KV_RETURN_IF_ERROR(s.CheckLayer(layer));
+  FP4KV_RETURN_IF_ERROR(s.CheckLayer(layer));
   absl::StatusOr<const KVCacheState::Sequence*> found = s.FindResident(seq, "ReadSequence");
   if (!found.ok()) return found.status();
   const KVCacheState::Sequence* q = *found;
@@ -1637,15 +1631,15 @@ absl::Status KVCache::ReadSequence(int layer, SequenceId seq, const TensorView& 
   for (const auto& [t, name, dim] :
        {std::tuple<const TensorView&, const char*, int>{k_out, "k_out", g.head_dim_k},
         std::tuple<const TensorView&, const char*, int>{v_out, "v_out", g.head_dim_v}}) {
-    FP4KV_KV_RETURN_IF_ERROR(internal::CheckGiven(t, name));
-    FP4KV_KV_RETURN_IF_ERROR(internal::CheckShape(t, name, {k_out.shape[0], g.num_kv_heads, dim}));
+    FP4KV_RETURN_IF_ERROR(internal::CheckGiven(t, name));
+    FP4KV_RETURN_IF_ERROR(internal::CheckShape(t, name, {k_out.shape[0], g.num_kv_heads, dim}));
     if (t.shape[0] < q->length || t.shape[0] > INT32_MAX) {
       return absl::InvalidArgumentError(
           absl::StrCat(name, ": expected dimension 0 in [", q->length, ", ", INT32_MAX,
                        "] (the sequence's length ..), got shape ", t.ShapeString()));
     }
   }
-  FP4KV_KV_RETURN_IF_ERROR(internal::CheckFloatDType(k_out.dtype, "k_out"));
+  FP4KV_RETURN_IF_ERROR(internal::CheckFloatDType(k_out.dtype, "k_out"));
   absl::StatusOr<Dequantizer> op =
       Dequantizer::Create({g, k_out.dtype, DType::kI32, s.options.device});
   if (!op.ok()) return op.status();
@@ -1687,8 +1681,8 @@ absl::Status KVCache::ReadSequence(int layer, SequenceId seq, const TensorView& 
       internal::MakeDequantParams(op->options(), a, s.LayerCache(layer));
   if (!p.ok()) return p.status();
   internal::ScopedDevice scoped;
-  FP4KV_KV_RETURN_IF_ERROR(scoped.Set(dev));
-  FP4KV_KV_RETURN_IF_ERROR(s.OrderAfterSwapIn(*q, stream));
+  FP4KV_RETURN_IF_ERROR(scoped.Set(dev));
+  FP4KV_RETURN_IF_ERROR(s.OrderAfterSwapIn(*q, stream));
   std::vector<int32_t> host(q->pages.begin(), q->pages.end());
   host.resize(s.options.max_pages_per_seq + 1, 0);
   host.back() = len;
@@ -1713,10 +1707,10 @@ absl::StatusOr<StepInfo> KVCache::PrepareStep(absl::Span<const StepEntry> entrie
   s.PollSwaps();
   internal::ClaimReset claim_reset{s};
   int64_t need = 0;
-  FP4KV_KV_RETURN_IF_ERROR(internal::CheckStepEntries(s, entries, &need));
+  FP4KV_RETURN_IF_ERROR(internal::CheckStepEntries(s, entries, &need));
   if (need > s.allocator.available_count() && !s.outs.empty()) {
     // Pages still held by SwapOut copies in flight: wait for them.
-    FP4KV_KV_RETURN_IF_ERROR(s.WaitSwapOuts());
+    FP4KV_RETURN_IF_ERROR(s.WaitSwapOuts());
   }
   if (need > s.allocator.available_count()) {
     return absl::ResourceExhaustedError(absl::StrCat(
@@ -1729,7 +1723,7 @@ absl::StatusOr<StepInfo> KVCache::PrepareStep(absl::Span<const StepEntry> entrie
   // The previous upload may still read the staging buffer.
   internal::ScopedDevice scoped;
   if (s.cuda) {
-    FP4KV_KV_RETURN_IF_ERROR(scoped.Set(s.options.device));
+    FP4KV_RETURN_IF_ERROR(scoped.Set(s.options.device));
     if (s.upload_pending) {
       FP4KV_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(s.upload_done));
       s.upload_pending = false;
@@ -1738,7 +1732,7 @@ absl::StatusOr<StepInfo> KVCache::PrepareStep(absl::Span<const StepEntry> entrie
     for (int i = 0; i < n; ++i) {
       KVCacheState::Sequence& q = *s.step_seqs[i];
       if (q.swapin_event < 0) continue;
-      FP4KV_KV_RETURN_IF_ERROR(s.OrderAfterSwapIn(q, stream));
+      FP4KV_RETURN_IF_ERROR(s.OrderAfterSwapIn(q, stream));
       s.DropSwapIn(q);
     }
   }
@@ -1855,7 +1849,7 @@ absl::StatusOr<StepPlan> KVCache::PlanStep(absl::Span<const StepEntry> entries) 
   s.PollSwaps();
   internal::ClaimReset claim_reset{s};
   int64_t need = 0;
-  FP4KV_KV_RETURN_IF_ERROR(internal::CheckStepEntries(s, entries, &need));
+  FP4KV_RETURN_IF_ERROR(internal::CheckStepEntries(s, entries, &need));
   StepPlan p;
   p.pages_needed = need;
   p.pages_copied = static_cast<int64_t>(s.cow_src.size());
@@ -1982,7 +1976,7 @@ absl::Status CacheAppender::Run(int layer, const TensorView& key, const TensorVi
                                 Stream stream) const {
   if (state_ == nullptr) return NotBound("CacheAppender");
   const KVCacheState& s = *state_;
-  FP4KV_KV_RETURN_IF_ERROR(s.CheckLayer(layer));
+  FP4KV_RETURN_IF_ERROR(s.CheckLayer(layer));
   int64_t rows = s.options.max_tokens_per_step;
   if (key.ndim >= 1) {
     if (key.shape[0] < s.step.num_tokens) {
@@ -2005,7 +1999,7 @@ absl::Status CacheAppender::Run(int layer, const TensorView& key, const TensorVi
   if (!p.ok()) return p.status();
   internal::ScopedDevice scoped;
   if (s.cuda) {
-    FP4KV_KV_RETURN_IF_ERROR(scoped.Set(s.options.device));
+    FP4KV_RETURN_IF_ERROR(scoped.Set(s.options.device));
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     FP4KV_CUDA_RETURN_IF_ERROR(
         cudaStreamIsCapturing(reinterpret_cast<cudaStream_t>(stream), &capture));
@@ -2037,7 +2031,7 @@ absl::Status CacheAppender::Run(int layer, const TensorView& key, const TensorVi
     if (!s.cuda) {
       internal::ReferenceCalibrateRows(c);  // h_flags is d_flags here
     } else {
-      FP4KV_KV_RETURN_IF_ERROR(internal::LaunchCalibrateRows(c, stream));
+      FP4KV_RETURN_IF_ERROR(internal::LaunchCalibrateRows(c, stream));
     }
   }
   if (!s.cuda) {
@@ -2050,7 +2044,7 @@ absl::Status CacheAppender::Run(int layer, const TensorView& key, const TensorVi
 absl::Status CacheMaterializer::Run(int layer, const TensorView& out, Stream stream) const {
   if (state_ == nullptr) return NotBound("CacheMaterializer");
   const KVCacheState& s = *state_;
-  FP4KV_KV_RETURN_IF_ERROR(s.CheckLayer(layer));
+  FP4KV_RETURN_IF_ERROR(s.CheckLayer(layer));
   if (out.ndim >= 1 && out.shape[0] < s.step.fp8_workspace_pages) {
     return absl::InvalidArgumentError(
         absl::StrCat("out: expected at least ", s.step.fp8_workspace_pages,
@@ -2073,7 +2067,7 @@ absl::Status CacheDequantizer::Run(int layer, const TensorView& k_out, const Ten
                                    Stream stream) const {
   if (state_ == nullptr) return NotBound("CacheDequantizer");
   const KVCacheState& s = *state_;
-  FP4KV_KV_RETURN_IF_ERROR(s.CheckLayer(layer));
+  FP4KV_RETURN_IF_ERROR(s.CheckLayer(layer));
   const int S = s.options.max_seqs_per_step;
   int64_t batch = S;
   if (k_out.ndim >= 2) {
@@ -2106,7 +2100,7 @@ absl::Status CacheAttention::Run(int layer, const TensorView& q, const TensorVie
                                  const TensorView& lse, const TensorView& sinks) const {
   if (state_ == nullptr) return NotBound("CacheAttention");
   const KVCacheState& s = *state_;
-  FP4KV_KV_RETURN_IF_ERROR(s.CheckLayer(layer));
+  FP4KV_RETURN_IF_ERROR(s.CheckLayer(layer));
   const int S = s.options.max_seqs_per_step;
   const int max_q_len = op_.options().max_q_len;
   int64_t batch = S;
@@ -2167,7 +2161,7 @@ absl::Status KVCache::CheckInvariants() const {
   state_->PollSwaps();
   const KVCacheState& s = *state_;
   const int ps = s.geometry.page_size;
-  FP4KV_KV_RETURN_IF_ERROR(s.allocator.Validate());
+  FP4KV_RETURN_IF_ERROR(s.allocator.Validate());
   std::vector<int32_t> refs(s.allocator.num_pages(), 0);
   std::vector<uint8_t> scratch;
   std::vector<uint8_t> host_owner(static_cast<size_t>(s.host_pages_total), 0);
@@ -2272,12 +2266,12 @@ absl::Status KVCache::UpdateGlobalScalesRange(int first, int count, const float*
                                               StoredTokens stored) {
   KVCacheState& s = *state_;
   const bool one = count == 1;
-  if (one) FP4KV_KV_RETURN_IF_ERROR(s.CheckLayer(first));
+  if (one) FP4KV_RETURN_IF_ERROR(s.CheckLayer(first));
   std::vector<float> vals(4 * static_cast<size_t>(count));
   for (int i = 0; i < count; ++i) {
     const int l = first + i;
-    FP4KV_KV_RETURN_IF_ERROR(internal::CheckScale(k_scales[i], one ? "k_scale" : "k_scales", l));
-    FP4KV_KV_RETURN_IF_ERROR(internal::CheckScale(v_scales[i], one ? "v_scale" : "v_scales", l));
+    FP4KV_RETURN_IF_ERROR(internal::CheckScale(k_scales[i], one ? "k_scale" : "k_scales", l));
+    FP4KV_RETURN_IF_ERROR(internal::CheckScale(v_scales[i], one ? "v_scale" : "v_scales", l));
     absl::StatusOr<float> kf = s.geometry.fp8_keys()
                                    ? absl::StatusOr<float>(MinFp8ScaleForFp8Keys(k_scales[i]))
                                    : MinFp8Scale(k_scales[i]);
@@ -2292,14 +2286,14 @@ absl::Status KVCache::UpdateGlobalScalesRange(int first, int count, const float*
   std::vector<uint8_t> reencode(count, 0);
   for (int i = 0; i < count; ++i) {
     bool r = false;
-    FP4KV_KV_RETURN_IF_ERROR(s.CheckScaleChange(first + i, stored, &r));
+    FP4KV_RETURN_IF_ERROR(s.CheckScaleChange(first + i, stored, &r));
     reencode[i] = r;
   }
   internal::ScopedDevice scoped;
-  if (s.cuda) FP4KV_KV_RETURN_IF_ERROR(scoped.Set(s.options.device));
+  if (s.cuda) FP4KV_RETURN_IF_ERROR(scoped.Set(s.options.device));
   s.ClearPrefixIndex();  // cached bytes are only valid under the old scales
   for (int i = 0; i < count; ++i) {
-    if (reencode[i]) FP4KV_KV_RETURN_IF_ERROR(s.SaveOldScales(first + i, stream));
+    if (reencode[i]) FP4KV_RETURN_IF_ERROR(s.SaveOldScales(first + i, stream));
   }
   if (s.cuda) {
     // From pageable memory: staged before the call returns.
@@ -2311,10 +2305,10 @@ absl::Status KVCache::UpdateGlobalScalesRange(int first, int count, const float*
   }
   if (std::find(reencode.begin(), reencode.end(), 1) != reencode.end()) {
     // SwapIn copies still filling pages come first.
-    FP4KV_KV_RETURN_IF_ERROR(s.OrderAfterCopies(stream));
+    FP4KV_RETURN_IF_ERROR(s.OrderAfterCopies(stream));
   }
   for (int i = 0; i < count; ++i) {
-    if (reencode[i]) FP4KV_KV_RETURN_IF_ERROR(s.Reencode(first + i, stream));
+    if (reencode[i]) FP4KV_RETURN_IF_ERROR(s.Reencode(first + i, stream));
   }
   std::copy(vals.begin(), vals.end(), s.known_scales.begin() + 4 * first);
   std::fill(s.known.begin() + first, s.known.begin() + first + count, 1);
@@ -2326,7 +2320,7 @@ absl::Status KVCache::CalibrateGlobalScales(int layer, const TensorView& k, cons
                                             StoredTokens stored) {
   FP4KV_KV_RETURN_IF_MOVED_FROM();
   KVCacheState& s = *state_;
-  FP4KV_KV_RETURN_IF_ERROR(s.CheckLayer(layer));
+  FP4KV_RETURN_IF_ERROR(s.CheckLayer(layer));
   const Calibrator::Options& co = calibrator.options();
   if (!(co.recipe == s.options.recipe)) {
     return absl::InvalidArgumentError(
@@ -2341,7 +2335,7 @@ absl::Status KVCache::CalibrateGlobalScales(int layer, const TensorView& k, cons
   // Check both tensors first so a bad V cannot leave K's scales half-updated.
   for (const auto& [t, name] : {std::pair<const TensorView&, const char*>{k, "k"},
                                 std::pair<const TensorView&, const char*>{v, "v"}}) {
-    FP4KV_KV_RETURN_IF_ERROR(internal::CheckExtents(t, name));
+    FP4KV_RETURN_IF_ERROR(internal::CheckExtents(t, name));
     if (t.numel() > co.max_elements) {
       return absl::InvalidArgumentError(absl::StrCat(name, ": expected at most ", co.max_elements,
                                                      " elements (calibrator.max_elements), got ",
@@ -2365,32 +2359,32 @@ absl::Status KVCache::CalibrateGlobalScales(int layer, const TensorView& k, cons
     }
   }
   bool reencode = false;
-  FP4KV_KV_RETURN_IF_ERROR(s.CheckScaleChange(layer, stored, &reencode));
+  FP4KV_RETURN_IF_ERROR(s.CheckScaleChange(layer, stored, &reencode));
   internal::ScopedDevice scoped;
-  if (s.cuda) FP4KV_KV_RETURN_IF_ERROR(scoped.Set(s.options.device));
+  if (s.cuda) FP4KV_RETURN_IF_ERROR(scoped.Set(s.options.device));
   s.ClearPrefixIndex();  // cached bytes are only valid under the old scales
-  if (reencode) FP4KV_KV_RETURN_IF_ERROR(s.SaveOldScales(layer, stream));
+  if (reencode) FP4KV_RETURN_IF_ERROR(s.SaveOldScales(layer, stream));
   float* scales = s.d_scales + 4 * layer;
   s.known[layer] = 0;  // computed on the device
   // FP8 keys: g_k = MakeFp8KeyScale(amax), k_fp8 = g_k (the same reduction).
-  FP4KV_KV_RETURN_IF_ERROR(s.geometry.fp8_keys()
+  FP4KV_RETURN_IF_ERROR(s.geometry.fp8_keys()
                                ? calibrator.RunFp8Key(k, nullptr, scales + 0, stream, scales + 2)
                                : calibrator.Run(k, nullptr, scales + 0, stream, scales + 2));
-  FP4KV_KV_RETURN_IF_ERROR(calibrator.Run(v, nullptr, scales + 1, stream, scales + 3));
-  if (reencode) FP4KV_KV_RETURN_IF_ERROR(s.OrderAfterCopies(stream));
-  if (reencode) FP4KV_KV_RETURN_IF_ERROR(s.Reencode(layer, stream));
+  FP4KV_RETURN_IF_ERROR(calibrator.Run(v, nullptr, scales + 1, stream, scales + 3));
+  if (reencode) FP4KV_RETURN_IF_ERROR(s.OrderAfterCopies(stream));
+  if (reencode) FP4KV_RETURN_IF_ERROR(s.Reencode(layer, stream));
   return s.MarkCalibrated(layer, 1, stream);
 }
 
 absl::StatusOr<LayerScales> KVCache::ReadScales(int layer, Stream stream) const {
   FP4KV_KV_RETURN_IF_MOVED_FROM();
   const KVCacheState& s = *state_;
-  FP4KV_KV_RETURN_IF_ERROR(s.CheckLayer(layer));
+  FP4KV_RETURN_IF_ERROR(s.CheckLayer(layer));
   float vals[4];
   int32_t flags[2];
   if (s.cuda) {
     internal::ScopedDevice scoped;
-    FP4KV_KV_RETURN_IF_ERROR(scoped.Set(s.options.device));
+    FP4KV_RETURN_IF_ERROR(scoped.Set(s.options.device));
     const cudaStream_t cs = reinterpret_cast<cudaStream_t>(stream);
     FP4KV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(vals, s.d_scales + 4 * layer, sizeof(vals),
                                                cudaMemcpyDeviceToHost, cs));
@@ -2413,14 +2407,14 @@ absl::StatusOr<LayerScales> KVCache::ReadScales(int layer, Stream stream) const 
 
 absl::StatusOr<int64_t> KVCache::LayerTokens(int layer) const {
   FP4KV_KV_RETURN_IF_MOVED_FROM();
-  FP4KV_KV_RETURN_IF_ERROR(state_->CheckLayer(layer));
+  FP4KV_RETURN_IF_ERROR(state_->CheckLayer(layer));
   return state_->TokensHeld(layer);
 }
 
 absl::StatusOr<ScaleEventCounts> KVCache::ReadScaleEvents(int layer, Stream stream) const {
   FP4KV_KV_RETURN_IF_MOVED_FROM();
   const KVCacheState& s = *state_;
-  FP4KV_KV_RETURN_IF_ERROR(s.CheckLayer(layer));
+  FP4KV_RETURN_IF_ERROR(s.CheckLayer(layer));
   if (!s.options.count_scale_events) {
     return absl::FailedPreconditionError(
         "ReadScaleEvents: expected a cache created with count_scale_events, got one without");
@@ -2428,7 +2422,7 @@ absl::StatusOr<ScaleEventCounts> KVCache::ReadScaleEvents(int layer, Stream stre
   uint64_t c[4];
   if (s.cuda) {
     internal::ScopedDevice scoped;
-    FP4KV_KV_RETURN_IF_ERROR(scoped.Set(s.options.device));
+    FP4KV_RETURN_IF_ERROR(scoped.Set(s.options.device));
     const cudaStream_t cs = reinterpret_cast<cudaStream_t>(stream);
     FP4KV_CUDA_RETURN_IF_ERROR(
         cudaMemcpyAsync(c, s.d_events + 4 * layer, sizeof(c), cudaMemcpyDeviceToHost, cs));
@@ -2452,7 +2446,7 @@ absl::Status KVCache::ResetScaleEvents(Stream stream) {
     return absl::OkStatus();
   }
   internal::ScopedDevice scoped;
-  FP4KV_KV_RETURN_IF_ERROR(scoped.Set(s.options.device));
+  FP4KV_RETURN_IF_ERROR(scoped.Set(s.options.device));
   return internal::CudaStatus(cudaMemsetAsync(s.d_events, 0, bytes, reinterpret_cast<cudaStream_t>(stream)),
                     "cudaMemsetAsync(scale events)");
 }
@@ -2721,17 +2715,17 @@ absl::Status KVCache::ExportSequence(SequenceId seq, void* dst, int64_t dst_byte
   absl::StatusOr<SequenceImageHeader> hs = internal::ImageHeaderOf(s, *q);
   if (!hs.ok()) return hs.status();
   const SequenceImageHeader& h = *hs;
-  FP4KV_KV_RETURN_IF_ERROR(internal::CheckImagePointer(dst, "dst"));
+  FP4KV_RETURN_IF_ERROR(internal::CheckImagePointer(dst, "dst"));
   if (dst_bytes < h.image_bytes) {
     return absl::InvalidArgumentError(absl::StrCat("dst_bytes: expected at least ", h.image_bytes,
                                                    " (ExportedBytes of sequence ", seq, "), got ",
                                                    dst_bytes));
   }
   internal::ScopedDevice scoped;
-  FP4KV_KV_RETURN_IF_ERROR(scoped.Set(s.options.device));
+  FP4KV_RETURN_IF_ERROR(scoped.Set(s.options.device));
   internal::MemKind kind;
   const uint8_t* dev = nullptr;
-  FP4KV_KV_RETURN_IF_ERROR(internal::ClassifyMemory(s, dst, "dst", &kind, &dev));
+  FP4KV_RETURN_IF_ERROR(internal::ClassifyMemory(s, dst, "dst", &kind, &dev));
   uint8_t* out = static_cast<uint8_t*>(dst);
   uint8_t header[kSequenceImageHeaderBytes];
   SerializeSequenceImageHeader(h, header);
@@ -2752,7 +2746,7 @@ absl::Status KVCache::ExportSequence(SequenceId seq, void* dst, int64_t dst_byte
     return absl::OkStatus();
   }
   const cudaStream_t cs = reinterpret_cast<cudaStream_t>(stream);
-  FP4KV_KV_RETURN_IF_ERROR(s.OrderAfterSwapIn(*q, stream));
+  FP4KV_RETURN_IF_ERROR(s.OrderAfterSwapIn(*q, stream));
   if (kind == internal::MemKind::kDevice) {
     // From pageable memory: staged before the calls return.
     FP4KV_CUDA_RETURN_IF_ERROR(
@@ -2771,14 +2765,14 @@ absl::Status KVCache::ExportSequence(SequenceId seq, void* dst, int64_t dst_byte
                                              8 * static_cast<size_t>(L), cudaMemcpyDefault, cs));
   if (n > 0) {
     if (kind == internal::MemKind::kPageable) {
-      FP4KV_KV_RETURN_IF_ERROR(internal::PageableCopy(s, h, out, q->pages, true, cs));
+      FP4KV_RETURN_IF_ERROR(internal::PageableCopy(s, h, out, q->pages, true, cs));
     } else {
       int32_t* ids = reinterpret_cast<int32_t*>(s.d_step + s.step_layout.xfer_ids);
       FP4KV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(ids, q->pages.data(), 4 * static_cast<size_t>(n),
                                                  cudaMemcpyHostToDevice, cs));
       internal::PageCopyParams p = internal::PoolToImage(s, h, const_cast<uint8_t*>(dev), ids, n);
       if (kind == internal::MemKind::kPinned) p.max_ctas = internal::kHostCopyCtas;
-      FP4KV_KV_RETURN_IF_ERROR(internal::LaunchPageCopy(p, stream));
+      FP4KV_RETURN_IF_ERROR(internal::LaunchPageCopy(p, stream));
     }
   }
   s.bytes_exported += h.image_bytes;
@@ -2834,7 +2828,7 @@ absl::StatusOr<ImportReservation> KVCache::ReserveImport(const SequenceImageHead
         absl::StrCat("header.length: expected at most max_pages_per_seq * page_size = ",
                      int64_t{s.options.max_pages_per_seq} * g.page_size, " tokens, got ", h.length));
   }
-  FP4KV_KV_RETURN_IF_ERROR(s.MakeAvailable(n, "ReserveImport"));
+  FP4KV_RETURN_IF_ERROR(s.MakeAvailable(n, "ReserveImport"));
   internal::KVCacheState::Reservation r;
   r.header = h;
   r.pages.reserve(static_cast<size_t>(n));
@@ -2882,7 +2876,7 @@ absl::StatusOr<SequenceId> KVCache::CommitImport(ImportReservation reservation, 
   const int L = s.options.num_layers;
   const int64_t n = h.num_pages;
   const int64_t ps = s.geometry.page_size;
-  FP4KV_KV_RETURN_IF_ERROR(internal::CheckImagePointer(image, "image"));
+  FP4KV_RETURN_IF_ERROR(internal::CheckImagePointer(image, "image"));
   if (image_bytes < h.image_bytes) {
     return absl::InvalidArgumentError(absl::StrCat("image_bytes: expected at least ",
                                                    h.image_bytes, " (the reserved image's size), got ",
@@ -2895,10 +2889,10 @@ absl::StatusOr<SequenceId> KVCache::CommitImport(ImportReservation reservation, 
                      static_cast<int>(options.on_scale_mismatch)));
   }
   internal::ScopedDevice scoped;
-  FP4KV_KV_RETURN_IF_ERROR(scoped.Set(s.options.device));
+  FP4KV_RETURN_IF_ERROR(scoped.Set(s.options.device));
   internal::MemKind kind;
   const uint8_t* dev = nullptr;
-  FP4KV_KV_RETURN_IF_ERROR(internal::ClassifyMemory(s, image, "image", &kind, &dev));
+  FP4KV_RETURN_IF_ERROR(internal::ClassifyMemory(s, image, "image", &kind, &dev));
   const uint8_t* in = static_cast<const uint8_t*>(image);
   const bool host_image = kind != internal::MemKind::kDevice;
   const cudaStream_t cs = reinterpret_cast<cudaStream_t>(stream);
@@ -3107,17 +3101,17 @@ absl::StatusOr<SequenceId> KVCache::ImportSequence(const void* image, int64_t im
                                                    const ImportOptions& options, Stream stream) {
   FP4KV_KV_RETURN_IF_MOVED_FROM();
   KVCacheState& s = *state_;
-  FP4KV_KV_RETURN_IF_ERROR(internal::CheckImagePointer(image, "image"));
+  FP4KV_RETURN_IF_ERROR(internal::CheckImagePointer(image, "image"));
   if (image_bytes < kSequenceImageHeaderBytes) {
     return absl::InvalidArgumentError(absl::StrCat("image_bytes: expected at least ",
                                                    kSequenceImageHeaderBytes,
                                                    " (a header), got ", image_bytes));
   }
   internal::ScopedDevice scoped;
-  FP4KV_KV_RETURN_IF_ERROR(scoped.Set(s.options.device));
+  FP4KV_RETURN_IF_ERROR(scoped.Set(s.options.device));
   internal::MemKind kind;
   const uint8_t* dev = nullptr;
-  FP4KV_KV_RETURN_IF_ERROR(internal::ClassifyMemory(s, image, "image", &kind, &dev));
+  FP4KV_RETURN_IF_ERROR(internal::ClassifyMemory(s, image, "image", &kind, &dev));
   uint8_t header[kSequenceImageHeaderBytes];
   if (kind == internal::MemKind::kDevice) {
     const cudaStream_t cs = reinterpret_cast<cudaStream_t>(stream);
@@ -3152,7 +3146,7 @@ absl::Status KVCache::SynchronizeSwaps() {
   KVCacheState& s = *state_;
   if (s.copy_stream != nullptr) {
     internal::ScopedDevice scoped;
-    FP4KV_KV_RETURN_IF_ERROR(scoped.Set(s.options.device));
+    FP4KV_RETURN_IF_ERROR(scoped.Set(s.options.device));
     FP4KV_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s.copy_stream));
   }
   return s.WaitSwapOuts();
@@ -3181,12 +3175,12 @@ absl::Status KVCache::SwapOut(SequenceId seq, Stream stream) {
                                                      s.host_pages_total, "; nothing changed"));
   }
   internal::ScopedDevice scoped;
-  FP4KV_KV_RETURN_IF_ERROR(scoped.Set(s.options.device));
+  FP4KV_RETURN_IF_ERROR(scoped.Set(s.options.device));
   std::vector<int32_t> host(static_cast<size_t>(n));
   for (int64_t i = 0; i < n; ++i) host[i] = s.host_free[s.host_free.size() - 1 - i];
   int event = -1;
   if (s.cuda && n > 0) {
-    FP4KV_KV_RETURN_IF_ERROR(s.EnqueueSwapCopy(q->pages, host, /*to_host=*/true, stream, &event));
+    FP4KV_RETURN_IF_ERROR(s.EnqueueSwapCopy(q->pages, host, /*to_host=*/true, stream, &event));
   } else if (n > 0) {
     internal::ReferencePageCopy(s.PoolToHost(q->pages.data(), host.data(), n));
   }
@@ -3229,9 +3223,9 @@ absl::Status KVCache::SwapIn(SequenceId seq, Stream stream) {
     return absl::OkStatus();
   }
   const int64_t n = static_cast<int64_t>(q->host_pages.size());
-  FP4KV_KV_RETURN_IF_ERROR(s.MakeAvailable(n, "SwapIn"));
+  FP4KV_RETURN_IF_ERROR(s.MakeAvailable(n, "SwapIn"));
   internal::ScopedDevice scoped;
-  FP4KV_KV_RETURN_IF_ERROR(scoped.Set(s.options.device));
+  FP4KV_RETURN_IF_ERROR(scoped.Set(s.options.device));
   std::vector<int32_t> pages;
   pages.reserve(static_cast<size_t>(n));
   for (int64_t i = 0; i < n; ++i) pages.push_back(s.allocator.Allocate());
