@@ -86,7 +86,7 @@ DecodeSetup MakeDecodeSetup(const CacheGeometry& shape, int layers, int seqs, in
   s.cache = KVCache::Create(o);
   if (!s.cache.ok()) return s;
   for (int i = 0; i < seqs; ++i) {
-    const SequenceId id = s.cache->CreateSequence();
+    const SequenceId id = s.cache->CreateSequence().value();
     for (int done = 0; done < contexts[i]; done += kStepTokens) {  // chunked prefill
       const StepEntry prefill{id, std::min(kStepTokens, contexts[i] - done)};
       absl::StatusOr<StepInfo> info = s.cache->PrepareStep({&prefill, 1}, stream);
@@ -194,7 +194,7 @@ void BM_CacheAllocateRelease(benchmark::State& state) {
     return;
   }
   for (auto _ : state) {
-    const SequenceId id = c->CreateSequence();
+    const SequenceId id = c->CreateSequence().value();
     const StepEntry e{id, pages * kPageSize};
     absl::StatusOr<StepInfo> info = c->PrepareStep({&e, 1});
     if (!info.ok() || !c->ReleaseSequence(id).ok()) {

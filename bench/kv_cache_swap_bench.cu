@@ -159,8 +159,8 @@ int Main(const char* json_out) {
     CHECK_CUDA(cudaDeviceSynchronize());
   }
   // The 1 GiB sequence, its pages interleaved with a filler's.
-  const SequenceId big = cache.CreateSequence();
-  const SequenceId filler = cache.CreateSequence();
+  const SequenceId big = cache.CreateSequence().value();
+  const SequenceId filler = cache.CreateSequence().value();
   for (int64_t p = 0; p < big_pages; ++p) {
     CHECK_OK(cache.PrepareStep({{big, kPage}}, stream).status());
     CHECK_OK(cache.PrepareStep({{filler, kPage}}, stream).status());
@@ -277,7 +277,7 @@ int Main(const char* json_out) {
   // Decode loop, with and without a swap in flight.
   std::vector<StepEntry> entries;
   for (int i = 0; i < kDecodeSeqs; ++i) {
-    const SequenceId id = cache.CreateSequence();
+    const SequenceId id = cache.CreateSequence().value();
     CHECK_OK(cache.PrepareStep({{id, kDecodeContext}}, stream).status());
     entries.push_back({id, 1});
   }

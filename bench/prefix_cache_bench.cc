@@ -65,7 +65,7 @@ absl::StatusOr<KVCache> MakeCache(int64_t pages, int max_pages_per_seq, int max_
 
 // Prefills `tokens` (chunks of `chunk`) into a new sequence; returns it.
 absl::StatusOr<SequenceId> Prefill(KVCache& c, const std::vector<int32_t>& tokens, int chunk) {
-  const SequenceId id = c.CreateSequence();
+  const SequenceId id = c.CreateSequence().value();
   for (size_t done = 0; done < tokens.size(); done += chunk) {
     const int n = static_cast<int>(std::min<size_t>(chunk, tokens.size() - done));
     const StepEntry e{id, n, absl::Span<const int32_t>(tokens.data() + done, n)};

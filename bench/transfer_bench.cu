@@ -176,7 +176,7 @@ struct Setup {
     }
     cudaSetDevice(l.dev[0]);
     for (int64_t i = 0; i < n; ++i) {
-      SequenceId q = cache[0]->CreateSequence();
+      SequenceId q = cache[0]->CreateSequence().value();
       auto step = cache[0]->PrepareStep({{q, static_cast<int32_t>(len)}}, stream[0]);
       if (!step.ok()) {
         error = std::string(step.status().message());

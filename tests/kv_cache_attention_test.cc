@@ -182,7 +182,7 @@ TEST_P(CacheAttentionTest, MatchesTheReferenceOnDecodeAndSpeculativeSteps) {
   StepInputs inputs;
   TokenFactory f(c);
   std::vector<SequenceId> seqs;
-  for (int i = 0; i < 4; ++i) seqs.push_back(c.CreateSequence());
+  for (int i = 0; i < 4; ++i) seqs.push_back(c.CreateSequence().value());
   uint64_t seed = 1;
   auto step = [&](const std::vector<StepEntry>& entries) {
     ASSERT_TRUE(c.PrepareStep(entries).ok());
@@ -246,7 +246,7 @@ TEST_P(CacheAttentionTest, RejectsBadRowsAndPrefillChunksAndChangesNothing) {
   ao.max_q_len = 4;
   absl::StatusOr<CacheAttention> spec = c.attention(ao);
   ASSERT_TRUE(spec.ok());
-  const SequenceId a = c.CreateSequence(), b = c.CreateSequence();
+  const SequenceId a = c.CreateSequence().value(), b = c.CreateSequence().value();
   ASSERT_TRUE(c.PrepareStep({{a, 9}, {b, 1}}).ok());
   Buffer qb(device(), 160 * kQoHeads * kDim * 2), ob(device(), 160 * kQoHeads * kDim * 2);
   Buffer ws(device(), std::max<int64_t>(256, std::max(decode->WorkspaceBytes(), spec->WorkspaceBytes())));
@@ -312,7 +312,7 @@ TEST_P(CapturedStepTest, CapturedStepReplaysForLaterSteps) {
   TokenFactory f(c);
   uint64_t seed = 7;
   std::vector<SequenceId> seqs;
-  for (int i = 0; i < 4; ++i) seqs.push_back(c.CreateSequence());
+  for (int i = 0; i < 4; ++i) seqs.push_back(c.CreateSequence().value());
   auto prepare = [&](const std::vector<StepEntry>& e) {
     ASSERT_TRUE(c.PrepareStep(e, st).ok());
     std::vector<Token> toks;

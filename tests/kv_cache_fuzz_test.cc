@@ -137,7 +137,7 @@ class Fuzzer {
 
   void Create() {
     if (seqs_.size() >= 14) return;
-    seqs_.push_back(ModelSeq{cache_->CreateSequence(), {}, {}});
+    seqs_.push_back(ModelSeq{cache_->CreateSequence().value(), {}, {}});
   }
 
   void Fork() {

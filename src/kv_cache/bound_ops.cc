@@ -9,7 +9,12 @@ using internal::CeilDiv;
 using internal::KVCacheState;
 
 namespace {
-absl::Status NotBound(const char* what) {
+// A default-constructed op, or one whose cache was destroyed.
+absl::Status NotBound(const char* what, bool bound) {
+  if (bound) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        what, ": expected an op of a live KVCache, got one whose cache was destroyed"));
+  }
   return absl::FailedPreconditionError(absl::StrCat(
       what, ": expected an op from a KVCache accessor, got a default-constructed one"));
 }
@@ -22,7 +27,7 @@ absl::StatusOr<CacheAppender> KVCache::appender(DType input_dtype) const {
       Appender::Create({s.geometry, input_dtype, AppendIndexing::kSlot, s.options.recipe,
                         s.options.device, s.options.count_scale_events});
   if (!op.ok()) return op.status();
-  return CacheAppender(&s, *std::move(op));
+  return CacheAppender(state_, *std::move(op));
 }
 
 absl::StatusOr<CacheMaterializer> KVCache::materializer() const {
@@ -37,7 +42,7 @@ absl::StatusOr<CacheMaterializer> KVCache::materializer() const {
   }
   absl::StatusOr<Materializer> op = Materializer::Create({g, DType::kI32, false, s.options.device});
   if (!op.ok()) return op.status();
-  return CacheMaterializer(&s, *std::move(op));
+  return CacheMaterializer(state_, *std::move(op));
 }
 
 absl::StatusOr<CacheDequantizer> KVCache::dequantizer(DType output_dtype) const {
@@ -46,7 +51,7 @@ absl::StatusOr<CacheDequantizer> KVCache::dequantizer(DType output_dtype) const 
   absl::StatusOr<Dequantizer> op =
       Dequantizer::Create({s.geometry, output_dtype, DType::kI32, s.options.device});
   if (!op.ok()) return op.status();
-  return CacheDequantizer(&s, *std::move(op));
+  return CacheDequantizer(state_, *std::move(op));
 }
 
 absl::StatusOr<CacheAttention> KVCache::attention(const CacheAttentionOptions& co) const {
@@ -68,7 +73,7 @@ absl::StatusOr<CacheAttention> KVCache::attention(const CacheAttentionOptions& c
   o.device = s.options.device;
   absl::StatusOr<DecodeAttention> op = DecodeAttention::Create(o);
   if (!op.ok()) return op.status();
-  return CacheAttention(&s, *std::move(op));
+  return CacheAttention(state_, *std::move(op));
 }
 
 int64_t KVCache::Fp8WorkspacePagesAtCapacity() const {
@@ -85,8 +90,9 @@ std::vector<int64_t> KVCache::Fp8WorkspaceShape(int64_t pages) const {
 
 absl::Status CacheAppender::Run(int layer, const TensorView& key, const TensorView& value,
                                 Stream stream) const {
-  if (state_ == nullptr) return NotBound("CacheAppender");
-  const KVCacheState& s = *state_;
+  const std::shared_ptr<const KVCacheState> live = state_.lock();
+  if (live == nullptr) return NotBound("CacheAppender", bound_);
+  const KVCacheState& s = *live;
   FP4KV_RETURN_IF_ERROR(s.CheckLayer(layer));
   int64_t rows = s.options.max_tokens_per_step;
   if (key.ndim >= 1) {
@@ -153,8 +159,9 @@ absl::Status CacheAppender::Run(int layer, const TensorView& key, const TensorVi
 }
 
 absl::Status CacheMaterializer::Run(int layer, const TensorView& out, Stream stream) const {
-  if (state_ == nullptr) return NotBound("CacheMaterializer");
-  const KVCacheState& s = *state_;
+  const std::shared_ptr<const KVCacheState> live = state_.lock();
+  if (live == nullptr) return NotBound("CacheMaterializer", bound_);
+  const KVCacheState& s = *live;
   FP4KV_RETURN_IF_ERROR(s.CheckLayer(layer));
   if (out.ndim >= 1 && out.shape[0] < s.step.info.fp8_workspace_pages) {
     return absl::InvalidArgumentError(
@@ -176,8 +183,9 @@ absl::Status CacheMaterializer::Run(int layer, const TensorView& out, Stream str
 
 absl::Status CacheDequantizer::Run(int layer, const TensorView& k_out, const TensorView& v_out,
                                    Stream stream) const {
-  if (state_ == nullptr) return NotBound("CacheDequantizer");
-  const KVCacheState& s = *state_;
+  const std::shared_ptr<const KVCacheState> live = state_.lock();
+  if (live == nullptr) return NotBound("CacheDequantizer", bound_);
+  const KVCacheState& s = *live;
   FP4KV_RETURN_IF_ERROR(s.CheckLayer(layer));
   const int S = s.options.max_seqs_per_step;
   int64_t batch = S;
@@ -209,8 +217,9 @@ absl::Status CacheDequantizer::Run(int layer, const TensorView& k_out, const Ten
 absl::Status CacheAttention::Run(int layer, const TensorView& q, const TensorView& out,
                                  void* workspace, int64_t workspace_bytes, Stream stream,
                                  const TensorView& lse, const TensorView& sinks) const {
-  if (state_ == nullptr) return NotBound("CacheAttention");
-  const KVCacheState& s = *state_;
+  const std::shared_ptr<const KVCacheState> live = state_.lock();
+  if (live == nullptr) return NotBound("CacheAttention", bound_);
+  const KVCacheState& s = *live;
   FP4KV_RETURN_IF_ERROR(s.CheckLayer(layer));
   const int S = s.options.max_seqs_per_step;
   const int max_q_len = op_.options().max_q_len;

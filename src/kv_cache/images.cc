@@ -366,10 +366,10 @@ absl::StatusOr<SequenceId> KVCache::CommitImport(ImportReservation reservation, 
                                                    " (the reserved image's size), got ",
                                                    image_bytes));
   }
-  if (options.on_scale_mismatch != ScaleMismatch::kRefuse &&
-      options.on_scale_mismatch != ScaleMismatch::kRequantize) {
+  if (options.on_scale_mismatch != StoredTokens::kRefuse &&
+      options.on_scale_mismatch != StoredTokens::kReencode) {
     return absl::InvalidArgumentError(
-        absl::StrCat("options.on_scale_mismatch: expected kRefuse (0) or kRequantize (1), got ",
+        absl::StrCat("options.on_scale_mismatch: expected kRefuse (0) or kReencode (1), got ",
                      static_cast<int>(options.on_scale_mismatch)));
   }
   internal::ScopedDevice scoped;
@@ -410,7 +410,7 @@ absl::StatusOr<SequenceId> KVCache::CommitImport(ImportReservation reservation, 
                       s.ScaleFingerprint(&fingerprint) && fingerprint == h.scale_fingerprint;
   bool requantize = false;
   if (any_kept && !proven) {
-    if (options.on_scale_mismatch == ScaleMismatch::kRequantize) {
+    if (options.on_scale_mismatch == StoredTokens::kReencode) {
       requantize = true;
     } else {
       // Read both tables: a host sync.
@@ -437,7 +437,7 @@ absl::StatusOr<SequenceId> KVCache::CommitImport(ImportReservation reservation, 
             return absl::FailedPreconditionError(absl::StrCat(
                 "CommitImport: layer ", l, kv == 0 ? " K" : " V", ": the image's global scale ", a,
                 " differs from this cache's ", b,
-                " (pass ImportOptions{ScaleMismatch::kRequantize} to requantize the pages); the "
+                " (pass ImportOptions{StoredTokens::kReencode} to requantize the pages); the "
                 "reservation is cancelled, nothing else changed"));
           }
         }
@@ -484,7 +484,7 @@ absl::StatusOr<SequenceId> KVCache::CommitImport(ImportReservation reservation, 
   s.images.reservations.erase(it);
   s.images.reserved_pages -= n;
   reservation.id_ = 0;
-  const SequenceId id = CreateSequence();
+  const SequenceId id = s.NewSequence();
   KVCacheState::Sequence& q = *s.Find(id);
   q.pages = std::move(pages);
   q.length = h.length;

@@ -8,9 +8,9 @@ namespace fp4kv {
 using internal::CeilDiv;
 using internal::KVCacheState;
 
-absl::StatusOr<SequenceId> KVCache::ImportSequence(absl::Span<const HalfPagedCache> layers,
-                                                   absl::Span<const int32_t> src_pages,
-                                                   int64_t length, Stream stream) {
+absl::StatusOr<SequenceId> KVCache::ImportHalfPages(absl::Span<const HalfPagedCache> layers,
+                                                    absl::Span<const int32_t> src_pages,
+                                                    int64_t length, Stream stream) {
   FP4KV_KV_RETURN_IF_MOVED_FROM();
   KVCacheState& s = *state_;
   s.PollSwaps();
@@ -94,7 +94,7 @@ absl::StatusOr<SequenceId> KVCache::ImportSequence(absl::Span<const HalfPagedCac
   }
   if (n > s.allocator.available_count()) {
     return absl::ResourceExhaustedError(absl::StrCat(
-        "ImportSequence: needs ", n, " free pages, the pool has ", s.allocator.available_count()));
+        "ImportHalfPages: needs ", n, " free pages, the pool has ", s.allocator.available_count()));
   }
   internal::ScopedDevice scoped;
   int32_t* d_lists = lists.data();
@@ -108,7 +108,7 @@ absl::StatusOr<SequenceId> KVCache::ImportSequence(absl::Span<const HalfPagedCac
     }
   }
   // Commit: the sequence and its pages.
-  const SequenceId id = CreateSequence();
+  const SequenceId id = s.NewSequence();
   KVCacheState::Sequence& q = *s.Find(id);
   // The rows' token ids are unknown: the sequence is never prefix-tracked, so
   // its pages are not indexed (nor are those of later steps).
@@ -143,7 +143,7 @@ absl::StatusOr<SequenceId> KVCache::ImportSequence(absl::Span<const HalfPagedCac
   }
   if (!status.ok()) {
     (void)ReleaseSequence(id);
-    return absl::InternalError(absl::StrCat("ImportSequence: ", status.message()));
+    return absl::InternalError(absl::StrCat("ImportHalfPages: ", status.message()));
   }
   return id;
 }

@@ -109,7 +109,7 @@ absl::StatusOr<PrefixSequence> KVCache::CreateSequenceFromPrefix(absl::Span<cons
   s.FlushIndex();
   s.PollSwaps();
   s.MatchPages(prompt, extra_key, &s.prefix.match_hashes, &s.prefix.match_pages);
-  const SequenceId id = CreateSequence();
+  const SequenceId id = s.NewSequence();
   KVCacheState::Sequence& q = *s.Find(id);
   const int64_t tokens = static_cast<int64_t>(s.prefix.match_pages.size()) * s.geometry.page_size;
   for (int32_t page : s.prefix.match_pages) s.allocator.Retain(page);  // revives cached ones

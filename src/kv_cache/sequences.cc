@@ -83,10 +83,10 @@ void KVCacheState::ReleasePages(Sequence& q) {
 
 }  // namespace internal
 
-// --------------------------------------------------------------- sequences
-SequenceId KVCache::CreateSequence() {
-  if (state_ == nullptr) return 0;
-  KVCacheState& s = *state_;
+namespace internal {
+
+SequenceId KVCacheState::NewSequence() {
+  KVCacheState& s = *this;
   uint32_t slot;
   if (!s.sequences.free_slots.empty()) {
     slot = s.sequences.free_slots.back();
@@ -107,12 +107,20 @@ SequenceId KVCache::CreateSequence() {
   return q.id;
 }
 
+}  // namespace internal
+
+// --------------------------------------------------------------- sequences
+absl::StatusOr<SequenceId> KVCache::CreateSequence() {
+  FP4KV_KV_RETURN_IF_MOVED_FROM();
+  return state_->NewSequence();
+}
+
 absl::StatusOr<SequenceId> KVCache::ForkSequence(SequenceId parent) {
   FP4KV_KV_RETURN_IF_MOVED_FROM();
   KVCacheState& s = *state_;
   s.FlushIndex();
   FP4KV_RETURN_IF_ERROR(s.FindResident(parent, "ForkSequence", "parent").status());
-  const SequenceId child = CreateSequence();  // may move s.seqs: look the parent up again
+  const SequenceId child = s.NewSequence();  // may move s.seqs: look the parent up again
   const KVCacheState::Sequence& p = *s.Find(parent);
   KVCacheState::Sequence& c = *s.Find(child);
   c.length = p.length;

@@ -267,6 +267,9 @@ class KVCacheState {
                                const std::vector<int32_t>& host_ids, bool to_host, Stream stream,
                                int* event);
 
+  // A new empty sequence (KVCache::CreateSequence).
+  SequenceId NewSequence();
+
   // Drops the sequence's device page references.
   void ReleasePages(Sequence& q);
 
