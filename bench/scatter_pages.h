@@ -23,11 +23,7 @@ namespace fp4kv {
 namespace bench {
 
 // The one place these benchmarks create a sequence.
-inline absl::StatusOr<SequenceId> NewSequence(KVCache& cache) {
-  const SequenceId id = cache.CreateSequence();
-  if (id == 0) return absl::FailedPreconditionError("CreateSequence failed");
-  return id;
-}
+inline absl::StatusOr<SequenceId> NewSequence(KVCache& cache) { return cache.CreateSequence(); }
 
 inline absl::Status ScatterFreePages(KVCache& cache, uint64_t seed, Stream stream = nullptr) {
   const KVCacheOptions& o = cache.options();

@@ -152,7 +152,7 @@ bool RoundTrip(fp4kv::KeyFormat key_format, const fp4kv::Recipe& recipe, float h
     std::fprintf(stderr, "KVCache::Create: %s\n", cache.status().ToString().c_str());
     return false;
   }
-  const fp4kv::SequenceId seq = cache->CreateSequence();
+  const fp4kv::SequenceId seq = cache->CreateSequence().value();
   const fp4kv::StepEntry entry{seq, kTokens};
   absl::StatusOr<fp4kv::StepInfo> info = cache->PrepareStep({&entry, 1});
   absl::StatusOr<fp4kv::CacheAppender> app = cache->appender(DType::kBF16);

@@ -554,7 +554,7 @@ int main(int argc, char** argv) {
         r.stored = static_cast<int>(ps->cached_tokens);
         prefill_saved += ps->cached_tokens;
       } else {
-        r.seq = cache.CreateSequence();
+        r.seq = cache.CreateSequence().value();
       }
       r.state = Request::kPrefill;
       active.push_back(r.id);

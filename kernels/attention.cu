@@ -11,6 +11,7 @@
 #include "kernels/attention.cuh"
 #include "src/attention_params.h"
 #include "src/cuda_util.h"
+#include "src/status_macros.h"
 
 namespace fp4kv {
 namespace internal {

@@ -15,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "fp4kv/recipe.h"
 #include "src/cuda_util.h"
+#include "src/status_macros.h"
 #include "src/validate.h"
 
 namespace fp4kv {
@@ -184,13 +185,6 @@ absl::Status CheckCalibrateDType(DType t, const char* name) {
   return absl::OkStatus();
 }
 
-#define FP4KV_CALIBRATE_RETURN_IF_ERROR(expr) \
-  do {                                        \
-    if (absl::Status s_ = (expr); !s_.ok()) { \
-      return s_;                              \
-    }                                         \
-  } while (0)
-
 // Sets the calling thread's current device back to `device` on scope exit.
 class DeviceRestorer {
  public:
@@ -208,9 +202,9 @@ absl::StatusOr<Calibrator> Calibrator::Create(const Options& o) {
     return absl::InvalidArgumentError(
         absl::StrCat("options.max_elements: expected >= 0, got ", o.max_elements));
   }
-  FP4KV_CALIBRATE_RETURN_IF_ERROR(CheckCalibrateDType(o.dtype, "options.dtype"));
-  FP4KV_CALIBRATE_RETURN_IF_ERROR(ValidateRecipe(o.recipe));
-  FP4KV_CALIBRATE_RETURN_IF_ERROR(internal::CheckDeviceAvailable(o.device));
+  FP4KV_RETURN_IF_ERROR(CheckCalibrateDType(o.dtype, "options.dtype"));
+  FP4KV_RETURN_IF_ERROR(ValidateRecipe(o.recipe));
+  FP4KV_RETURN_IF_ERROR(internal::CheckDeviceAvailable(o.device));
   Calibrator c(o);
   if (!o.device.is_cuda()) return c;
 
@@ -222,13 +216,13 @@ absl::StatusOr<Calibrator> Calibrator::Create(const Options& o) {
   if (o.max_elements > 0) {
     switch (o.dtype) {
       case DType::kF16:
-        FP4KV_CALIBRATE_RETURN_IF_ERROR(QueryTempBytes<DType::kF16>(o.max_elements, &temp));
+        FP4KV_RETURN_IF_ERROR(QueryTempBytes<DType::kF16>(o.max_elements, &temp));
         break;
       case DType::kBF16:
-        FP4KV_CALIBRATE_RETURN_IF_ERROR(QueryTempBytes<DType::kBF16>(o.max_elements, &temp));
+        FP4KV_RETURN_IF_ERROR(QueryTempBytes<DType::kBF16>(o.max_elements, &temp));
         break;
       default:
-        FP4KV_CALIBRATE_RETURN_IF_ERROR(QueryTempBytes<DType::kF32>(o.max_elements, &temp));
+        FP4KV_RETURN_IF_ERROR(QueryTempBytes<DType::kF32>(o.max_elements, &temp));
         break;
     }
   }
@@ -279,17 +273,17 @@ absl::Status Calibrator::RunFp8Key(const TensorView& input, float* amax, float* 
 absl::Status Calibrator::RunImpl(const TensorView& input, float* amax, float* global_scale,
                                  Stream stream, float* fp8_scale, bool fp8_key) {
   const Options& o = options_;
-  FP4KV_CALIBRATE_RETURN_IF_ERROR(internal::CheckExtents(input, "input"));
+  FP4KV_RETURN_IF_ERROR(internal::CheckExtents(input, "input"));
   const int64_t n = input.numel();
   if (n > o.max_elements) {
     return absl::InvalidArgumentError(
         absl::StrCat("input: expected at most options.max_elements = ", o.max_elements,
                      " elements, got ", n, " (shape ", input.ShapeString(), ")"));
   }
-  if (n > 0) FP4KV_CALIBRATE_RETURN_IF_ERROR(internal::CheckGiven(input, "input"));
-  FP4KV_CALIBRATE_RETURN_IF_ERROR(internal::CheckDType(input, "input", {o.dtype}));
-  FP4KV_CALIBRATE_RETURN_IF_ERROR(internal::CheckDevice(input, "input", o.device));
-  FP4KV_CALIBRATE_RETURN_IF_ERROR(internal::CheckAligned(input, "input", DTypeSize(o.dtype)));
+  if (n > 0) FP4KV_RETURN_IF_ERROR(internal::CheckGiven(input, "input"));
+  FP4KV_RETURN_IF_ERROR(internal::CheckDType(input, "input", {o.dtype}));
+  FP4KV_RETURN_IF_ERROR(internal::CheckDevice(input, "input", o.device));
+  FP4KV_RETURN_IF_ERROR(internal::CheckAligned(input, "input", DTypeSize(o.dtype)));
   if (global_scale == nullptr) {
     return absl::InvalidArgumentError("global_scale: expected a pointer to one float, got null");
   }
@@ -329,15 +323,15 @@ absl::Status Calibrator::RunImpl(const TensorView& input, float* amax, float* gl
   if (n > 0) {
     switch (o.dtype) {
       case DType::kF16:
-        FP4KV_CALIBRATE_RETURN_IF_ERROR(
+        FP4KV_RETURN_IF_ERROR(
             ReduceOnDevice<DType::kF16>(input.data, c, n, d_temp, temp_bytes_, d_amax, stream));
         break;
       case DType::kBF16:
-        FP4KV_CALIBRATE_RETURN_IF_ERROR(
+        FP4KV_RETURN_IF_ERROR(
             ReduceOnDevice<DType::kBF16>(input.data, c, n, d_temp, temp_bytes_, d_amax, stream));
         break;
       default:
-        FP4KV_CALIBRATE_RETURN_IF_ERROR(
+        FP4KV_RETURN_IF_ERROR(
             ReduceOnDevice<DType::kF32>(input.data, c, n, d_temp, temp_bytes_, d_amax, stream));
         break;
     }

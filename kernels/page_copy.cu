@@ -8,6 +8,7 @@
 #include "fp4kv/recipe.h"
 #include "src/cuda_util.h"
 #include "src/params.h"
+#include "src/status_macros.h"
 
 namespace fp4kv {
 namespace internal {

@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "src/attention_params.h"
 #include "src/cuda_util.h"
+#include "src/status_macros.h"
 #include "src/validate.h"
 
 namespace fp4kv {

@@ -19,11 +19,4 @@ absl::Status CheckDeviceAvailable(const Device& device);
 }  // namespace internal
 }  // namespace fp4kv
 
-#define FP4KV_CUDA_RETURN_IF_ERROR(call)                                        \
-  do {                                                                          \
-    if (absl::Status fp4kv_s_ = ::fp4kv::internal::CudaStatus((call), #call);   \
-        !fp4kv_s_.ok())                                                         \
-      return fp4kv_s_;                                                          \
-  } while (0)
-
 #endif  // FP4KV_SRC_CUDA_UTIL_H_

@@ -10,6 +10,7 @@
 #include "fp4kv/recipe.h"
 #include "src/cuda_util.h"
 #include "src/params.h"
+#include "src/status_macros.h"
 #include "src/validate.h"
 
 namespace fp4kv {

@@ -12,18 +12,10 @@
 #include "fp4kv/ops.h"
 #include "fp4kv/tensor.h"
 #include "src/params.h"
+#include "src/status_macros.h"
 
 namespace fp4kv {
 namespace internal {
-
-// Returns the status of `expr` from the enclosing function when it is not OK
-// (the op sources' validation chains).
-#define FP4KV_RETURN_IF_ERROR(expr)           \
-  do {                                        \
-    if (absl::Status s_ = (expr); !s_.ok()) { \
-      return s_;                              \
-    }                                         \
-  } while (0)
 
 // Wildcard for CheckShape.
 inline constexpr int64_t kAny = -1;

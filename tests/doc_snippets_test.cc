@@ -31,9 +31,10 @@ absl::Status ReadmeKvCache(const fp4kv::KVCacheOptions& options, int32_t num_new
   // optional per-layer K/V global scales, step capacities
   absl::StatusOr<fp4kv::KVCache> cache = fp4kv::KVCache::Create(options);
   if (!cache.ok()) return cache.status();
-  fp4kv::SequenceId seq = cache->CreateSequence();
+  absl::StatusOr<fp4kv::SequenceId> seq = cache->CreateSequence();
+  if (!seq.ok()) return seq.status();
   absl::StatusOr<fp4kv::StepInfo> step =
-      cache->PrepareStep({{seq, num_new_tokens}}, stream);  // pages, tables, one upload
+      cache->PrepareStep({{*seq, num_new_tokens}}, stream);  // pages, tables, one upload
   if (!step.ok()) return step.status();
   absl::StatusOr<fp4kv::CacheAppender> append = cache->appender(fp4kv::DType::kBF16);
   absl::StatusOr<fp4kv::CacheAttention> attend = cache->attention({/*num_qo_heads=*/32});
@@ -296,8 +297,8 @@ TEST(DocSnippets, KvCacheStepRunsOnTheCpu) {
   absl::StatusOr<fp4kv::CacheAppender> appender = cache->appender(fp4kv::DType::kBF16);
   absl::StatusOr<fp4kv::CacheAttention> attention = cache->attention({kQoHeads});
   ASSERT_TRUE(appender.ok() && attention.ok());
-  const fp4kv::SequenceId a = cache->CreateSequence(), b = cache->CreateSequence(),
-                          c = cache->CreateSequence();
+  const fp4kv::SequenceId a = cache->CreateSequence().value(), b = cache->CreateSequence().value(),
+                          c = cache->CreateSequence().value();
   std::vector<std::vector<uint16_t>> kb, vb, qb, ob;
   std::vector<fp4kv::TensorView> k, v, q, o;
   for (int l = 0; l < 2; ++l) {
@@ -359,7 +360,7 @@ TEST(DocSnippets, KvCacheExportImportRunsOnTheCpu) {
   absl::StatusOr<fp4kv::KVCache> src = fp4kv::KVCache::Create(SmallCpuOptions());
   absl::StatusOr<fp4kv::KVCache> dst = fp4kv::KVCache::Create(SmallCpuOptions());
   ASSERT_TRUE(src.ok() && dst.ok());
-  const fp4kv::SequenceId seq = src->CreateSequence();
+  const fp4kv::SequenceId seq = src->CreateSequence().value();
   ASSERT_TRUE(src->PrepareStep({{seq, 7}}).ok());
   absl::StatusOr<fp4kv::SequenceId> copy =
       fp4kv_doc_snippets::KvCacheExportImport(*src, seq, *dst, nullptr);

@@ -74,12 +74,11 @@ std::vector<uint16_t> Queries(int64_t rows, uint64_t seed, int qo_heads = kQoHea
   return q;
 }
 
-// Every sequence of this file is made here (one place to adapt when
-// creation reports errors).
+// Every sequence of this file is made here.
 SequenceId NewSequence(KVCache& c) {
-  const SequenceId id = c.CreateSequence();
-  EXPECT_NE(id, SequenceId{0}) << "CreateSequence failed";
-  return id;
+  absl::StatusOr<SequenceId> id = c.CreateSequence();
+  EXPECT_TRUE(id.ok()) << id.status();
+  return id.ok() ? *id : SequenceId{0};
 }
 
 constexpr uint8_t kPoisonByte = testing::kCacheAttentionPoison;

@@ -198,9 +198,9 @@ TEST_P(ExportTest, RoundTripIsByteExactOverGeometriesLayoutsRecipes) {
         KVCache dst = testing::CreateCacheOrAbort(Options(c, device_));
         Writer w(&src, stream_);
         // A sequence allocated first so that the exported pages are not 0..n-1.
-        const SequenceId other = src.CreateSequence();
+        const SequenceId other = src.CreateSequence().value();
         ASSERT_TRUE(w.Append(other, c.page_size + 1).ok());
-        const SequenceId id = src.CreateSequence();
+        const SequenceId id = src.CreateSequence().value();
         if (len > 0) {
           ASSERT_TRUE(w.Append(id, len).ok());
         }
@@ -285,7 +285,7 @@ TEST_P(ExportTest, ForkedAndSharedPagesExportWithTheirBytes) {
   KVCache src = testing::CreateCacheOrAbort(Options(c, device_));
   KVCache dst = testing::CreateCacheOrAbort(Options(c, device_));
   Writer w(&src, stream_);
-  const SequenceId parent = src.CreateSequence();
+  const SequenceId parent = src.CreateSequence().value();
   ASSERT_TRUE(w.Append(parent, 10).ok());  // partial last page, shared by the fork
   absl::StatusOr<SequenceId> child = src.ForkSequence(parent);
   ASSERT_TRUE(child.ok());
@@ -317,7 +317,7 @@ TEST_P(ExportTest, PrefixCachedSequenceCarriesTokensAndIsIndexedInTheTarget) {
   Writer w(&src, stream_);
   std::vector<int32_t> prompt(14);
   for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = static_cast<int32_t>(100 + 7 * i);
-  const SequenceId a = src.CreateSequence();
+  const SequenceId a = src.CreateSequence().value();
   ASSERT_TRUE(w.Append(a, 14, &prompt).ok());
   Sync();
   // A second sequence shares a's cached pages.
@@ -368,7 +368,7 @@ TEST_P(ExportTest, IncompatibleCachesAreRefusedAndNothingChanges) {
   const Config c{2, 2, 64, 64, 4, Layout::kNHD, Recipe()};
   KVCache src = testing::CreateCacheOrAbort(Options(c, device_));
   Writer w(&src, stream_);
-  const SequenceId id = src.CreateSequence();
+  const SequenceId id = src.CreateSequence().value();
   ASSERT_TRUE(w.Append(id, 9).ok());
   Sync();
   const int64_t bytes = *src.ExportedBytes(id);
@@ -437,7 +437,7 @@ TEST_P(ExportTest, IncompatibleCachesAreRefusedAndNothingChanges) {
     absl::StatusOr<ImportReservation> r = dst.ReserveImport(h);
     ASSERT_TRUE(r.ok());
     ImportOptions bad_opt;
-    bad_opt.on_scale_mismatch = static_cast<ScaleMismatch>(7);
+    bad_opt.on_scale_mismatch = static_cast<StoredTokens>(7);
     EXPECT_EQ(dst.CommitImport(*std::move(r), img.get(), bytes, bad_opt).status().code(),
               absl::StatusCode::kInvalidArgument);
   }
@@ -468,7 +468,7 @@ TEST_P(ExportTest, ScalesRefuseByDefaultRequantizeOnRequestAdoptWhenPending) {
   const Config c{2, 2, 64, 64, 4, Layout::kNHD, Recipe()};
   KVCache src = testing::CreateCacheOrAbort(Options(c, device_));
   Writer w(&src, stream_);
-  const SequenceId id = src.CreateSequence();
+  const SequenceId id = src.CreateSequence().value();
   ASSERT_TRUE(w.Append(id, 11).ok());
   Sync();
   const int64_t bytes = *src.ExportedBytes(id);
@@ -493,7 +493,7 @@ TEST_P(ExportTest, ScalesRefuseByDefaultRequantizeOnRequestAdoptWhenPending) {
   {
     KVCache dst = testing::CreateCacheOrAbort(o);
     ImportOptions req;
-    req.on_scale_mismatch = ScaleMismatch::kRequantize;
+    req.on_scale_mismatch = StoredTokens::kReencode;
     absl::StatusOr<SequenceId> got = dst.ImportSequence(img.get(), bytes, req, stream_);
     ASSERT_TRUE(got.ok()) << got.status();
     Sync();
@@ -533,14 +533,14 @@ TEST_P(ExportTest, ScalesRefuseByDefaultRequantizeOnRequestAdoptWhenPending) {
   }
   // A target that calibrated its scales on the device from its own first
   // rows (not host-known, holding tokens): the default refusal reads both
-  // tables back (a host sync) and refuses; kRequantize requantizes.
+  // tables back (a host sync) and refuses; kReencode requantizes.
   {
     KVCacheOptions p = Options(c, device_);
     p.k_global_scales.clear();
     p.v_global_scales.clear();
     KVCache dst = testing::CreateCacheOrAbort(p);
     Writer w2(&dst, stream_, 9);
-    const SequenceId own = dst.CreateSequence();
+    const SequenceId own = dst.CreateSequence().value();
     ASSERT_TRUE(w2.Append(own, 2).ok());
     Sync();
     const testing::Snapshot before = TakeSnapshot(dst);
@@ -549,7 +549,7 @@ TEST_P(ExportTest, ScalesRefuseByDefaultRequantizeOnRequestAdoptWhenPending) {
     EXPECT_EQ(got.status().code(), absl::StatusCode::kFailedPrecondition) << got.status();
     EXPECT_EQ(DiffSnapshots(before, TakeSnapshot(dst)), "");
     ImportOptions req;
-    req.on_scale_mismatch = ScaleMismatch::kRequantize;
+    req.on_scale_mismatch = StoredTokens::kReencode;
     got = dst.ImportSequence(img.get(), bytes, req, stream_);
     ASSERT_TRUE(got.ok()) << got.status();
     Sync();
@@ -594,7 +594,7 @@ TEST_P(ExportTest, Fp8KeyImageIntoNvfp4KeyCacheIsRefused) {
   const Config c{2, 2, 64, 64, 4, Layout::kHND, Recipe(), KeyFormat::kFp8};
   KVCache src = testing::CreateCacheOrAbort(Options(c, device_));
   Writer w(&src, stream_);
-  const SequenceId id = src.CreateSequence();
+  const SequenceId id = src.CreateSequence().value();
   ASSERT_TRUE(w.Append(id, 9).ok());
   Sync();
   const int64_t bytes = *src.ExportedBytes(id);
@@ -607,7 +607,7 @@ TEST_P(ExportTest, Fp8KeyImageIntoNvfp4KeyCacheIsRefused) {
   nv.key_format = KeyFormat::kNvfp4;
   KVCache dst = testing::CreateCacheOrAbort(Options(nv, device_));
   const testing::Snapshot before = TakeSnapshot(dst);
-  for (ImportOptions opt : {ImportOptions{}, ImportOptions{ScaleMismatch::kRequantize}}) {
+  for (ImportOptions opt : {ImportOptions{}, ImportOptions{StoredTokens::kReencode}}) {
     absl::StatusOr<SequenceId> got = dst.ImportSequence(img.get(), bytes, opt, stream_);
     ASSERT_FALSE(got.ok());
     EXPECT_EQ(got.status().code(), absl::StatusCode::kInvalidArgument);
@@ -638,7 +638,7 @@ TEST_P(ExportTest, Fp8KeyScalesRefuseRequantizeAndAdopt) {
   const Config c{2, 2, 64, 32, 4, Layout::kNHD, Recipe(), KeyFormat::kFp8};
   KVCache src = testing::CreateCacheOrAbort(Options(c, device_));
   Writer w(&src, stream_);
-  const SequenceId id = src.CreateSequence();
+  const SequenceId id = src.CreateSequence().value();
   ASSERT_TRUE(w.Append(id, 11).ok());
   Sync();
   const int64_t bytes = *src.ExportedBytes(id);
@@ -664,7 +664,7 @@ TEST_P(ExportTest, Fp8KeyScalesRefuseRequantizeAndAdopt) {
   {
     KVCache dst = testing::CreateCacheOrAbort(o);
     ImportOptions req;
-    req.on_scale_mismatch = ScaleMismatch::kRequantize;
+    req.on_scale_mismatch = StoredTokens::kReencode;
     absl::StatusOr<SequenceId> got = dst.ImportSequence(img.get(), bytes, req, stream_);
     ASSERT_TRUE(got.ok()) << got.status();
     Sync();
@@ -718,7 +718,7 @@ TEST_P(ExportTest, Fp8KeyScalesRefuseRequantizeAndAdopt) {
     p.v_global_scales.clear();
     KVCache calibrated = testing::CreateCacheOrAbort(p);
     Writer wc(&calibrated, stream_, 3);
-    const SequenceId cid = calibrated.CreateSequence();
+    const SequenceId cid = calibrated.CreateSequence().value();
     ASSERT_TRUE(wc.Append(cid, 7).ok());
     Sync();
     const int64_t cbytes = *calibrated.ExportedBytes(cid);
@@ -744,7 +744,7 @@ TEST_P(ExportTest, Fp8KeyScalesRefuseRequantizeAndAdopt) {
     }
     // Appends after the adoption use the adopted scales (no calibration).
     Writer w2(&dst, stream_, 5);
-    const SequenceId fresh = dst.CreateSequence();
+    const SequenceId fresh = dst.CreateSequence().value();
     ASSERT_TRUE(w2.Append(fresh, 6).ok());
     ASSERT_TRUE(w2.Append(*got, 2).ok());
     Sync();
@@ -759,7 +759,7 @@ TEST_P(ExportTest, ReservationsCancelCommitOnceAndNeverLeak) {
   const Config c{2, 2, 64, 64, 4, Layout::kNHD, Recipe()};
   KVCache src = testing::CreateCacheOrAbort(Options(c, device_));
   Writer w(&src, stream_);
-  const SequenceId id = src.CreateSequence();
+  const SequenceId id = src.CreateSequence().value();
   ASSERT_TRUE(w.Append(id, 9).ok());
   Sync();
   const int64_t bytes = *src.ExportedBytes(id);
@@ -828,7 +828,7 @@ TEST_P(ExportTest, FailedExportsWriteNothingAndMovedFromCachesRefuse) {
   const Config c{2, 2, 64, 64, 4, Layout::kNHD, Recipe()};
   KVCache src = testing::CreateCacheOrAbort(Options(c, device_));
   Writer w(&src, stream_);
-  const SequenceId id = src.CreateSequence();
+  const SequenceId id = src.CreateSequence().value();
   ASSERT_TRUE(w.Append(id, 6).ok());
   Sync();
   const int64_t bytes = *src.ExportedBytes(id);

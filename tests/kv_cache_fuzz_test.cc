@@ -169,7 +169,7 @@ class Fuzzer {
 
   void Create() {
     if (seqs_.size() >= 14) return;
-    seqs_.push_back(ModelSeq{cache_->CreateSequence(), {}, {}});
+    seqs_.push_back(ModelSeq{cache_->CreateSequence().value(), {}, {}});
   }
 
   void Fork() {

@@ -88,14 +88,14 @@ TEST(KVCacheImport, EqualsAppendingTheSameRows) {
       auto appended = KVCache::Create(Options(given, Device::Cpu(), kf));
       ASSERT_TRUE(imported.ok() && appended.ok());
       // A sequence first, so the imported pages are not the first ones.
-      (void)imported->CreateSequence();
-      ASSERT_TRUE(imported->PrepareStep({{imported->CreateSequence(), 3}}).ok());
-      auto id = imported->ImportSequence(src.views, pages, length);
+      (void)imported->CreateSequence().value();
+      ASSERT_TRUE(imported->PrepareStep({{imported->CreateSequence().value(), 3}}).ok());
+      auto id = imported->ImportHalfPages(src.views, pages, length);
       ASSERT_TRUE(id.ok()) << id.status();
       EXPECT_EQ(*imported->SequenceLength(*id), length);
       EXPECT_EQ(imported->SequencePages(*id)->size(), 4u);
 
-      const SequenceId seq = appended->CreateSequence();
+      const SequenceId seq = appended->CreateSequence().value();
       ASSERT_TRUE(appended->PrepareStep({{seq, static_cast<int32_t>(length)}}).ok());
       auto app = appended->appender(DType::kBF16);
       ASSERT_TRUE(app.ok());
@@ -137,7 +137,7 @@ TEST(KVCacheImport, ImportedSequencesAreNotPrefixTracked) {
   auto c = KVCache::Create(o);
   ASSERT_TRUE(c.ok()) << c.status();
   const int64_t length = 2 * kPage + 3;
-  auto id = c->ImportSequence(src.views, {2, 3, 4}, length);
+  auto id = c->ImportHalfPages(src.views, {2, 3, 4}, length);
   ASSERT_TRUE(id.ok()) << id.status();
   ASSERT_TRUE(c->CheckInvariants().ok()) << c->CheckInvariants();
   std::vector<int32_t> ids(kPage);
@@ -164,7 +164,7 @@ TEST(KVCacheImport, ZeroRowsLeaveAPendingLayerPending) {
   auto c = KVCache::Create(Options(false));
   ASSERT_TRUE(c.ok());
   const std::vector<HalfPagedCache> layers(kLayers, z);
-  ASSERT_TRUE(c->ImportSequence(layers, {1, 0}, 20).ok());
+  ASSERT_TRUE(c->ImportHalfPages(layers, {1, 0}, 20).ok());
   EXPECT_FALSE(c->ReadScales(0)->k_calibrated);
   EXPECT_FALSE(c->ReadScales(1)->v_calibrated);
 }
@@ -182,12 +182,12 @@ TEST(KVCacheImport, RefusedImportChangesNothing) {
     absl::StatusCode code;
     const char* names;
   } cases[] = {
-      {c->ImportSequence(one, {0}, 4), absl::StatusCode::kInvalidArgument, "layers"},
-      {c->ImportSequence(src.views, {0}, 40), absl::StatusCode::kInvalidArgument, "src_pages"},
-      {c->ImportSequence(src.views, {0, 9}, 20), absl::StatusCode::kInvalidArgument, "src_pages"},
-      {c->ImportSequence(src.views, {0}, -1), absl::StatusCode::kInvalidArgument, "length"},
-      {c->ImportSequence(bad_dtype, {0}, 4), absl::StatusCode::kInvalidArgument, "layers[1]"},
-      {c->ImportSequence(src.views, std::vector<int32_t>(9, 0), 9 * kPage),
+      {c->ImportHalfPages(one, {0}, 4), absl::StatusCode::kInvalidArgument, "layers"},
+      {c->ImportHalfPages(src.views, {0}, 40), absl::StatusCode::kInvalidArgument, "src_pages"},
+      {c->ImportHalfPages(src.views, {0, 9}, 20), absl::StatusCode::kInvalidArgument, "src_pages"},
+      {c->ImportHalfPages(src.views, {0}, -1), absl::StatusCode::kInvalidArgument, "length"},
+      {c->ImportHalfPages(bad_dtype, {0}, 4), absl::StatusCode::kInvalidArgument, "layers[1]"},
+      {c->ImportHalfPages(src.views, std::vector<int32_t>(9, 0), 9 * kPage),
        absl::StatusCode::kInvalidArgument, "length"},
   };
   for (const Case& k : cases) {
@@ -197,10 +197,10 @@ TEST(KVCacheImport, RefusedImportChangesNothing) {
   }
   // Not enough pages: 4 sequences of 8 pages fill the pool, a fifth is refused.
   for (int i = 0; i < 4; ++i) {
-    ASSERT_TRUE(c->ImportSequence(src.views, {0, 1, 2, 3, 4, 5, 0, 1}, 8 * kPage).ok());
+    ASSERT_TRUE(c->ImportHalfPages(src.views, {0, 1, 2, 3, 4, 5, 0, 1}, 8 * kPage).ok());
   }
   const KVCacheStats full = c->Stats();
-  auto more = c->ImportSequence(src.views, {0}, 1);
+  auto more = c->ImportHalfPages(src.views, {0}, 1);
   EXPECT_EQ(more.status().code(), absl::StatusCode::kResourceExhausted);
   EXPECT_EQ(c->Stats().pages_free, full.pages_free);
   EXPECT_EQ(c->Stats().num_sequences, full.num_sequences);
@@ -232,10 +232,10 @@ TEST(KVCacheImportGpu, EqualsAppendingTheSameRows) {
       auto imported = KVCache::Create(Options(given, dev, kf));
       auto appended = KVCache::Create(Options(given, dev, kf));
       ASSERT_TRUE(imported.ok() && appended.ok());
-      (void)imported->CreateSequence();
-      auto id = imported->ImportSequence(views, pages, length);
+      (void)imported->CreateSequence().value();
+      auto id = imported->ImportHalfPages(views, pages, length);
       ASSERT_TRUE(id.ok()) << id.status();
-      const SequenceId seq = appended->CreateSequence();
+      const SequenceId seq = appended->CreateSequence().value();
       ASSERT_TRUE(appended->PrepareStep({{seq, static_cast<int32_t>(length)}}).ok());
       auto app = appended->appender(DType::kBF16);
       ASSERT_TRUE(app.ok());

@@ -187,7 +187,7 @@ class PrefixFuzzer {
   void CreatePlain() {
     if (seqs_.size() >= 10) return;
     ModelSeq s;
-    s.id = c_->CreateSequence();
+    s.id = c_->CreateSequence().value();
     seqs_.push_back(s);
   }
 
@@ -259,7 +259,7 @@ class PrefixFuzzer {
   void ForcedEviction() {
     if (seqs_.size() >= 10) return;
     ModelSeq s;
-    s.id = c_->CreateSequence();
+    s.id = c_->CreateSequence().value();
     const int64_t n = std::min<int64_t>(
         {MaxLen(), c_->options().max_tokens_per_step, c_->Stats().pages_free * ps() + 2 * ps()});
     for (int64_t i = 0; i < n; ++i) s.pending.push_back(Uniform(0, 7));

@@ -63,7 +63,7 @@ TEST(KVCachePrefix, OffByDefaultAndTokenIdsAreIgnored) {
   KVCache c = MakeCache(16, /*prefix=*/false);
   EXPECT_EQ(c.CreateSequenceFromPrefix(Iota(9)).status().code(),
             absl::StatusCode::kFailedPrecondition);
-  const SequenceId s = c.CreateSequence();
+  const SequenceId s = c.CreateSequence().value();
   const std::vector<int32_t> ids = Iota(9);
   ASSERT_TRUE(c.PrepareStep({{s, 9, ids}}).ok());
   ASSERT_TRUE(c.ReleaseSequence(s).ok());
@@ -153,7 +153,7 @@ TEST(KVCachePrefix, EvictsLeastRecentlyReleasedFirstAndEmitsEvents) {
   ASSERT_TRUE(c.ReleaseSequence(b).ok());
   EXPECT_EQ(c.Stats().pages_cached, 4);
   // 5 pages: 2 free, then 3 evicted: a's last page, a's first, then b's last.
-  const SequenceId d = c.CreateSequence();
+  const SequenceId d = c.CreateSequence().value();
   const std::vector<int32_t> ids = Iota(20, 5000);
   absl::StatusOr<StepInfo> info = c.PrepareStep({{d, 20, ids}});
   ASSERT_TRUE(info.ok()) << info.status();
@@ -174,7 +174,7 @@ TEST(KVCachePrefix, EvictsLeastRecentlyReleasedFirstAndEmitsEvents) {
 TEST(KVCachePrefix, AStepBeyondFreeAndEvictablePagesChangesNothing) {
   KVCache c = MakeCache(/*pages=*/6);
   ASSERT_TRUE(c.ReleaseSequence(Prefill(c, Iota(9))).ok());  // 2 cached, 4 free
-  const SequenceId d = c.CreateSequence();
+  const SequenceId d = c.CreateSequence().value();
   const std::vector<int32_t> ids = Iota(28, 7);
   absl::StatusOr<StepPlan> plan = c.PlanStep({{d, 28, ids}});
   ASSERT_TRUE(plan.ok());
@@ -252,7 +252,7 @@ TEST(KVCachePrefix, TruncatedIndexedPageLeavesTheIndexBeforeItIsOverwritten) {
 
 TEST(KVCachePrefix, StepsWithoutTokenIdsStopTracking) {
   KVCache c = MakeCache();
-  const SequenceId s = c.CreateSequence();
+  const SequenceId s = c.CreateSequence().value();
   const std::vector<int32_t> ids = Iota(4);
   ASSERT_TRUE(c.PrepareStep({{s, 4, ids}}).ok());
   ASSERT_TRUE(c.PrepareStep({{s, 4}}).ok());  // no ids
@@ -308,7 +308,7 @@ TEST(KVCachePrefix, PagesAreCachedOnlyOnceEveryLayerIsCalibrated) {
   absl::StatusOr<CacheAppender> app = c.appender();
   ASSERT_TRUE(app.ok());
   testing::StepInputs in;
-  const SequenceId s = c.CreateSequence();
+  const SequenceId s = c.CreateSequence().value();
   const std::vector<int32_t> ids = Iota(8);
   std::vector<testing::Token> toks;
   for (int i = 0; i < 8; ++i) toks.push_back(f.Make(i + 1));

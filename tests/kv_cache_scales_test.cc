@@ -71,7 +71,7 @@ float Amax(const std::vector<uint16_t>& rows) {
 // per layer (the same rows go to every layer unless given per layer).
 class Sequence {
  public:
-  explicit Sequence(KVCache* cache) : cache_(cache), id_(cache->CreateSequence()) {
+  explicit Sequence(KVCache* cache) : cache_(cache), id_(cache->CreateSequence().value()) {
     absl::StatusOr<CacheAppender> a = cache->appender(DType::kBF16);
     EXPECT_TRUE(a.ok()) << a.status();
     if (a.ok()) appender_.emplace(*a);
@@ -581,7 +581,7 @@ TEST(KVCacheScalesRealKv, Fp8KeysBeatNvfp4KeysInAttention) {
     o.max_seqs_per_step = 1;
     o.max_tokens_per_step = T;
     KVCache c = MustCreate(o);
-    const SequenceId seq = c.CreateSequence();
+    const SequenceId seq = c.CreateSequence().value();
     ASSERT_TRUE(c.PrepareStep({{seq, T}}).ok());
     absl::StatusOr<CacheAppender> app = c.appender(DType::kBF16);
     ASSERT_TRUE(app.ok());
@@ -680,7 +680,7 @@ TEST(KVCacheScalesGpu, CaptureWhilePendingCalibratesOnFirstReplayOnly) {
   KVCache c = MustCreate(DefaultOptions(Device::Cuda(0)));
   absl::StatusOr<CacheAppender> app = c.appender(DType::kBF16);
   ASSERT_TRUE(app.ok());
-  const SequenceId id = c.CreateSequence();
+  const SequenceId id = c.CreateSequence().value();
   const int64_t R = c.options().max_tokens_per_step;
   Buffer kb(c.device(), R * kHeads * kDim * 2), vb(c.device(), R * kHeads * kDim * 2);
   const TensorView kt = kb.View(DType::kBF16, {R, kHeads, kDim});

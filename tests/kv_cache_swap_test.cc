@@ -65,7 +65,7 @@ class Model {
     if (a.ok()) appender_.emplace(*a);
   }
   SequenceId Create() {
-    const SequenceId id = cache_->CreateSequence();
+    const SequenceId id = cache_->CreateSequence().value();
     tokens_[id];
     return id;
   }
@@ -298,7 +298,7 @@ TEST_P(SwapTest, SwappedSequencesAreRefusedAndFailuresChangeNothing) {
   EXPECT_EQ(st0.host_pages_used, 3);
   // Without a host tier.
   KVCache plain = testing::CreateCacheOrAbort(SwapOptions(device_, 8, 0));
-  const SequenceId p = plain.CreateSequence();
+  const SequenceId p = plain.CreateSequence().value();
   EXPECT_EQ(plain.SwapOut(p, stream_).code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(plain.Stats().host_pages_total, 0);
 }
@@ -313,7 +313,7 @@ TEST_P(SwapTest, PrefixCachedPagesStayIndexedWhileTheirSequenceIsOut) {
   Model m(&cache, stream_, 9);
   std::vector<int32_t> prompt(13);
   for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = static_cast<int32_t>(3 * i + 1);
-  const SequenceId a = cache.CreateSequence();
+  const SequenceId a = cache.CreateSequence().value();
   m.tokens()[a];
   {
     StepEntry e{a, 13};

@@ -67,7 +67,7 @@ class Driver {
     if (a.ok()) appender_.emplace(*a);
   }
   SequenceId Create() {
-    const SequenceId id = cache_->CreateSequence();
+    const SequenceId id = cache_->CreateSequence().value();
     tokens_[id];
     return id;
   }
@@ -983,7 +983,7 @@ TEST(KVCacheOps, BoundOpsSurviveMovingTheCache) {
   absl::StatusOr<CacheAppender> app = c.appender();
   ASSERT_TRUE(app.ok());
   KVCache moved = std::move(c);
-  const SequenceId s = moved.CreateSequence();
+  const SequenceId s = moved.CreateSequence().value();
   ASSERT_TRUE(moved.PrepareStep({{s, 2}}).ok());
   TokenFactory f(moved);
   StepInputs in;
@@ -994,6 +994,37 @@ TEST(KVCacheOps, BoundOpsSurviveMovingTheCache) {
   KVCache other = testing::CreateCacheOrAbort(SmallOptions());
   other = std::move(moved);  // move-assign frees `other`'s pools
   EXPECT_EQ(CheckSequenceBytes(other, DownloadPools(other), s, toks), "");
+}
+
+// A bound op holds no ownership of its cache: once the cache is destroyed,
+// Run() refuses instead of touching freed memory; copies of the op too.
+TEST(KVCacheOps, BoundOpsOfADestroyedCacheAreFailedPrecondition) {
+  CacheAppender app;
+  CacheDequantizer deq;
+  CacheAttention att;
+  EXPECT_EQ(app.Run(0, TensorView(), TensorView()).code(),
+            absl::StatusCode::kFailedPrecondition);  // never bound
+  {
+    KVCache c = testing::CreateCacheOrAbort(SmallOptions());
+    app = *c.appender();
+    deq = *c.dequantizer();
+    absl::StatusOr<CacheAttention> a = c.attention({/*num_qo_heads=*/2});
+    ASSERT_TRUE(a.ok()) << a.status();
+    att = *a;
+    const SequenceId s = c.CreateSequence().value();
+    ASSERT_TRUE(c.PrepareStep({{s, 0}}).ok());
+    KVCache moved = std::move(c);  // the ops follow the state, not the object
+    EXPECT_NE(app.Run(0, TensorView(), TensorView()).code(),
+              absl::StatusCode::kFailedPrecondition);
+  }
+  const CacheAppender copy = app;
+  for (const absl::Status& st :
+       {app.Run(0, TensorView(), TensorView()), copy.Run(0, TensorView(), TensorView()),
+        deq.Run(0, TensorView(), TensorView()),
+        att.Run(0, TensorView(), TensorView(), nullptr, 0)}) {
+    EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
+    EXPECT_NE(st.message().find("cache was destroyed"), std::string::npos) << st;
+  }
 }
 
 // -------------------------------------------------------------------- GPU
@@ -1084,7 +1115,7 @@ void CapturedStepReplaysLikeEagerAndCpu(KeyFormat key_format) {
     // Sequence management, identical on the three caches.
     if (live.size() < 3 || rng() % 4 == 0) {
       SequenceId id = 0;
-      all([&](KVCache& c) { id = c.CreateSequence(); });
+      all([&](KVCache& c) { id = c.CreateSequence().value(); });
       model[id];
       live.push_back(id);
     }
@@ -1119,7 +1150,7 @@ void CapturedStepReplaysLikeEagerAndCpu(KeyFormat key_format) {
       all([&](KVCache& c) { ASSERT_TRUE(c.UpdateGlobalScales(1, 7.0f, 1.5f, stream).ok()); });
       for (int i = 0; i < 3; ++i) {
         SequenceId id = 0;
-        all([&](KVCache& c) { id = c.CreateSequence(); });
+        all([&](KVCache& c) { id = c.CreateSequence().value(); });
         model[id];
         live.push_back(id);
       }
@@ -1215,14 +1246,14 @@ TEST(KVCacheApi, MovedFromCacheReturnsErrorsAndEmptyValues) {
   absl::StatusOr<KVCache> made = KVCache::Create(SmallOptions());
   ASSERT_TRUE(made.ok()) << made.status();
   KVCache live = *std::move(made);
-  const SequenceId seq = live.CreateSequence();
+  const SequenceId seq = live.CreateSequence().value();
   KVCache moved = std::move(live);
   // `live` is moved from: defined behaviour everywhere.
   auto precondition = [](const absl::Status& s) {
     EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
     EXPECT_NE(s.message().find("KVCache: expected a live cache"), std::string::npos) << s;
   };
-  EXPECT_EQ(live.CreateSequence(), 0u);
+  precondition(live.CreateSequence().status());
   precondition(live.ForkSequence(seq).status());
   precondition(live.Truncate(seq, 0));
   precondition(live.ReleaseSequence(seq));
@@ -1296,12 +1327,12 @@ TEST(KVCacheApi, BoundOpsAreDefaultConstructibleMembers) {
 TEST(KVCacheApi, SequenceIdsCountUpAndAreNeverReused) {
   absl::StatusOr<KVCache> cache = KVCache::Create(SmallOptions());
   ASSERT_TRUE(cache.ok());
-  const SequenceId a = cache->CreateSequence();
-  const SequenceId b = cache->CreateSequence();
+  const SequenceId a = cache->CreateSequence().value();
+  const SequenceId b = cache->CreateSequence().value();
   EXPECT_EQ(a, 1u);
   EXPECT_EQ(b, 2u);
   ASSERT_TRUE(cache->ReleaseSequence(a).ok());
-  const SequenceId c = cache->CreateSequence();  // reuses a's slot, not its id
+  const SequenceId c = cache->CreateSequence().value();  // reuses a's slot, not its id
   EXPECT_EQ(c, 3u);
   EXPECT_EQ(cache->SequenceLength(a).status().code(), absl::StatusCode::kNotFound);
   EXPECT_TRUE(cache->SequenceLength(c).ok());
@@ -1352,8 +1383,8 @@ TEST(KVCacheApi, ReadSequenceDequantizesOneSequenceWithoutAStep) {
   absl::StatusOr<KVCache> cache = KVCache::Create(o);
   ASSERT_TRUE(cache.ok());
   const CacheGeometry& g = cache->geometry();
-  const SequenceId a = cache->CreateSequence();
-  const SequenceId b = cache->CreateSequence();
+  const SequenceId a = cache->CreateSequence().value();
+  const SequenceId b = cache->CreateSequence().value();
   const int n = 7;
   ASSERT_TRUE(cache->PrepareStep({{a, n}, {b, 2}}).ok());
   const int64_t row = int64_t{g.num_kv_heads} * g.head_dim_k;

@@ -57,7 +57,7 @@ class Writer {
     if (a.ok()) appender_.emplace(*a);
   }
   SequenceId Add(int n) {
-    const SequenceId id = cache_->CreateSequence();
+    const SequenceId id = cache_->CreateSequence().value();
     absl::StatusOr<StepInfo> info = cache_->PrepareStep({{id, n}}, stream_);
     EXPECT_TRUE(info.ok()) << info.status();
     std::vector<Token> toks;

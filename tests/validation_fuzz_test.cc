@@ -680,7 +680,7 @@ TEST(ValidationFuzz, KVCacheOptions) {
     ++created;
     EXPECT_GE(cache->options().max_pages_per_seq, 1);
     // A short life: a sequence, a step, an append, a read back.
-    const SequenceId seq = cache->CreateSequence();
+    const SequenceId seq = cache->CreateSequence().value();
     const int n = std::min(o.max_tokens_per_step, 3);
     absl::StatusOr<StepInfo> step = cache->PrepareStep({{seq, n}});
     if (!step.ok()) continue;

@@ -256,7 +256,8 @@ class CacheAppender {
  public:
   // Not bound to a cache: Run() returns FailedPrecondition. Assign one from
   // the KVCache accessor (the type is copyable and movable, so it can be a
-  // member).
+  // member). A bound op shares no ownership of its cache: once the cache is
+  // destroyed, Run() returns FailedPrecondition instead of touching it.
   CacheAppender() = default;
   // key: [R, H, Dk], value: [R, H, Dv] (input dtype of appender()), rows
   // 0 .. num_tokens-1 of the current step in the order of its entries; R >=
@@ -274,9 +275,10 @@ class CacheAppender {
 
  private:
   friend class KVCache;
-  CacheAppender(const internal::KVCacheState* state, Appender op)
-      : state_(state), op_(std::move(op)) {}
-  const internal::KVCacheState* state_ = nullptr;
+  CacheAppender(std::weak_ptr<const internal::KVCacheState> state, Appender op)
+      : state_(std::move(state)), bound_(true), op_(std::move(op)) {}
+  std::weak_ptr<const internal::KVCacheState> state_;  // expires with the cache
+  bool bound_ = false;
   Appender op_;
 };
 
@@ -285,7 +287,8 @@ class CacheMaterializer {
  public:
   // Not bound to a cache: Run() returns FailedPrecondition. Assign one from
   // the KVCache accessor (the type is copyable and movable, so it can be a
-  // member).
+  // member). A bound op shares no ownership of its cache: once the cache is
+  // destroyed, Run() returns FailedPrecondition instead of touching it.
   CacheMaterializer() = default;
   // out: [W, 2, H, page_size, D] e4m3 (u8 accepted), caller-owned, with W >=
   // the step's fp8_workspace_pages (W = KVCache::Fp8WorkspacePagesAtCapacity()
@@ -298,9 +301,10 @@ class CacheMaterializer {
 
  private:
   friend class KVCache;
-  CacheMaterializer(const internal::KVCacheState* state, Materializer op)
-      : state_(state), op_(std::move(op)) {}
-  const internal::KVCacheState* state_ = nullptr;
+  CacheMaterializer(std::weak_ptr<const internal::KVCacheState> state, Materializer op)
+      : state_(std::move(state)), bound_(true), op_(std::move(op)) {}
+  std::weak_ptr<const internal::KVCacheState> state_;  // expires with the cache
+  bool bound_ = false;
   Materializer op_;
 };
 
@@ -310,7 +314,8 @@ class CacheDequantizer {
  public:
   // Not bound to a cache: Run() returns FailedPrecondition. Assign one from
   // the KVCache accessor (the type is copyable and movable, so it can be a
-  // member).
+  // member). A bound op shares no ownership of its cache: once the cache is
+  // destroyed, Run() returns FailedPrecondition instead of touching it.
   CacheDequantizer() = default;
   // k_out: [B, T, H, Dk], v_out: [B, T, H, Dv] with num_seqs <= B <=
   // max_seqs_per_step and T >= the step's max_seq_len; row b is the step's
@@ -321,9 +326,10 @@ class CacheDequantizer {
 
  private:
   friend class KVCache;
-  CacheDequantizer(const internal::KVCacheState* state, Dequantizer op)
-      : state_(state), op_(std::move(op)) {}
-  const internal::KVCacheState* state_ = nullptr;
+  CacheDequantizer(std::weak_ptr<const internal::KVCacheState> state, Dequantizer op)
+      : state_(std::move(state)), bound_(true), op_(std::move(op)) {}
+  std::weak_ptr<const internal::KVCacheState> state_;  // expires with the cache
+  bool bound_ = false;
   Dequantizer op_;
 };
 
@@ -342,12 +348,6 @@ struct LayerScales {
 struct ScaleEventCounts {
   uint64_t k_saturated = 0, k_underflow = 0;
   uint64_t v_saturated = 0, v_underflow = 0;
-};
-
-// What a scale change does to tokens a layer already holds.
-enum class StoredTokens : uint8_t {
-  kRefuse = 0,    // FailedPrecondition while the layer holds tokens
-  kReencode = 1,  // requantize the layer's pages to the new scales (extra error: docs/recipes.md)
 };
 
 // Options of a cache's decode attention (KVCache::attention); the geometry,
@@ -369,7 +369,8 @@ class CacheAttention {
  public:
   // Not bound to a cache: Run() returns FailedPrecondition. Assign one from
   // the KVCache accessor (the type is copyable and movable, so it can be a
-  // member).
+  // member). A bound op shares no ownership of its cache: once the cache is
+  // destroyed, Run() returns FailedPrecondition instead of touching it.
   CacheAttention() = default;
   // q: [R, Hq, Dk], out: [R, Hq, Dv] (dtype of the options). max_q_len == 1:
   // row b is the step's entry b, num_seqs <= R <= max_seqs_per_step (R =
@@ -390,9 +391,10 @@ class CacheAttention {
 
  private:
   friend class KVCache;
-  CacheAttention(const internal::KVCacheState* state, DecodeAttention op)
-      : state_(state), op_(std::move(op)) {}
-  const internal::KVCacheState* state_ = nullptr;
+  CacheAttention(std::weak_ptr<const internal::KVCacheState> state, DecodeAttention op)
+      : state_(std::move(state)), bound_(true), op_(std::move(op)) {}
+  std::weak_ptr<const internal::KVCacheState> state_;  // expires with the cache
+  bool bound_ = false;
   DecodeAttention op_;
 };
 
@@ -406,10 +408,10 @@ class CacheAttention {
 // A call that returns an error changes nothing (but see PrepareStep on CUDA
 // errors).
 //
-// A moved-from KVCache holds nothing: every call that returns a Status
-// returns FailedPrecondition, CreateSequence() returns 0 (an invalid id),
-// the accessors return empty values (spans, views, null pointers, default
-// options and stats). Assigning a live cache to it makes it usable again.
+// A moved-from KVCache holds nothing: every call that returns a Status or
+// StatusOr returns FailedPrecondition, the accessors return empty values
+// (spans, views, null pointers, default options and stats). Assigning a live
+// cache to it makes it usable again.
 class KVCache {
  public:
   // Validates the options and allocates everything: pools (one allocation),
@@ -428,7 +430,8 @@ class KVCache {
   // ----------------------------------------------------------- sequences
   // A new empty sequence (with prefix caching: tracked, with an empty extra
   // key; its full pages are cached when its steps give token ids).
-  SequenceId CreateSequence();
+  // FailedPrecondition on a moved-from cache.
+  absl::StatusOr<SequenceId> CreateSequence();
   // With prefix caching: a new sequence that shares the longest cached
   // prefix of `prompt` in whole pages (MatchPrefix) and has that length;
   // the server prefills the rest of the prompt (at least its last token,
@@ -478,9 +481,10 @@ class KVCache {
   // there. The current step's buffers are not touched. With prefix caching
   // on, the new sequence is not prefix-tracked (its token ids are unknown):
   // its pages, later ones included, are never indexed.
-  absl::StatusOr<SequenceId> ImportSequence(absl::Span<const HalfPagedCache> layers,
-                                            absl::Span<const int32_t> src_pages, int64_t length,
-                                            Stream stream = nullptr);
+  // (ImportSequence, below, imports a sequence image instead.)
+  absl::StatusOr<SequenceId> ImportHalfPages(absl::Span<const HalfPagedCache> layers,
+                                             absl::Span<const int32_t> src_pages, int64_t length,
+                                             Stream stream = nullptr);
 
   // ------------------------------------------------- export and import
   // A sequence image (include/fp4kv/sequence_image.h, docs/format.md
@@ -515,7 +519,7 @@ class KVCache {
   // `stream` and makes them a new sequence of the image's length. Scales per
   // layer: equal to the image's: bytes copied; a pending target layer that
   // holds no tokens adopts the image's scales and calibrated flags (device
-  // copies, no sync); otherwise options.on_scale_mismatch (ScaleMismatch).
+  // copies, no sync); otherwise options.on_scale_mismatch (StoredTokens).
   // With prefix caching, an image with tokens makes a tracked sequence whose
   // full pages are indexed (once every layer is calibrated), like appended
   // ones; a device image's tokens section is read with a synchronous copy.
@@ -616,7 +620,8 @@ class KVCache {
 
   // ------------------------------------------------------------------ ops
   // Op objects bound to this cache; they stay valid while the cache lives
-  // (also across moves of the KVCache object). FailedPrecondition from
+  // (also across moves of the KVCache object); once it is destroyed their
+  // Run() returns FailedPrecondition. FailedPrecondition from
   // materializer() when the geometry does not allow FP8 materialization
   // (head_dim_k == head_dim_v, a multiple of 64; page_size % 4 == 0).
   absl::StatusOr<CacheAppender> appender(DType input_dtype = DType::kBF16) const;
@@ -720,7 +725,8 @@ class KVCache {
   explicit KVCache(std::unique_ptr<internal::KVCacheState> state);
   absl::Status UpdateGlobalScalesRange(int first, int count, const float* k_scales,
                                        const float* v_scales, Stream stream, StoredTokens stored);
-  std::unique_ptr<internal::KVCacheState> state_;
+  // Shared with nobody: the bound ops hold weak references (liveness only).
+  std::shared_ptr<internal::KVCacheState> state_;
 };
 
 }  // namespace fp4kv

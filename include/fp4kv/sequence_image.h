@@ -96,23 +96,26 @@ uint64_t SequenceImageHeaderChecksum(const void* header_bytes);
 // offsets, which must be exactly what MakeSequenceImageHeader gives).
 absl::StatusOr<SequenceImageHeader> ParseSequenceImageHeader(const void* host_bytes, int64_t bytes);
 
-// What an import does when the image's global scales differ from those of
-// a target layer that already has scales of its own (docs/kv_cache.md,
-// "Export and import").
-enum class ScaleMismatch : uint8_t {
-  // FailedPrecondition naming the layer, nothing changed. When the host
+// What to do with bytes stored under one global scale when another scale
+// takes over: a scale change of a layer that holds tokens
+// (KVCache::UpdateGlobalScales, CalibrateGlobalScales) and an import whose
+// image scales differ from those of a target layer that already has scales
+// of its own (ImportOptions; docs/kv_cache.md, "Export and import").
+enum class StoredTokens : uint8_t {
+  // FailedPrecondition naming the layer, nothing changed. An import that
   // cannot prove the scales equal (both caches' scales all host-known and
-  // equal), it reads both scale tables back: a host sync of the stream.
+  // equal) reads both scale tables back: a host sync of the stream.
   kRefuse = 0,
-  // Requantize the imported blocks to the target's scales on the device
-  // (QuantizeBlock(DequantizeBlock(b, g_image), g_target); FP8 key bytes:
-  // QuantizeFp8Key(DequantFp8Key(c, g_image), Fp8KeyEncodeMultiplier(g_target))):
-  // no host sync, extra rounding error on the layers whose scales differ.
-  kRequantize = 1,
+  // Re-encode the stored (or imported) blocks under the new scales on the
+  // device (QuantizeBlock(DequantizeBlock(b, g_old), g_new); FP8 key bytes:
+  // QuantizeFp8Key(DequantFp8Key(c, g_old), Fp8KeyEncodeMultiplier(g_new))):
+  // no host sync, extra rounding error (docs/recipes.md) on the layers whose
+  // scales differ.
+  kReencode = 1,
 };
 
 struct ImportOptions {
-  ScaleMismatch on_scale_mismatch = ScaleMismatch::kRefuse;
+  StoredTokens on_scale_mismatch = StoredTokens::kRefuse;
 };
 
 namespace internal {

@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "fp4kv/transfer.h"
 #include "src/cuda_util.h"
+#include "src/status_macros.h"
 
 namespace fp4kv {
 namespace {

@@ -19,6 +19,7 @@
 #include "absl/strings/str_cat.h"
 #include "fp4kv/transfer.h"
 #include "src/cuda_util.h"
+#include "src/status_macros.h"
 
 #ifdef FP4KV_HAVE_NCCL
 #include <dlfcn.h>
@@ -139,16 +140,14 @@ absl::Status NcclStatus(const NcclApi* api, ncclResult_t r, const char* what) {
   return absl::InternalError(absl::StrCat(what, ": ", api->GetErrorString(r)));
 }
 
-#define FP4KV_RETURN_IF_ERROR_NCCL(expr)       \
-  do {                                        \
-    if (absl::Status s_ = (expr); !s_.ok()) { \
-      return s_;                              \
-    }                                         \
-  } while (0)
-
+// The NCCL counterpart of FP4KV_CUDA_RETURN_IF_ERROR (src/status_macros.h):
+// an ncclResult_t is turned into a Status through the run-time loaded API's
+// GetErrorString, which the generic helper cannot reach (libnccl is never
+// linked), so this one stays here.
 #define FP4KV_NCCL_RETURN_IF_ERROR(api, call)                                       \
   do {                                                                              \
-    if (absl::Status s_ = NcclStatus((api), (call), #call); !s_.ok()) return s_;    \
+    if (absl::Status fp4kv_status_ = NcclStatus((api), (call), #call); !fp4kv_status_.ok()) \
+      return fp4kv_status_;                                                         \
   } while (0)
 
 // Makes `ordinal` current for a scope.
@@ -433,8 +432,8 @@ class NcclEndpoint : public Transport {
 
   absl::Status IssueOwn() {
     NcclOp& op = ops_[unissued_++];
-    FP4KV_RETURN_IF_ERROR_NCCL(PreIssue(op));
-    FP4KV_RETURN_IF_ERROR_NCCL(Issue(op));
+    FP4KV_RETURN_IF_ERROR(PreIssue(op));
+    FP4KV_RETURN_IF_ERROR(Issue(op));
     return PostIssue(op);
   }
 
@@ -451,16 +450,16 @@ class NcclEndpoint : public Transport {
         return absl::InternalError(
             "NCCL self pair: the two endpoints' operation sequences do not mirror");
       }
-      FP4KV_RETURN_IF_ERROR_NCCL(a->PreIssue(x));
-      FP4KV_RETURN_IF_ERROR_NCCL(b->PreIssue(y));
+      FP4KV_RETURN_IF_ERROR(a->PreIssue(x));
+      FP4KV_RETURN_IF_ERROR(b->PreIssue(y));
       FP4KV_NCCL_RETURN_IF_ERROR(comm_->api, comm_->api->GroupStart());
       absl::Status s = a->Issue(x);
       if (s.ok()) s = b->Issue(y);
       absl::Status e = NcclStatus(comm_->api, comm_->api->GroupEnd(), "ncclGroupEnd");
       if (!s.ok()) return s;
       if (!e.ok()) return e;
-      FP4KV_RETURN_IF_ERROR_NCCL(a->PostIssue(x));
-      FP4KV_RETURN_IF_ERROR_NCCL(b->PostIssue(y));
+      FP4KV_RETURN_IF_ERROR(a->PostIssue(x));
+      FP4KV_RETURN_IF_ERROR(b->PostIssue(y));
       ++a->unissued_;
       ++b->unissued_;
     }

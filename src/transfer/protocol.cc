@@ -33,15 +33,9 @@
 #include "absl/strings/str_cat.h"
 #include "fp4kv/transfer.h"
 #include "src/cuda_util.h"
+#include "src/status_macros.h"
 #include "src/transfer/transfer_internal.h"
 #include "xxhash.h"
-
-#define FP4KV_RETURN_IF_ERROR_T(expr)        \
-  do {                                        \
-    if (absl::Status s_ = (expr); !s_.ok()) { \
-      return s_;                              \
-    }                                         \
-  } while (0)
 
 namespace fp4kv {
 namespace internal {
@@ -507,7 +501,7 @@ struct SequenceSender::Impl {
 
   absl::Status OnReply(int64_t j) {
     const unsigned char* in = in_frames[j % ring];
-    FP4KV_RETURN_IF_ERROR_T(internal::CheckFrame(in, frame_bytes, internal::FrameKind::kReply,
+    FP4KV_RETURN_IF_ERROR(internal::CheckFrame(in, frame_bytes, internal::FrameKind::kReply,
                                                  static_cast<uint64_t>(j),
                                                  static_cast<int>(internal::FrameEntryCapacity(o.num_slots))));
     const auto* head = reinterpret_cast<const internal::FrameHead*>(in);
@@ -573,9 +567,9 @@ struct SequenceSender::Impl {
 
   absl::Status Step(bool* changed) {
     if (phase == Phase::kBroken) return broken;
-    FP4KV_RETURN_IF_ERROR_T(Exports(changed));  // also while the handshake is on its way
+    FP4KV_RETURN_IF_ERROR(Exports(changed));  // also while the handshake is on its way
     if (phase == Phase::kHello) {
-      if (hello_op == 0) FP4KV_RETURN_IF_ERROR_T(StartHello());
+      if (hello_op == 0) FP4KV_RETURN_IF_ERROR(StartHello());
       absl::StatusOr<bool> done = t->Poll(hello_op);
       if (!done.ok()) return done.status();
       if (!*done) {
@@ -585,7 +579,7 @@ struct SequenceSender::Impl {
         }
         return absl::OkStatus();
       }
-      FP4KV_RETURN_IF_ERROR_T(CheckHello());
+      FP4KV_RETURN_IF_ERROR(CheckHello());
       phase = Phase::kRun;
       *changed = true;
     }
@@ -601,13 +595,13 @@ struct SequenceSender::Impl {
         }
         break;
       }
-      FP4KV_RETURN_IF_ERROR_T(OnReply(next_reply));
+      FP4KV_RETURN_IF_ERROR(OnReply(next_reply));
       ++next_reply;
       *changed = true;
     }
     // The next steps, as far as the window and the work go.
     while (next_step < next_reply + depth && HaveWork(next_step)) {
-      FP4KV_RETURN_IF_ERROR_T(PostStep());
+      FP4KV_RETURN_IF_ERROR(PostStep());
       *changed = true;
     }
     return absl::OkStatus();
@@ -617,7 +611,7 @@ struct SequenceSender::Impl {
 absl::StatusOr<SequenceSender> internal::CreateSender(std::unique_ptr<TransferCachePort> port,
                                                       Transport* transport,
                                                       const TransferOptions& options) {
-  FP4KV_RETURN_IF_ERROR_T(CheckOptions(options, transport, port.get()));
+  FP4KV_RETURN_IF_ERROR(CheckOptions(options, transport, port.get()));
   auto impl = std::make_unique<SequenceSender::Impl>();
   impl->hdr = port->header_bytes();
   impl->frame_bytes = FrameBytes(options.num_slots, impl->hdr);
@@ -627,7 +621,7 @@ absl::StatusOr<SequenceSender> internal::CreateSender(std::unique_ptr<TransferCa
   const int64_t host_bytes = 2 * impl->ring * impl->frame_bytes +
                              2 * static_cast<int64_t>(sizeof(FrameHead)) +
                              options.num_slots * impl->hdr;
-  FP4KV_RETURN_IF_ERROR_T(impl->buf.Allocate(
+  FP4KV_RETURN_IF_ERROR(impl->buf.Allocate(
       port->device(), internal::SlotStride(options.slot_bytes), options.num_slots, host_bytes));
   auto* h = static_cast<unsigned char*>(impl->buf.host_);
   for (int i = 0; i < impl->ring; ++i) {
@@ -733,7 +727,7 @@ absl::Status SequenceSender::Progress() {
 absl::Status SequenceSender::RunUntilIdle() {
   FP4KV_TRANSFER_RETURN_IF_MOVED_FROM();
   while (true) {
-    FP4KV_RETURN_IF_ERROR_T(Progress());
+    FP4KV_RETURN_IF_ERROR(Progress());
     if (impl_->Idle() && impl_->phase != Impl::Phase::kHello) return absl::OkStatus();
     std::this_thread::yield();
   }
@@ -747,7 +741,7 @@ absl::Status SequenceSender::Close() {
   }
   // The handshake, and the replies of steps still in flight.
   while (impl_->phase == Impl::Phase::kHello || impl_->next_reply < impl_->next_step) {
-    FP4KV_RETURN_IF_ERROR_T(Progress());
+    FP4KV_RETURN_IF_ERROR(Progress());
     std::this_thread::yield();
   }
   if (impl_->phase == Impl::Phase::kBroken) return impl_->broken;
@@ -930,7 +924,7 @@ struct SequenceReceiver::Impl {
             port->Commit(e.handle, slot_ptr(e.slot), e.image_bytes, o.cache_stream);
         if (seq.ok() && port->device().is_cuda()) {
           slot_used[e.slot] = true;
-          FP4KV_RETURN_IF_ERROR_T(internal::CudaStatus(
+          FP4KV_RETURN_IF_ERROR(internal::CudaStatus(
               cudaEventRecord(buf.events_[e.slot], o.cache_stream), "cudaEventRecord"));
         }
         if (seq.ok()) {
@@ -957,7 +951,7 @@ struct SequenceReceiver::Impl {
     const auto* head = reinterpret_cast<const internal::FrameHead*>(in);
     const int cap = static_cast<int>(internal::FrameEntryCapacity(o.num_slots));
     if (head->kind == static_cast<uint16_t>(internal::FrameKind::kBye)) {
-      FP4KV_RETURN_IF_ERROR_T(internal::CheckFrame(in, frame_bytes, internal::FrameKind::kBye,
+      FP4KV_RETURN_IF_ERROR(internal::CheckFrame(in, frame_bytes, internal::FrameKind::kBye,
                                                    static_cast<uint64_t>(step), 0));
       if (!entries.empty()) {
         return absl::DataLossError(absl::StrCat("transfer: bye with ", entries.size(),
@@ -966,7 +960,7 @@ struct SequenceReceiver::Impl {
       phase = Phase::kClosed;
       return absl::OkStatus();
     }
-    FP4KV_RETURN_IF_ERROR_T(internal::CheckFrame(in, frame_bytes, internal::FrameKind::kOffer,
+    FP4KV_RETURN_IF_ERROR(internal::CheckFrame(in, frame_bytes, internal::FrameKind::kOffer,
                                                  static_cast<uint64_t>(step), cap));
     // The plan names every READY of reply step - D, in order.
     std::vector<Entry*> planned;
@@ -1019,7 +1013,7 @@ struct SequenceReceiver::Impl {
     }
     // Payloads already in (those before this offer) commit first, so that
     // their acks ride on this reply.
-    FP4KV_RETURN_IF_ERROR_T(Payloads(changed));
+    FP4KV_RETURN_IF_ERROR(Payloads(changed));
     StartReply();
     const unsigned char* headers = in + internal::FrameHeadersOffset(o.num_slots);
     for (size_t i = 0; i < num_offers; ++i) {
@@ -1104,7 +1098,7 @@ struct SequenceReceiver::Impl {
         absl::StatusOr<bool> done = t->Poll(wait_op);
         if (!done.ok()) return done.status();
         if (!*done) return absl::OkStatus();
-        FP4KV_RETURN_IF_ERROR_T(internal::CheckFrame(hello_in, sizeof(internal::FrameHead),
+        FP4KV_RETURN_IF_ERROR(internal::CheckFrame(hello_in, sizeof(internal::FrameHead),
                                                      internal::FrameKind::kHello, 0, 0));
         const auto* peer = reinterpret_cast<const internal::FrameHead*>(hello_in);
         internal::FrameHead h;
@@ -1130,11 +1124,11 @@ struct SequenceReceiver::Impl {
         absl::StatusOr<bool> done = t->Poll(wait_op);
         if (!done.ok()) return done.status();
         if (*done) return OnOffer(changed);
-        FP4KV_RETURN_IF_ERROR_T(Payloads(changed));
+        FP4KV_RETURN_IF_ERROR(Payloads(changed));
         break;
       }
       case Phase::kLate: {
-        FP4KV_RETURN_IF_ERROR_T(Payloads(changed));
+        FP4KV_RETURN_IF_ERROR(Payloads(changed));
         if (LatePayloadsIn()) {
           *changed = true;
           return SendReply();
@@ -1153,14 +1147,14 @@ struct SequenceReceiver::Impl {
 absl::StatusOr<SequenceReceiver> internal::CreateReceiver(std::unique_ptr<TransferCachePort> port,
                                                           Transport* transport,
                                                           const TransferOptions& options) {
-  FP4KV_RETURN_IF_ERROR_T(CheckOptions(options, transport, port.get()));
+  FP4KV_RETURN_IF_ERROR(CheckOptions(options, transport, port.get()));
   auto impl = std::make_unique<SequenceReceiver::Impl>();
   impl->hdr = port->header_bytes();
   impl->frame_bytes = FrameBytes(options.num_slots, impl->hdr);
   impl->depth = options.pipeline_depth;
   const int64_t host_bytes =
       2 * impl->frame_bytes + 2 * static_cast<int64_t>(sizeof(FrameHead));
-  FP4KV_RETURN_IF_ERROR_T(impl->buf.Allocate(
+  FP4KV_RETURN_IF_ERROR(impl->buf.Allocate(
       port->device(), internal::SlotStride(options.slot_bytes), options.num_slots, host_bytes));
   auto* h = static_cast<unsigned char*>(impl->buf.host_);
   impl->out = h;
@@ -1224,7 +1218,7 @@ absl::Status SequenceReceiver::RunUntilResults(int64_t count) {
   // sender's last confirmations must not wait for a later call.
   while (static_cast<int64_t>(impl_->results.size()) < count || !impl_->acks.empty() ||
          impl_->phase == Impl::Phase::kLate) {
-    FP4KV_RETURN_IF_ERROR_T(Progress());
+    FP4KV_RETURN_IF_ERROR(Progress());
     if (impl_->phase == Impl::Phase::kClosed) {
       return absl::FailedPreconditionError(absl::StrCat(
           "transfer: the sender closed the link with ", impl_->results.size(), " of ", count,

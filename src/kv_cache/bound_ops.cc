@@ -1,0 +1,267 @@
+// KVCache bound ops: the op objects of a cache and their per-layer Run().
+#include <algorithm>
+
+#include "src/kv_cache/state.h"
+
+namespace fp4kv {
+
+using internal::CeilDiv;
+using internal::KVCacheState;
+
+namespace {
+// A default-constructed op, or one whose cache was destroyed.
+absl::Status NotBound(const char* what, bool bound) {
+  if (bound) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        what, ": expected an op of a live KVCache, got one whose cache was destroyed"));
+  }
+  return absl::FailedPreconditionError(absl::StrCat(
+      what, ": expected an op from a KVCache accessor, got a default-constructed one"));
+}
+}  // namespace
+
+absl::StatusOr<CacheAppender> KVCache::appender(DType input_dtype) const {
+  FP4KV_KV_RETURN_IF_MOVED_FROM();
+  const KVCacheState& s = *state_;
+  absl::StatusOr<Appender> op =
+      Appender::Create({s.geometry, input_dtype, AppendIndexing::kSlot, s.options.recipe,
+                        s.options.device, s.options.count_scale_events});
+  if (!op.ok()) return op.status();
+  return CacheAppender(state_, *std::move(op));
+}
+
+absl::StatusOr<CacheMaterializer> KVCache::materializer() const {
+  FP4KV_KV_RETURN_IF_MOVED_FROM();
+  const KVCacheState& s = *state_;
+  const CacheGeometry& g = s.geometry;
+  if (g.head_dim_k != g.head_dim_v || g.head_dim_k % 64 != 0 || g.page_size % 4 != 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "materializer: FP8 materialization needs head_dim_k == head_dim_v, a multiple of 64, and "
+        "page_size % 4 == 0; this cache has head_dim_k ",
+        g.head_dim_k, ", head_dim_v ", g.head_dim_v, ", page_size ", g.page_size));
+  }
+  absl::StatusOr<Materializer> op = Materializer::Create({g, DType::kI32, false, s.options.device});
+  if (!op.ok()) return op.status();
+  return CacheMaterializer(state_, *std::move(op));
+}
+
+absl::StatusOr<CacheDequantizer> KVCache::dequantizer(DType output_dtype) const {
+  FP4KV_KV_RETURN_IF_MOVED_FROM();
+  const KVCacheState& s = *state_;
+  absl::StatusOr<Dequantizer> op =
+      Dequantizer::Create({s.geometry, output_dtype, DType::kI32, s.options.device});
+  if (!op.ok()) return op.status();
+  return CacheDequantizer(state_, *std::move(op));
+}
+
+absl::StatusOr<CacheAttention> KVCache::attention(const CacheAttentionOptions& co) const {
+  FP4KV_KV_RETURN_IF_MOVED_FROM();
+  const KVCacheState& s = *state_;
+  DecodeAttention::Options o;
+  o.geometry = s.geometry;
+  o.num_qo_heads = co.num_qo_heads;
+  o.dtype = co.dtype;
+  o.table_dtype = DType::kI32;
+  o.max_batch = s.options.max_seqs_per_step;
+  o.max_pages_per_seq = s.options.max_pages_per_seq;
+  o.max_q_len = co.max_q_len;
+  o.sm_scale = co.sm_scale;
+  o.logits_soft_cap = co.logits_soft_cap;
+  o.window_left = co.window_left;
+  o.has_sinks = co.has_sinks;
+  o.write_lse = co.write_lse;
+  o.device = s.options.device;
+  absl::StatusOr<DecodeAttention> op = DecodeAttention::Create(o);
+  if (!op.ok()) return op.status();
+  return CacheAttention(state_, *std::move(op));
+}
+
+int64_t KVCache::Fp8WorkspacePagesAtCapacity() const {
+  if (state_ == nullptr) return 0;
+  return 1 + static_cast<int64_t>(state_->options.max_seqs_per_step) *
+                 state_->options.max_pages_per_seq;
+}
+
+std::vector<int64_t> KVCache::Fp8WorkspaceShape(int64_t pages) const {
+  if (state_ == nullptr) return {};
+  const CacheGeometry& g = state_->geometry;
+  return {pages, 2, g.num_kv_heads, g.page_size, g.head_dim_k};
+}
+
+absl::Status CacheAppender::Run(int layer, const TensorView& key, const TensorView& value,
+                                Stream stream) const {
+  const std::shared_ptr<const KVCacheState> live = state_.lock();
+  if (live == nullptr) return NotBound("CacheAppender", bound_);
+  const KVCacheState& s = *live;
+  FP4KV_RETURN_IF_ERROR(s.CheckLayer(layer));
+  int64_t rows = s.options.max_tokens_per_step;
+  if (key.ndim >= 1) {
+    if (key.shape[0] < s.step.info.num_tokens) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("append_key: expected at least ", s.step.info.num_tokens,
+                       " rows (the step's new tokens), got shape ", key.ShapeString()));
+    }
+    rows = std::min<int64_t>(rows, key.shape[0]);
+  }
+  AppendArgs a;
+  a.key = key;
+  a.value = value;
+  a.slot_mapping = s.step.views.slot_mapping;
+  a.slot_mapping.shape[0] = rows;
+  a.k_scale = GlobalScale::Pointer(s.scales.d_scales + 4 * layer + 0);
+  a.v_scale = GlobalScale::Pointer(s.scales.d_scales + 4 * layer + 1);
+  if (s.options.count_scale_events) a.scale_events = s.scales.d_events + 4 * layer;
+  absl::StatusOr<internal::AppendParams> p =
+      internal::MakeAppendParams(op_.options(), a, s.LayerCache(layer));
+  if (!p.ok()) return p.status();
+  internal::ScopedDevice scoped;
+  if (s.cuda) {
+    FP4KV_RETURN_IF_ERROR(scoped.Set(s.options.device));
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    FP4KV_CUDA_RETURN_IF_ERROR(
+        cudaStreamIsCapturing(reinterpret_cast<cudaStream_t>(stream), &capture));
+    if (capture != cudaStreamCaptureStatusNone) s.scales.layer_captured[layer] = 1;
+  }
+  if (s.step.info.num_tokens > 0) s.scales.layer_append_serial[layer] = s.step.step_serial;
+  if (p->nnz == 0) return absl::OkStatus();
+  if (s.LayerPending(layer)) {
+    internal::RowCalibrationParams c;
+    c.key = p->key;
+    c.value = p->value;
+    c.key_row_stride = p->key_row_stride;
+    c.key_head_stride = p->key_head_stride;
+    c.value_row_stride = p->value_row_stride;
+    c.value_head_stride = p->value_head_stride;
+    c.dtype = p->input_dtype;
+    c.rows = p->nnz;
+    c.num_heads = p->num_heads;
+    c.head_dim_k = p->k.head_dim;
+    c.head_dim_v = p->v.head_dim;
+    c.slot_mapping = p->slot_mapping;
+    c.scales = s.scales.d_scales + 4 * layer;
+    c.flags = s.scales.d_flags + 2 * layer;
+    c.host_flags = s.cuda ? s.scales.h_flags_dev + 2 * layer : nullptr;
+    c.scratch = s.scales.d_calib + 4 * layer;
+    c.headroom = s.options.calibration_headroom;
+    c.recipe = s.options.recipe;
+    c.fp8_keys = s.geometry.fp8_keys();
+    if (!s.cuda) {
+      internal::ReferenceCalibrateRows(c);  // h_flags is d_flags here
+    } else {
+      FP4KV_RETURN_IF_ERROR(internal::LaunchCalibrateRows(c, stream));
+    }
+  }
+  if (!s.cuda) {
+    internal::ReferenceAppend(*p);
+    return absl::OkStatus();
+  }
+  return internal::LaunchAppend(*p, stream);
+}
+
+absl::Status CacheMaterializer::Run(int layer, const TensorView& out, Stream stream) const {
+  const std::shared_ptr<const KVCacheState> live = state_.lock();
+  if (live == nullptr) return NotBound("CacheMaterializer", bound_);
+  const KVCacheState& s = *live;
+  FP4KV_RETURN_IF_ERROR(s.CheckLayer(layer));
+  if (out.ndim >= 1 && out.shape[0] < s.step.info.fp8_workspace_pages) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("out: expected at least ", s.step.info.fp8_workspace_pages,
+                     " pages (the step's fp8_workspace_pages), got shape ", out.ShapeString()));
+  }
+  MaterializeArgs a;
+  a.block_tables = s.step.views.block_tables;
+  a.seq_lens = s.step.views.seq_lens;
+  a.kv_page_indptr = s.step.views.kv_page_indptr;
+  a.out = out;
+  a.fp8_block_tables = s.step.views.fp8_block_tables;
+  a.k_scale = GlobalScale::Pointer(s.scales.d_scales + 4 * layer + 0);
+  a.v_scale = GlobalScale::Pointer(s.scales.d_scales + 4 * layer + 1);
+  a.k_fp8_scale = GlobalScale::Pointer(s.scales.d_scales + 4 * layer + 2);
+  a.v_fp8_scale = GlobalScale::Pointer(s.scales.d_scales + 4 * layer + 3);
+  return op_.Run(a, s.LayerCache(layer), stream);
+}
+
+absl::Status CacheDequantizer::Run(int layer, const TensorView& k_out, const TensorView& v_out,
+                                   Stream stream) const {
+  const std::shared_ptr<const KVCacheState> live = state_.lock();
+  if (live == nullptr) return NotBound("CacheDequantizer", bound_);
+  const KVCacheState& s = *live;
+  FP4KV_RETURN_IF_ERROR(s.CheckLayer(layer));
+  const int S = s.options.max_seqs_per_step;
+  int64_t batch = S;
+  if (k_out.ndim >= 2) {
+    batch = k_out.shape[0];
+    if (batch < s.step.info.num_seqs || batch > S) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "k_out: expected dimension 0 in [", s.step.info.num_seqs, ", ", S,
+          "] (the step's sequences .. max_seqs_per_step), got shape ", k_out.ShapeString()));
+    }
+    if (k_out.shape[1] < s.step.info.max_seq_len) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("k_out: expected dimension 1 >= ", s.step.info.max_seq_len,
+                       " (the step's longest sequence), got shape ", k_out.ShapeString()));
+    }
+  }
+  DequantArgs a;
+  a.block_tables = s.step.views.block_tables;
+  a.block_tables.shape[0] = batch;
+  a.seq_lens = s.step.views.seq_lens;
+  a.seq_lens.shape[0] = batch;
+  a.k_out = k_out;
+  a.v_out = v_out;
+  a.k_scale = GlobalScale::Pointer(s.scales.d_scales + 4 * layer + 0);
+  a.v_scale = GlobalScale::Pointer(s.scales.d_scales + 4 * layer + 1);
+  return op_.Run(a, s.LayerCache(layer), stream);
+}
+
+absl::Status CacheAttention::Run(int layer, const TensorView& q, const TensorView& out,
+                                 void* workspace, int64_t workspace_bytes, Stream stream,
+                                 const TensorView& lse, const TensorView& sinks) const {
+  const std::shared_ptr<const KVCacheState> live = state_.lock();
+  if (live == nullptr) return NotBound("CacheAttention", bound_);
+  const KVCacheState& s = *live;
+  FP4KV_RETURN_IF_ERROR(s.CheckLayer(layer));
+  const int S = s.options.max_seqs_per_step;
+  const int max_q_len = op_.options().max_q_len;
+  int64_t batch = S;
+  DecodeAttentionArgs a;
+  a.q = q;
+  a.out = out;
+  a.lse = lse;
+  a.sinks = sinks;
+  if (max_q_len == 1) {
+    if (q.ndim >= 1) {
+      batch = q.shape[0];
+      if (batch < s.step.info.num_seqs || batch > S) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "q: expected dimension 0 in [", s.step.info.num_seqs, ", ", S,
+            "] (one row per step entry, up to max_seqs_per_step), got shape ", q.ShapeString()));
+      }
+    }
+  } else {
+    if (q.ndim >= 1 && q.shape[0] < s.step.info.num_tokens) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("q: expected at least ", s.step.info.num_tokens,
+                       " rows (the step's new tokens), got shape ", q.ShapeString()));
+    }
+    for (int i = 0; i < s.step.info.num_seqs; ++i) {
+      const int32_t n = s.step.h_token_indptr[i + 1] - s.step.h_token_indptr[i];
+      if (n > max_q_len) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "step: expected at most max_q_len = ", max_q_len, " new tokens per entry, got ", n,
+            " for entry ", i, " (prefill chunks need a prefill attention)"));
+      }
+    }
+    a.q_indptr = s.step.views.token_indptr;
+  }
+  a.block_tables = s.step.views.block_tables;
+  a.block_tables.shape[0] = batch;
+  a.seq_lens = s.step.views.seq_lens;
+  a.seq_lens.shape[0] = batch;
+  if (max_q_len > 1) a.q_indptr.shape[0] = batch + 1;
+  a.k_scale = GlobalScale::Pointer(s.scales.d_scales + 4 * layer + 0);
+  a.v_scale = GlobalScale::Pointer(s.scales.d_scales + 4 * layer + 1);
+  return op_.Run(a, s.LayerCache(layer), workspace, workspace_bytes, stream);
+}
+
+}  // namespace fp4kv

@@ -1,0 +1,468 @@
+// KVCache: Create, the facade's accessors, Stats and CheckInvariants.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "fp4kv/recipe.h"
+#include "src/kv_cache/state.h"
+
+namespace fp4kv {
+
+using internal::CeilDiv;
+using internal::KVCacheState;
+
+namespace internal {
+
+KVCacheState::~KVCacheState() {
+  if (images.book != nullptr) images.book->state = nullptr;
+  if (host.copy_stream != nullptr) {
+    ScopedDevice d;
+    (void)d.Set(options.device);
+    (void)cudaStreamSynchronize(host.copy_stream);  // copies read the pools and the host tier
+    for (cudaEvent_t e : host.swap_events) (void)cudaEventDestroy(e);
+    if (host.copy_ready != nullptr) (void)cudaEventDestroy(host.copy_ready);
+    if (host.copy_drained != nullptr) (void)cudaEventDestroy(host.copy_drained);
+    (void)cudaStreamDestroy(host.copy_stream);
+  }
+  if (step.upload_done != nullptr) {
+    ScopedDevice d;
+    (void)d.Set(options.device);
+    // The pinned staging must outlive the last upload that reads it.
+    if (step.upload_pending) (void)cudaEventSynchronize(step.upload_done);
+    (void)cudaEventDestroy(step.upload_done);
+  }
+}
+
+absl::Status MovedFrom() {
+  return absl::FailedPreconditionError(
+      "KVCache: expected a live cache, got one that was moved from");
+}
+
+}  // namespace internal
+
+// ------------------------------------------------------------------ Create
+absl::StatusOr<KVCache> KVCache::Create(const KVCacheOptions& o) {
+  if (o.num_layers < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("num_layers: expected >= 1, got ", o.num_layers));
+  }
+  CacheGeometry g = o.geometry;
+  if (g.num_pages < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "geometry.num_pages: expected >= 0 (0: from memory_budget_bytes), got ", g.num_pages));
+  }
+  if (o.memory_budget_bytes < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("memory_budget_bytes: expected >= 0, got ", o.memory_budget_bytes));
+  }
+  if ((g.num_pages > 0) == (o.memory_budget_bytes > 0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "geometry.num_pages, memory_budget_bytes: expected exactly one of them positive, got ",
+        g.num_pages, " and ", o.memory_budget_bytes));
+  }
+  {
+    CacheGeometry probe = g;
+    probe.num_pages = 1;
+    FP4KV_RETURN_IF_ERROR(probe.Validate());
+  }
+  internal::PoolLayout one_page;
+  {
+    CacheGeometry t = g;
+    t.num_pages = 1;
+    if (!internal::ComputePoolLayout(t, o.num_layers, &one_page)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "geometry: expected a page size in bytes (all layers) within int64, got page_size ",
+          g.page_size, ", num_kv_heads ", g.num_kv_heads, ", head_dim_k ", g.head_dim_k,
+          ", head_dim_v ", g.head_dim_v, " and ", o.num_layers, " layers"));
+    }
+  }
+  if (g.num_pages == 0) {
+    internal::PoolLayout unused;
+    const int64_t p = MostPagesWithin(g, o.num_layers, o.memory_budget_bytes, &unused);
+    if (p < 1) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("memory_budget_bytes: expected at least ", one_page.total_bytes,
+                       " bytes (one page of every layer), got ", o.memory_budget_bytes));
+    }
+    g.num_pages = p;
+  }
+  if (g.num_pages > INT32_MAX) {
+    return absl::InvalidArgumentError(absl::StrCat("geometry.num_pages: expected at most ",
+                                                   INT32_MAX, " (i32 block tables), got ",
+                                                   g.num_pages));
+  }
+  internal::PoolLayout pool_layout;
+  if (!internal::ComputePoolLayout(g, o.num_layers, &pool_layout)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("geometry.num_pages: expected pools (", o.num_layers, " layers of ",
+                     g.num_pages, " pages) whose size in bytes fits in int64, got ", g.num_pages));
+  }
+  int max_pages_per_seq = o.max_pages_per_seq;
+  if (max_pages_per_seq == 0) {
+    max_pages_per_seq = static_cast<int>(
+        std::min<int64_t>(g.num_pages, CeilDiv(internal::kDefaultMaxSeqTokens, g.page_size)));
+  }
+  FP4KV_RETURN_IF_ERROR(ValidateRecipe(o.recipe));
+  for (const auto& [v, name] :
+       {std::pair<const std::vector<float>&, const char*>{o.k_global_scales, "k_global_scales"},
+        std::pair<const std::vector<float>&, const char*>{o.v_global_scales, "v_global_scales"}}) {
+    if (!v.empty() && static_cast<int64_t>(v.size()) != o.num_layers) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          name, ": expected ", o.num_layers, " values (one per layer) or none, got ", v.size()));
+    }
+    for (size_t l = 0; l < v.size(); ++l) {
+      FP4KV_RETURN_IF_ERROR(internal::CheckScale(v[l], name, static_cast<int>(l)));
+    }
+  }
+  for (const auto& [v, name] :
+       {std::pair<int, const char*>{o.max_seqs_per_step, "max_seqs_per_step"},
+        std::pair<int, const char*>{o.max_tokens_per_step, "max_tokens_per_step"},
+        std::pair<int, const char*>{max_pages_per_seq, "max_pages_per_seq"}}) {
+    if (v < 1) return absl::InvalidArgumentError(absl::StrCat(name, ": expected >= 1, got ", v));
+  }
+  if (static_cast<int64_t>(max_pages_per_seq) * g.page_size > INT32_MAX) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_pages_per_seq: expected max_pages_per_seq * page_size <= ", INT32_MAX,
+                     " (i32 lengths), got ", max_pages_per_seq, " * ", g.page_size));
+  }
+  if (static_cast<int64_t>(max_pages_per_seq) * o.max_seqs_per_step >= INT32_MAX) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_seqs_per_step, max_pages_per_seq: expected a product below ", INT32_MAX,
+                     " (i32 kv_page_indptr), got ", o.max_seqs_per_step, " * ", max_pages_per_seq));
+  }
+  if (!(o.calibration_headroom >= 1.0f) || !std::isfinite(o.calibration_headroom)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "calibration_headroom: expected a finite value >= 1, got ", o.calibration_headroom));
+  }
+  FP4KV_RETURN_IF_ERROR(internal::CheckDeviceAvailable(o.device));
+
+  const HostTierOptions& ht = o.host_tier;
+  if (ht.host_pages < 0 || ht.host_bytes < 0 || (ht.host_pages > 0 && ht.host_bytes > 0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "host_tier: expected host_pages >= 0 and host_bytes >= 0, at most one of them positive, "
+        "got host_pages ",
+        ht.host_pages, " and host_bytes ", ht.host_bytes));
+  }
+  int64_t host_pages = ht.host_pages;
+  internal::PoolLayout host_layout;
+  if (ht.host_bytes > 0) {
+    host_pages = MostPagesWithin(g, o.num_layers, ht.host_bytes, &host_layout);
+    if (host_pages < 1) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("host_tier.host_bytes: expected at least ", one_page.total_bytes,
+                       " bytes (one page of every layer), got ", ht.host_bytes));
+    }
+  }
+  if (host_pages > INT32_MAX) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("host_tier.host_pages: expected at most ", INT32_MAX, ", got ", host_pages));
+  }
+  if (host_pages > 0) {
+    CacheGeometry t = g;
+    t.num_pages = host_pages;
+    if (!internal::ComputePoolLayout(t, o.num_layers, &host_layout)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "host_tier.host_pages: expected a host pool whose size in bytes fits in int64, got ",
+          host_pages));
+    }
+  }
+  if (o.prefix_cache.max_pending_events < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "prefix_cache.max_pending_events: expected >= 0, got ", o.prefix_cache.max_pending_events));
+  }
+  auto s = std::make_unique<KVCacheState>(
+      static_cast<int32_t>(g.num_pages),
+      o.prefix_cache.enabled ? static_cast<size_t>(o.prefix_cache.max_pending_events) : 0);
+  s->prefix.enabled = o.prefix_cache.enabled;
+  if (s->prefix.enabled)
+    s->prefix.page_tokens.assign(static_cast<size_t>(g.num_pages) * g.page_size, 0);
+  s->options = o;
+  s->options.geometry = g;
+  s->options.memory_budget_bytes = o.memory_budget_bytes;
+  s->options.max_pages_per_seq = max_pages_per_seq;
+  s->geometry = g;
+  s->cuda = o.device.is_cuda();
+  s->mem.pool = pool_layout;
+  const int S = o.max_seqs_per_step;
+  const int T = o.max_tokens_per_step;
+  const int M = max_pages_per_seq;
+  s->mem.step_layout = internal::ComputeStepLayout(S, T, M, o.num_layers);
+  const internal::StepLayout& sl = s->mem.step_layout;
+
+  internal::ScopedDevice scoped;
+  FP4KV_RETURN_IF_ERROR(scoped.Set(o.device));
+  using Kind = internal::Memory::Kind;
+  FP4KV_RETURN_IF_ERROR(s->mem.pools.Allocate(s->cuda ? Kind::kDevice : Kind::kHost,
+                                              s->mem.pool.total_bytes, "the pools"));
+  FP4KV_RETURN_IF_ERROR(s->mem.device_step.Allocate(s->cuda ? Kind::kDevice : Kind::kHost,
+                                                    sl.device_bytes, "the step buffers"));
+  if (host_pages > 0) {
+    s->host.pages_total = host_pages;
+    s->host.layout = host_layout;
+    FP4KV_RETURN_IF_ERROR(s->host.pool.Allocate(s->cuda ? Kind::kPinnedMapped : Kind::kHost,
+                                                host_layout.total_bytes, "the host tier"));
+    s->host.pool_dev = s->host.pool.get();
+    if (s->cuda) {
+      void* dev_ptr = nullptr;
+      FP4KV_CUDA_RETURN_IF_ERROR(cudaHostGetDevicePointer(&dev_ptr, s->host.pool.get(), 0));
+      s->host.pool_dev = static_cast<uint8_t*>(dev_ptr);
+      FP4KV_CUDA_RETURN_IF_ERROR(
+          cudaStreamCreateWithFlags(&s->host.copy_stream, cudaStreamNonBlocking));
+      FP4KV_CUDA_RETURN_IF_ERROR(
+          cudaEventCreateWithFlags(&s->host.copy_ready, cudaEventDisableTiming));
+      FP4KV_CUDA_RETURN_IF_ERROR(
+          cudaEventCreateWithFlags(&s->host.copy_drained, cudaEventDisableTiming));
+    }
+    s->host.free_pages.resize(static_cast<size_t>(host_pages));
+    // Popped from the back: host pages are handed out in increasing order.
+    for (int64_t i = 0; i < host_pages; ++i) {
+      s->host.free_pages[i] = static_cast<int32_t>(host_pages - 1 - i);
+    }
+  }
+  uint8_t* host = s->mem.device_step.get();
+  if (s->cuda) {
+    FP4KV_RETURN_IF_ERROR(
+        s->mem.staging.Allocate(Kind::kPinned, sl.staging_bytes, "the pinned step staging"));
+    host = s->mem.staging.get();
+    FP4KV_CUDA_RETURN_IF_ERROR(
+        cudaEventCreateWithFlags(&s->step.upload_done, cudaEventDisableTiming));
+  }
+  s->mem.d_step = s->mem.device_step.get();
+  s->scales.d_scales = reinterpret_cast<float*>(s->mem.d_step + sl.scales);
+  s->scales.d_flags = reinterpret_cast<int32_t*>(s->mem.d_step + sl.flags);
+  s->scales.d_calib = reinterpret_cast<uint32_t*>(s->mem.d_step + sl.calib);
+  s->scales.d_events = reinterpret_cast<uint64_t*>(s->mem.d_step + sl.events);
+  s->scales.d_old_scales = reinterpret_cast<float*>(s->mem.d_step + sl.old_scales);
+  s->step.h_seq_lens = reinterpret_cast<int32_t*>(host + sl.seq_lens);
+  s->step.h_kv_indptr = reinterpret_cast<int32_t*>(host + sl.kv_indptr);
+  s->step.h_token_indptr = reinterpret_cast<int32_t*>(host + sl.token_indptr);
+  s->step.h_slots = reinterpret_cast<int64_t*>(host + sl.slots);
+  s->step.h_tables = reinterpret_cast<int32_t*>(host + sl.tables);
+  // Zeroed memory is already a valid empty step but for the padding slots.
+  std::fill(s->step.h_slots, s->step.h_slots + T, int64_t{-1});
+
+  // Scales: explicit ones are calibrated; a missing side starts pending with
+  // a placeholder (1.0) that only all-zero rows are ever stored under.
+  const int L = o.num_layers;
+  std::vector<float> scales(4 * static_cast<size_t>(L));
+  std::vector<int32_t> flags(2 * static_cast<size_t>(L));
+  for (int l = 0; l < L; ++l) {
+    const float k = o.k_global_scales.empty() ? 1.0f : o.k_global_scales[l];
+    const float v = o.v_global_scales.empty() ? 1.0f : o.v_global_scales[l];
+    absl::StatusOr<float> kf =
+        g.fp8_keys() ? absl::StatusOr<float>(MinFp8ScaleForFp8Keys(k)) : MinFp8Scale(k);
+    absl::StatusOr<float> vf = MinFp8Scale(v);
+    if (!kf.ok()) return kf.status();
+    if (!vf.ok()) return vf.status();
+    scales[4 * l + 0] = k;
+    scales[4 * l + 1] = v;
+    scales[4 * l + 2] = *kf;
+    scales[4 * l + 3] = *vf;
+    flags[2 * l + 0] = o.k_global_scales.empty() ? 0 : 1;
+    flags[2 * l + 1] = o.v_global_scales.empty() ? 0 : 1;
+  }
+  if (s->cuda) {
+    FP4KV_RETURN_IF_ERROR(s->scales.mapped_flags.Allocate(Kind::kPinnedMapped, 4 * 2 * L,
+                                                          "the mapped calibration flags"));
+    s->scales.h_flags = reinterpret_cast<int32_t*>(s->scales.mapped_flags.get());
+    void* dev_ptr = nullptr;
+    FP4KV_CUDA_RETURN_IF_ERROR(cudaHostGetDevicePointer(&dev_ptr, s->scales.h_flags, 0));
+    s->scales.h_flags_dev = static_cast<int32_t*>(dev_ptr);
+    std::memcpy(s->scales.h_flags, flags.data(), flags.size() * sizeof(int32_t));
+    FP4KV_CUDA_RETURN_IF_ERROR(
+        cudaMemcpy(s->mem.d_step, host, sl.staging_bytes, cudaMemcpyHostToDevice));
+    FP4KV_CUDA_RETURN_IF_ERROR(cudaMemcpy(s->scales.d_scales, scales.data(),
+                                          scales.size() * sizeof(float), cudaMemcpyHostToDevice));
+    FP4KV_CUDA_RETURN_IF_ERROR(cudaMemcpy(s->scales.d_flags, flags.data(),
+                                          flags.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
+  } else {
+    std::memcpy(s->scales.d_scales, scales.data(), scales.size() * sizeof(float));
+    std::memcpy(s->scales.d_flags, flags.data(), flags.size() * sizeof(int32_t));
+    s->scales.h_flags = s->scales.d_flags;
+  }
+  s->scales.layer_append_serial.assign(L, 0);
+  s->scales.layer_captured.assign(L, 0);
+  s->scales.known_scales = scales;
+  s->scales.known.assign(L, 0);
+  for (int l = 0; l < L; ++l) s->scales.known[l] = flags[2 * l] != 0 && flags[2 * l + 1] != 0;
+  s->images.book = std::make_shared<internal::ReservationBook>();
+  s->images.book->state = s.get();
+
+  const Device dev = o.device;
+  uint8_t* d = s->mem.d_step;
+  StepViews& v = s->step.views;
+  v.slot_mapping = TensorView::Contiguous(d + sl.slots, DType::kI64, {T}, dev);
+  v.block_tables = TensorView::Contiguous(d + sl.tables, DType::kI32, {S, M}, dev);
+  v.seq_lens = TensorView::Contiguous(d + sl.seq_lens, DType::kI32, {S}, dev);
+  v.kv_page_indptr = TensorView::Contiguous(d + sl.kv_indptr, DType::kI32, {S + 1}, dev);
+  v.token_indptr = TensorView::Contiguous(d + sl.token_indptr, DType::kI32, {S + 1}, dev);
+  v.fp8_block_tables = TensorView::Contiguous(d + sl.fp8_tables, DType::kI32, {S, M}, dev);
+
+  s->step.rows.assign(S, KVCacheState::Row{});
+  s->step.claim.assign(g.num_pages, 0);
+  s->step.step_seqs.assign(S, nullptr);
+  s->step.cow_src.reserve(S);
+  s->step.cow_entry.reserve(S);
+  s->step.cow_dst.reserve(S);
+  return KVCache(std::move(s));
+}
+
+KVCache::KVCache(std::unique_ptr<KVCacheState> state) : state_(std::move(state)) {}
+
+KVCache::KVCache(KVCache&&) noexcept = default;
+KVCache& KVCache::operator=(KVCache&&) noexcept = default;
+KVCache::~KVCache() = default;
+
+namespace {
+const KVCacheOptions kNoOptions{};
+}  // namespace
+
+PagedCache KVCache::LayerCache(int layer) const {
+  if (state_ == nullptr || !state_->CheckLayer(layer).ok()) return PagedCache();
+  return state_->LayerCache(layer);
+}
+const KVCacheOptions& KVCache::options() const { return state_ ? state_->options : kNoOptions; }
+const CacheGeometry& KVCache::geometry() const {
+  return state_ ? state_->geometry : kNoOptions.geometry;
+}
+int KVCache::num_layers() const { return state_ ? state_->options.num_layers : 0; }
+Device KVCache::device() const { return state_ ? state_->options.device : Device::Cpu(); }
+
+KVCacheStats KVCache::Stats() const {
+  if (state_ == nullptr) return KVCacheStats();
+  state_->FlushIndex();  // logically part of the earlier steps
+  state_->PollSwaps();
+  const KVCacheState& s = *state_;
+  const int ps = s.geometry.page_size;
+  KVCacheStats st;
+  st.pages_reserved = s.images.reserved_pages;
+  st.reservations = static_cast<int64_t>(s.images.reservations.size());
+  st.bytes_exported = s.images.bytes_exported;
+  st.bytes_imported = s.images.bytes_imported;
+  st.host_pages_total = s.host.pages_total;
+  st.host_pages_free = static_cast<int64_t>(s.host.free_pages.size());
+  st.host_pages_used = st.host_pages_total - st.host_pages_free;
+  st.host_bytes = s.host.pages_total > 0 ? s.host.layout.total_bytes : 0;
+  st.swaps_in_flight = static_cast<int64_t>(s.host.outs.size());
+  st.pages_swap_pending = s.PagesSwapPending();
+  st.bytes_swapped_out = s.host.bytes_swapped_out;
+  st.bytes_swapped_in = s.host.bytes_swapped_in;
+  st.pages_total = s.allocator.num_pages();
+  st.pages_free = s.allocator.free_count();
+  st.pages_used = s.allocator.used_count();
+  st.pages_cached = s.allocator.cached_count();
+  st.evictions = s.allocator.evictions();
+  st.prefix_queries = s.prefix.queries;
+  st.prefix_query_tokens = s.prefix.query_tokens;
+  st.prefix_hit_tokens = s.prefix.hit_tokens;
+  st.prefix_hit_rate = s.prefix.query_tokens > 0 ? static_cast<double>(s.prefix.hit_tokens) /
+                                                       static_cast<double>(s.prefix.query_tokens)
+                                                 : 0.0;
+  st.events_pending = static_cast<int64_t>(s.prefix.events.pending());
+  st.events_dropped = static_cast<int64_t>(s.prefix.events.dropped_total());
+  st.num_sequences = s.sequences.live;
+  st.pool_bytes = s.mem.pool.total_bytes;
+  st.bytes_per_token = s.geometry.BytesPerToken() * s.options.num_layers;
+  for (size_t slot = 0; slot < s.sequences.all.size(); ++slot) {
+    const KVCacheState::Sequence& q = s.sequences.all[slot];
+    if (!q.live) continue;
+    st.tokens_stored += q.length;
+    st.sequences_swapped += q.swapped ? 1 : 0;
+    st.sequence_lengths.emplace_back(q.id, q.length);
+  }
+  std::sort(st.sequence_lengths.begin(), st.sequence_lengths.end());
+  for (int32_t p = 0; p < s.allocator.num_pages(); ++p) {
+    if (s.allocator.RefCount(p) > 1) ++st.pages_shared;
+    if (s.allocator.Indexed(p)) ++st.pages_indexed;
+  }
+  // Partially filled last pages count their fill level, unless another
+  // holder has the page full.
+  st.tokens_resident = s.TokensResident();
+  st.wasted_slots = st.pages_used * ps - st.tokens_resident;
+  return st;
+}
+
+absl::Status KVCache::CheckInvariants() const {
+  FP4KV_KV_RETURN_IF_MOVED_FROM();
+  state_->FlushIndex();  // logically part of the earlier steps
+  state_->PollSwaps();
+  const KVCacheState& s = *state_;
+  const int ps = s.geometry.page_size;
+  FP4KV_RETURN_IF_ERROR(s.allocator.Validate());
+  std::vector<int32_t> refs(s.allocator.num_pages(), 0);
+  std::vector<uint8_t> scratch;
+  std::vector<uint8_t> host_owner(static_cast<size_t>(s.host.pages_total), 0);
+  for (int32_t h : s.host.free_pages) {
+    if (h < 0 || h >= s.host.pages_total || host_owner[h]++ != 0) {
+      return absl::InternalError(absl::StrCat("host page ", h, ": free twice or out of range"));
+    }
+  }
+  for (const auto& [rid, r] : s.images.reservations) {
+    if (static_cast<int64_t>(r.pages.size()) != r.header.num_pages) {
+      return absl::InternalError(absl::StrCat("reservation ", rid, ": holds ", r.pages.size(),
+                                              " pages for an image of ", r.header.num_pages));
+    }
+    for (int32_t page : r.pages) ++refs[page];
+  }
+  for (const KVCacheState::SwapOutCopy& c : s.host.outs) {
+    for (int32_t page : c.orphan) ++refs[page];
+  }
+  for (size_t slot = 0; slot < s.sequences.all.size(); ++slot) {
+    const KVCacheState::Sequence& q = s.sequences.all[slot];
+    if (!q.live) continue;
+    const SequenceId id = q.id;
+    const int64_t want = CeilDiv(q.length, ps);
+    if (q.swapped) {
+      if (static_cast<int64_t>(q.host_pages.size()) != want ||
+          (!q.pages.empty() && static_cast<int64_t>(q.pages.size()) != want)) {
+        return absl::InternalError(absl::StrCat("swapped sequence ", id, ": length ", q.length,
+                                                " holds ", q.host_pages.size(), " host pages and ",
+                                                q.pages.size(), " device pages"));
+      }
+      for (int32_t h : q.host_pages) {
+        if (h < 0 || h >= s.host.pages_total || host_owner[h]++ != 0) {
+          return absl::InternalError(
+              absl::StrCat("swapped sequence ", id, ": host page ", h, " is not its own"));
+        }
+      }
+    } else if (static_cast<int64_t>(q.pages.size()) != want || !q.host_pages.empty()) {
+      return absl::InternalError(absl::StrCat("sequence ", id, ": length ", q.length, " holds ",
+                                              q.pages.size(), " pages"));
+    }
+    for (int32_t page : q.pages) ++refs[page];
+    const internal::TokenChain& c = q.chain;
+    if (!c.tracked) continue;
+    if (static_cast<int64_t>(c.hashes.size()) != q.length / ps) {
+      return absl::InternalError(absl::StrCat("sequence ", id, ": length ", q.length, " tracks ",
+                                              c.hashes.size(), " page hashes"));
+    }
+    for (size_t j = 0; j < c.hashes.size(); ++j) {
+      const BlockHash h = internal::HashPage(j == 0 ? nullptr : &c.hashes[j - 1],
+                                             s.PageTokens(q.pages[j]), c.extra_key, &scratch);
+      if (h != c.hashes[j]) {
+        return absl::InternalError(absl::StrCat("sequence ", id, " page ", j, ": hash ",
+                                                c.hashes[j].ToHex(), ", its tokens hash to ",
+                                                h.ToHex()));
+      }
+      if (s.allocator.Indexed(q.pages[j]) && s.allocator.HashOf(q.pages[j]) != h) {
+        return absl::InternalError(absl::StrCat("sequence ", id, " page ", j, " (page ", q.pages[j],
+                                                ") is indexed under another hash"));
+      }
+    }
+  }
+  for (int64_t h = 0; h < s.host.pages_total; ++h) {
+    if (host_owner[h] != 1) {
+      return absl::InternalError(absl::StrCat("host page ", h, ": neither free nor held"));
+    }
+  }
+  for (int32_t p = 0; p < s.allocator.num_pages(); ++p) {
+    if (refs[p] != s.allocator.RefCount(p)) {
+      return absl::InternalError(absl::StrCat("page ", p, ": reference count ",
+                                              s.allocator.RefCount(p), ", held by ", refs[p],
+                                              " sequences"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace fp4kv

@@ -1,0 +1,319 @@
+// KVCache host tier: swapping sequences to pinned host pages and back.
+#include <algorithm>
+#include <utility>
+
+#include "src/kv_cache/state.h"
+
+namespace fp4kv {
+
+using internal::CeilDiv;
+using internal::KVCacheState;
+
+namespace internal {
+
+PageCopyParams KVCacheState::HostCopy(const int32_t* src, const int32_t* dst, int64_t n,
+                                      bool to_host) const {
+  PageCopyParams p;
+  const PoolLayout& a = to_host ? mem.pool : host.layout;
+  const PoolLayout& b = to_host ? host.layout : mem.pool;
+  p.src = to_host ? mem.pools.get() : host.pool_dev;
+  p.dst = to_host ? host.pool_dev : mem.pools.get();
+  p.src_layer_stride = a.layer_bytes;
+  p.dst_layer_stride = b.layer_bytes;
+  for (int r = 0; r < 4; ++r) {
+    p.src_region[r] = a.regions[r].offset;
+    p.dst_region[r] = b.regions[r].offset;
+    p.page_bytes[r] = mem.pool.regions[r].page_bytes;
+  }
+  p.src_ids = src;
+  p.dst_ids = dst;
+  p.num_pages = n;
+  p.num_layers = options.num_layers;
+  p.max_ctas = kHostCopyCtas;
+  return p;
+}
+
+PageCopyParams KVCacheState::PoolToHost(const int32_t* pages, const int32_t* host,
+                                        int64_t n) const {
+  return HostCopy(pages, host, n, true);
+}
+
+PageCopyParams KVCacheState::HostToPool(const int32_t* host, const int32_t* pages,
+                                        int64_t n) const {
+  return HostCopy(host, pages, n, false);
+}
+
+absl::Status KVCacheState::TakeEvent(int* out) {
+  if (host.free_events.empty()) {
+    cudaEvent_t e = nullptr;
+    FP4KV_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    host.swap_events.push_back(e);
+    host.event_refs.push_back(0);
+    host.free_events.push_back(static_cast<int>(host.swap_events.size()) - 1);
+  }
+  *out = host.free_events.back();
+  host.free_events.pop_back();
+  return absl::OkStatus();
+}
+
+absl::Status KVCacheState::EnqueueSwapCopy(const std::vector<int32_t>& pages,
+                                           const std::vector<int32_t>& host_ids, bool to_host,
+                                           Stream stream, int* event) {
+  int e = -1;
+  FP4KV_RETURN_IF_ERROR(TakeEvent(&e));
+  absl::Status st = [&]() -> absl::Status {
+    const int64_t n = static_cast<int64_t>(pages.size());
+    FP4KV_CUDA_RETURN_IF_ERROR(
+        cudaEventRecord(host.copy_ready, reinterpret_cast<cudaStream_t>(stream)));
+    FP4KV_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(host.copy_stream, host.copy_ready, 0));
+    const int M = options.max_pages_per_seq;
+    int32_t* d_ids = reinterpret_cast<int32_t*>(mem.d_step + mem.step_layout.swap_ids);
+    std::vector<int32_t> ids(2 * static_cast<size_t>(M));
+    std::copy(pages.begin(), pages.end(), ids.begin());
+    std::copy(host_ids.begin(), host_ids.end(), ids.begin() + M);
+    // From pageable memory: staged before the call returns.
+    FP4KV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(d_ids, ids.data(), ids.size() * sizeof(int32_t),
+                                               cudaMemcpyHostToDevice, host.copy_stream));
+    const Stream side = reinterpret_cast<Stream>(host.copy_stream);
+    FP4KV_RETURN_IF_ERROR(LaunchPageCopy(
+        to_host ? PoolToHost(d_ids, d_ids + M, n) : HostToPool(d_ids + M, d_ids, n), side));
+    FP4KV_CUDA_RETURN_IF_ERROR(cudaEventRecord(host.swap_events[e], host.copy_stream));
+    return absl::OkStatus();
+  }();
+  if (!st.ok()) {
+    host.free_events.push_back(e);
+    return st;
+  }
+  *event = e;
+  return absl::OkStatus();
+}
+
+void KVCacheState::FinishOut(SwapOutCopy& c) {
+  if (c.seq != 0) {
+    Sequence* q = Find(c.seq);
+    if (q != nullptr && q->swapped) ReleasePages(*q);
+  }
+  for (size_t j = c.orphan.size(); j-- > 0;) allocator.Release(c.orphan[j]);
+  c.orphan.clear();
+  host.free_events.push_back(c.event);
+}
+
+void KVCacheState::PollSwaps() {
+  size_t k = 0;
+  while (k < host.outs.size()) {
+    const cudaError_t e = cudaEventQuery(host.swap_events[host.outs[k].event]);
+    if (e == cudaErrorNotReady) break;
+    if (e != cudaSuccess) (void)cudaGetLastError();
+    FinishOut(host.outs[k]);
+    ++k;
+  }
+  if (k > 0) host.outs.erase(host.outs.begin(), host.outs.begin() + static_cast<std::ptrdiff_t>(k));
+}
+
+absl::Status KVCacheState::WaitSwapOuts() {
+  if (host.outs.empty()) return absl::OkStatus();
+  ScopedDevice d;
+  FP4KV_RETURN_IF_ERROR(d.Set(options.device));
+  for (SwapOutCopy& c : host.outs) {
+    FP4KV_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(host.swap_events[c.event]));
+  }
+  for (SwapOutCopy& c : host.outs) FinishOut(c);
+  host.outs.clear();
+  return absl::OkStatus();
+}
+
+void KVCacheState::PendingReleases(int64_t* to_free, int64_t* to_cached) const {
+  *to_free = *to_cached = 0;
+  auto count = [&](const std::vector<int32_t>& pages) {
+    for (int32_t page : pages) {
+      if (allocator.RefCount(page) != 1) continue;
+      ++*(allocator.Indexed(page) ? to_cached : to_free);
+    }
+  };
+  for (const SwapOutCopy& c : host.outs) {
+    count(c.orphan);
+    if (c.seq != 0) {
+      const Sequence* q = Find(c.seq);
+      if (q != nullptr && q->swapped) count(q->pages);
+    }
+  }
+}
+
+int64_t KVCacheState::PagesSwapPending() const {
+  int64_t n = 0;
+  for (const SwapOutCopy& c : host.outs) {
+    n += static_cast<int64_t>(c.orphan.size());
+    if (c.seq != 0) {
+      const Sequence* q = Find(c.seq);
+      if (q != nullptr && q->swapped) n += static_cast<int64_t>(q->pages.size());
+    }
+  }
+  return n;
+}
+
+void KVCacheState::DropSwapIn(Sequence& q) {
+  if (q.swapin_event < 0) return;
+  if (--host.event_refs[q.swapin_event] == 0) host.free_events.push_back(q.swapin_event);
+  q.swapin_event = -1;
+}
+
+absl::Status KVCacheState::OrderAfterCopies(Stream stream) {
+  if (host.copy_stream == nullptr) return absl::OkStatus();
+  FP4KV_CUDA_RETURN_IF_ERROR(cudaEventRecord(host.copy_drained, host.copy_stream));
+  return CudaStatus(
+      cudaStreamWaitEvent(reinterpret_cast<cudaStream_t>(stream), host.copy_drained, 0),
+      "cudaStreamWaitEvent(copy stream)");
+}
+
+absl::Status KVCacheState::OrderAfterSwapIn(const Sequence& q, Stream stream) const {
+  if (q.swapin_event < 0) return absl::OkStatus();
+  return CudaStatus(cudaStreamWaitEvent(reinterpret_cast<cudaStream_t>(stream),
+                                        host.swap_events[q.swapin_event], 0),
+                    "cudaStreamWaitEvent(swap in)");
+}
+
+int64_t KVCacheState::SwappedTokens(SequenceId* any) const {
+  int64_t n = 0;
+  for (const Sequence& q : sequences.all) {
+    if (q.live && q.swapped && q.length > 0) {
+      n += q.length;
+      if (any != nullptr) *any = q.id;
+    }
+  }
+  return n;
+}
+
+absl::Status KVCacheState::MakeAvailable(int64_t n, const char* what) {
+  PollSwaps();
+  if (n > allocator.available_count() && !host.outs.empty()) {
+    FP4KV_RETURN_IF_ERROR(WaitSwapOuts());
+  }
+  if (n > allocator.available_count()) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat(what, ": needs ", n, " free pages, the mem.pool has ", allocator.free_count(),
+                     " free and ", allocator.cached_count(), " evictable cached of ",
+                     allocator.num_pages(), "; nothing changed"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace internal
+
+absl::StatusOr<bool> KVCache::IsSwappedOut(SequenceId seq) const {
+  FP4KV_KV_RETURN_IF_MOVED_FROM();
+  const KVCacheState::Sequence* q = state_->Find(seq);
+  if (q == nullptr) return KVCacheState::Unknown("seq", seq);
+  return q->swapped;
+}
+
+absl::Status KVCache::SynchronizeSwaps() {
+  FP4KV_KV_RETURN_IF_MOVED_FROM();
+  KVCacheState& s = *state_;
+  if (s.host.copy_stream != nullptr) {
+    internal::ScopedDevice scoped;
+    FP4KV_RETURN_IF_ERROR(scoped.Set(s.options.device));
+    FP4KV_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s.host.copy_stream));
+  }
+  return s.WaitSwapOuts();
+}
+
+absl::Status KVCache::SwapOut(SequenceId seq, Stream stream) {
+  FP4KV_KV_RETURN_IF_MOVED_FROM();
+  KVCacheState& s = *state_;
+  s.FlushIndex();
+  s.PollSwaps();
+  KVCacheState::Sequence* q = s.Find(seq);
+  if (q == nullptr) return KVCacheState::Unknown("seq", seq);
+  if (s.host.pages_total == 0) {
+    return absl::FailedPreconditionError(
+        "SwapOut: expected a cache with a host tier (KVCacheOptions::host_tier), got one without");
+  }
+  if (q->swapped) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("SwapOut: sequence ", seq, " is already swapped out"));
+  }
+  const int64_t n = static_cast<int64_t>(q->pages.size());
+  if (n > static_cast<int64_t>(s.host.free_pages.size())) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "SwapOut: sequence ", seq, " needs ", n, " host pages, the host tier has ",
+        s.host.free_pages.size(), " free of ", s.host.pages_total, "; nothing changed"));
+  }
+  internal::ScopedDevice scoped;
+  FP4KV_RETURN_IF_ERROR(scoped.Set(s.options.device));
+  std::vector<int32_t> host(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) host[i] = s.host.free_pages[s.host.free_pages.size() - 1 - i];
+  int event = -1;
+  if (s.cuda && n > 0) {
+    FP4KV_RETURN_IF_ERROR(s.EnqueueSwapCopy(q->pages, host, /*to_host=*/true, stream, &event));
+  } else if (n > 0) {
+    internal::ReferencePageCopy(s.PoolToHost(q->pages.data(), host.data(), n));
+  }
+  // Committed.
+  s.host.free_pages.resize(s.host.free_pages.size() - static_cast<size_t>(n));
+  s.DropSwapIn(*q);
+  q->swapped = true;
+  q->host_pages = std::move(host);
+  if (q->chain.tracked) q->chain.Untrack();
+  s.host.bytes_swapped_out += n * s.PageBytesAllLayers();
+  if (event >= 0) {
+    s.host.outs.push_back(
+        KVCacheState::SwapOutCopy{event, seq, {}});  // pages dropped when it is done
+  } else {
+    s.ReleasePages(*q);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status KVCache::SwapIn(SequenceId seq, Stream stream) {
+  FP4KV_KV_RETURN_IF_MOVED_FROM();
+  KVCacheState& s = *state_;
+  s.FlushIndex();
+  s.PollSwaps();
+  KVCacheState::Sequence* q = s.Find(seq);
+  if (q == nullptr) return KVCacheState::Unknown("seq", seq);
+  if (!q->swapped) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("SwapIn: sequence ", seq, " is not swapped out"));
+  }
+  if (!q->pages.empty()) {
+    // Its copy to the host is still in flight: the device pages still hold
+    // the data, so keep them; the host pages are only ever rewritten by
+    // later copies on the copy stream, which come after this one.
+    for (KVCacheState::SwapOutCopy& c : s.host.outs) {
+      if (c.seq == seq) c.seq = 0;
+    }
+    for (int32_t h : q->host_pages) s.host.free_pages.push_back(h);
+    q->host_pages.clear();
+    q->swapped = false;
+    return absl::OkStatus();
+  }
+  const int64_t n = static_cast<int64_t>(q->host_pages.size());
+  FP4KV_RETURN_IF_ERROR(s.MakeAvailable(n, "SwapIn"));
+  internal::ScopedDevice scoped;
+  FP4KV_RETURN_IF_ERROR(scoped.Set(s.options.device));
+  std::vector<int32_t> pages;
+  pages.reserve(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) pages.push_back(s.allocator.Allocate());
+  int event = -1;
+  if (s.cuda && n > 0) {
+    if (absl::Status st =
+            s.EnqueueSwapCopy(pages, q->host_pages, /*to_host=*/false, stream, &event);
+        !st.ok()) {
+      for (size_t j = pages.size(); j-- > 0;) s.allocator.Release(pages[j]);
+      return st;
+    }
+  } else if (n > 0) {
+    internal::ReferencePageCopy(s.HostToPool(q->host_pages.data(), pages.data(), n));
+  }
+  for (int32_t h : q->host_pages) s.host.free_pages.push_back(h);
+  q->host_pages.clear();
+  q->pages = std::move(pages);
+  ++q->epoch;
+  q->swapped = false;
+  q->swapin_event = event;
+  if (event >= 0) s.host.event_refs[event] = 1;
+  s.host.bytes_swapped_in += n * s.PageBytesAllLayers();
+  return absl::OkStatus();
+}
+
+}  // namespace fp4kv

@@ -1,0 +1,199 @@
+// Internal (KVCache): byte layouts of the pools and the step buffers, owned
+// allocations, and the current-device scope.
+#ifndef FP4KV_SRC_KV_CACHE_MEMORY_H_
+#define FP4KV_SRC_KV_CACHE_MEMORY_H_
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "fp4kv/geometry.h"
+#include "fp4kv/tensor.h"
+#include "src/cuda_util.h"
+#include "src/status_macros.h"
+
+namespace fp4kv {
+namespace internal {
+
+constexpr int64_t kRegionAlign = 256;  // every pool region and step buffer
+constexpr int64_t kHostAlign = 256;    // as cudaMalloc: regions stay 256-byte aligned
+// Longest sequence of the default max_pages_per_seq (KVCacheOptions).
+constexpr int64_t kDefaultMaxSeqTokens = 32768;
+// CTAs of a page copy to or from host memory (PCIe-bound; see PageCopyParams).
+constexpr int kHostCopyCtas = 512;
+
+inline int64_t RoundUp(int64_t x, int64_t a) { return (x + a - 1) / a * a; }
+
+inline int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Where one kind of bytes lives in a layer of the pool.
+struct Region {
+  int64_t offset = 0;      // bytes from the start of the layer
+  int64_t page_bytes = 0;  // bytes of one page of this kind
+};
+
+// Byte layout of the pools: layer l's region r is at l * layer_bytes +
+// regions[r].offset, pages contiguous inside it ([P, ...] row-major).
+struct PoolLayout {
+  Region regions[4];  // K data, V data, K scales, V scales
+  int64_t layer_bytes = 0;
+  int64_t total_bytes = 0;
+};
+
+// False when a size does not fit in int64 (nothing that large can be
+// allocated anyway).
+bool ComputePoolLayout(const CacheGeometry& g, int num_layers, PoolLayout* out);
+
+// Byte offsets of the step buffers. The staging (host) copy holds
+// [0, staging_bytes); the device copy also holds the FP8 block tables (written
+// by the materializer) and the scales.
+struct StepLayout {
+  int64_t seq_lens = 0, kv_indptr = 0, token_indptr = 0, slots = 0, tables = 0;
+  int64_t staging_bytes = 0;
+  int64_t fp8_tables = 0, scales = 0;
+  // Scale state: calibrated flags [L, 2] i32, calibration scratch [L, 4] u32,
+  // scale-event counters [L, 4] u64, old scales of a re-encode [L, 2] f32.
+  int64_t flags = 0, calib = 0, events = 0, old_scales = 0;
+  // ReadSequence's block table [max_pages_per_seq] i32 and length [1] i32.
+  int64_t readback = 0;
+  // Page ids of an export or import [max_pages_per_seq] i32 (the caller's
+  // stream), of a swap [2, max_pages_per_seq] i32 (the copy stream), and an
+  // image's scale table [L, 4] f32 + [L, 2] i32.
+  int64_t xfer_ids = 0, swap_ids = 0, import_scales = 0, adopt_mask = 0;  // mask [L, 2] u8
+  int64_t device_bytes = 0;
+};
+
+// The offsets for the given capacities.
+StepLayout ComputeStepLayout(int64_t seqs, int64_t tokens, int64_t pages_per_seq, int layers);
+
+// One owned allocation: host (256-byte aligned), pinned host, or device.
+class Memory {
+ public:
+  enum class Kind { kNone, kHost, kPinned, kPinnedMapped, kDevice };
+
+  Memory() = default;
+  ~Memory() { Reset(); }
+  Memory(Memory&& o) noexcept : kind_(o.kind_), ptr_(o.ptr_) {
+    o.kind_ = Kind::kNone;
+    o.ptr_ = nullptr;
+  }
+  Memory& operator=(Memory&& o) noexcept {
+    if (this != &o) {
+      Reset();
+      kind_ = o.kind_;
+      ptr_ = o.ptr_;
+      o.kind_ = Kind::kNone;
+      o.ptr_ = nullptr;
+    }
+    return *this;
+  }
+  Memory(const Memory&) = delete;
+  Memory& operator=(const Memory&) = delete;
+
+  // Allocates and zeroes `bytes` (> 0). Device memory goes on the current
+  // CUDA device.
+  absl::Status Allocate(Kind kind, int64_t bytes, const char* what) {
+    Reset();
+    void* p = nullptr;
+    const size_t n = static_cast<size_t>(RoundUp(bytes, kHostAlign));
+    cudaError_t err = cudaSuccess;
+    switch (kind) {
+      case Kind::kHost:
+        p = std::aligned_alloc(kHostAlign, n);
+        if (p != nullptr) std::memset(p, 0, n);
+        break;
+      case Kind::kPinned:
+      case Kind::kPinnedMapped:
+        err = cudaHostAlloc(&p, n,
+                            kind == Kind::kPinned ? cudaHostAllocDefault : cudaHostAllocMapped);
+        if (err == cudaSuccess) std::memset(p, 0, n);
+        break;
+      case Kind::kDevice:
+        err = cudaMalloc(&p, n);
+        if (err == cudaSuccess) {
+          err = cudaMemset(p, 0, n);
+          if (err != cudaSuccess) {
+            (void)cudaFree(p);
+            return CudaStatus(err, "cudaMemset");
+          }
+        }
+        break;
+      case Kind::kNone:
+        break;
+    }
+    if (err != cudaSuccess) (void)cudaGetLastError();
+    if (p == nullptr || err != cudaSuccess) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("KVCache::Create: cannot allocate ", bytes, " bytes for ", what,
+                       err != cudaSuccess ? absl::StrCat(" (", cudaGetErrorName(err), ")") : ""));
+    }
+    kind_ = kind;
+    ptr_ = static_cast<uint8_t*>(p);
+    return absl::OkStatus();
+  }
+
+  uint8_t* get() const { return ptr_; }
+
+ private:
+  void Reset() {
+    if (ptr_ == nullptr) return;
+    switch (kind_) {
+      case Kind::kHost:
+        std::free(ptr_);
+        break;
+      case Kind::kPinned:
+      case Kind::kPinnedMapped:
+        (void)cudaFreeHost(ptr_);
+        break;
+      case Kind::kDevice:
+        (void)cudaFree(ptr_);
+        break;
+      case Kind::kNone:
+        break;
+    }
+    ptr_ = nullptr;
+    kind_ = Kind::kNone;
+  }
+
+  Kind kind_ = Kind::kNone;
+  uint8_t* ptr_ = nullptr;
+};
+
+// Makes `device` current for a scope (CUDA only) and restores the previous
+// device at exit.
+class ScopedDevice {
+ public:
+  ScopedDevice() = default;
+  absl::Status Set(const Device& device) {
+    if (!device.is_cuda()) return absl::OkStatus();
+    FP4KV_CUDA_RETURN_IF_ERROR(cudaGetDevice(&previous_));
+    if (previous_ != device.ordinal) {
+      FP4KV_CUDA_RETURN_IF_ERROR(cudaSetDevice(device.ordinal));
+      changed_ = true;
+    }
+    return absl::OkStatus();
+  }
+  ~ScopedDevice() {
+    if (changed_) (void)cudaSetDevice(previous_);
+  }
+  ScopedDevice(const ScopedDevice&) = delete;
+  ScopedDevice& operator=(const ScopedDevice&) = delete;
+
+ private:
+  int previous_ = 0;
+  bool changed_ = false;
+};
+
+// The most pages (at most INT32_MAX; 0 if not even one) of geometry g whose
+// pools for num_layers layers fit in budget bytes, with their layout.
+int64_t MostPagesWithin(const CacheGeometry& g, int num_layers, int64_t budget,
+                        internal::PoolLayout* layout);
+
+}  // namespace internal
+}  // namespace fp4kv
+
+#endif  // FP4KV_SRC_KV_CACHE_MEMORY_H_

@@ -1,0 +1,366 @@
+// Internal (KVCache): the state of a cache, grouped by owner. Each group is
+// changed by one unit of src/kv_cache/ (named on it); the others only read it.
+// KVCache (include/fp4kv/kv_cache.h) is the facade over these units.
+#ifndef FP4KV_SRC_KV_CACHE_STATE_H_
+#define FP4KV_SRC_KV_CACHE_STATE_H_
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <memory>
+#include <unordered_map>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
+#include "absl/types/span.h"
+#include "fp4kv/kv_cache.h"
+#include "src/cuda_util.h"
+#include "src/kv_cache/memory.h"
+#include "src/kv_event_queue.h"
+#include "src/page_pool.h"
+#include "src/params.h"
+#include "src/prefix_hash.h"
+#include "src/status_macros.h"
+
+namespace fp4kv {
+namespace internal {
+
+// One sequence (owner: sequences.cc; the step builder appends, the prefix
+// index keeps `chain`, the host tier `swapped`, `host_pages`, `swapin_event`).
+struct Sequence {
+  SequenceId id = 0;  // of the live sequence in this slot
+  bool live = false;
+  int64_t length = 0;
+  std::vector<int32_t> pages;  // ceil(length / page_size) entries
+  // Bumped whenever an existing block-table entry changes or pages are
+  // removed (copy on write, truncation); appends only push.
+  uint64_t epoch = 0;
+  uint64_t mark = 0;  // step stamp: duplicate detection
+  TokenChain chain;   // page hashes (prefix caching)
+  // Host tier: swapped out (pages empty once the copy is seen done;
+  // host_pages holds ceil(length / page_size) host pages).
+  bool swapped = false;
+  std::vector<int32_t> host_pages;
+  int swapin_event = -1;  // copy of a SwapIn not yet waited for by a stream
+};
+
+// The sequences (owner: sequences.cc). Ids count up from 1 and are never
+// reused; slot_of maps a live id to its slot in `all`.
+struct SequenceTable {
+  std::vector<Sequence> all;
+  std::vector<uint32_t> free_slots;
+  SequenceId next_id = 1;
+  std::unordered_map<SequenceId, uint32_t> slot_of;
+  int64_t live = 0;
+};
+
+// Pools and step buffers as allocated (owner: create.cc; fixed after Create).
+struct MemoryState {
+  PoolLayout pool;
+  StepLayout step_layout;
+  Memory pools;
+  Memory device_step;  // CPU: also the staging
+  Memory staging;      // CUDA only (pinned)
+  uint8_t* d_step = nullptr;
+};
+
+// The current step and its staging (owner: step.cc).
+struct StepState {
+  // What row b of the staging block tables holds: the first `count` pages of
+  // sequence `seq` as of `epoch`.
+  struct Row {
+    SequenceId seq = 0;
+    uint64_t epoch = 0;
+    int32_t count = 0;
+  };
+  cudaEvent_t upload_done = nullptr;
+  bool upload_pending = false;
+  // Staging (host) pointers.
+  int32_t* h_seq_lens = nullptr;
+  int32_t* h_kv_indptr = nullptr;
+  int32_t* h_token_indptr = nullptr;
+  int64_t* h_slots = nullptr;
+  int32_t* h_tables = nullptr;
+  StepViews views;
+  StepInfo info;
+  uint64_t step_serial = 0;  // committed PrepareSteps
+  std::vector<Row> rows;
+  int64_t slot_extent = 0;  // staging slots [0, slot_extent) may be >= 0
+  int rows_used = 0;
+  uint64_t stamp = 0;
+  // PrepareStep scratch (sized once).
+  std::vector<int32_t> claim;        // [num_pages]
+  std::vector<Sequence*> step_seqs;  // [max_seqs_per_step]
+  std::vector<int32_t> cow_src;      // pages to copy, in entry order
+  std::vector<int> cow_entry;        // entry index of each copy
+  std::vector<int32_t> cow_dst;
+};
+
+// Global scales and their bookkeeping (owner: scales.cc; the bound appender
+// records its launches, hence the mutable members).
+struct ScaleState {
+  float* d_scales = nullptr;       // [L, 4]: K global, V global, K fp8, V fp8
+  int32_t* d_flags = nullptr;      // [L, 2]: K, V calibrated
+  uint32_t* d_calib = nullptr;     // [L, 4]: calibration scratch (zero between launches)
+  uint64_t* d_events = nullptr;    // [L, 4]: scale-event counters
+  float* d_old_scales = nullptr;   // [L, 2]: scales before a re-encode
+  Memory mapped_flags;             // CUDA: [L, 2] host-visible mirror of d_flags
+  int32_t* h_flags = nullptr;      // the mirror (CPU: d_flags itself)
+  int32_t* h_flags_dev = nullptr;  // its device address (CUDA), for the kernel
+  // Scale-change bookkeeping (see KVCache::LayerTokens).
+  mutable std::vector<uint64_t> layer_append_serial;  // [L] step of the last append
+  mutable std::vector<uint8_t> layer_captured;        // [L] an append was captured
+  bool all_calibrated = false;                        // sticky: a layer never goes back to pending
+  // Scales the host knows ([L, 4] as d_scales; known[l]: given at Create or
+  // by UpdateGlobalScales, not computed on the device since).
+  std::vector<float> known_scales;
+  std::vector<uint8_t> known;
+};
+
+// The prefix index beside the page pool (owner: prefix.cc).
+struct PrefixState {
+  explicit PrefixState(size_t max_events) : events(max_events) {}
+  bool enabled = false;
+  KVEventQueue events;
+  int64_t queries = 0, query_tokens = 0, hit_tokens = 0;
+  mutable std::vector<uint8_t> hash_scratch;
+  mutable std::vector<BlockHash> match_hashes;
+  mutable std::vector<int32_t> match_pages;
+  // Token id of every slot (page * page_size + entry) written by a tracked
+  // sequence: a page's ids travel with it (forks, matches, truncations).
+  std::vector<int32_t> page_tokens;
+  std::vector<uint32_t> unhashed;  // sequence slots with completed, unhashed pages
+};
+
+class KVCacheState;
+
+// What an ImportReservation handle points at: alive exactly as long as the
+// cache state (handles hold weak references).
+struct ReservationBook {
+  KVCacheState* state = nullptr;
+};
+
+// Export and import (owner: images.cc).
+struct ImageState {
+  struct Reservation {
+    SequenceImageHeader header;
+    std::vector<int32_t> pages;
+  };
+  std::shared_ptr<ReservationBook> book;
+  std::unordered_map<uint64_t, Reservation> reservations;
+  uint64_t next_reservation = 1;
+  int64_t reserved_pages = 0;
+  mutable int64_t bytes_exported = 0;
+  int64_t bytes_imported = 0;
+};
+
+// The host tier (owner: host_tier.cc): pinned host pages laid out like the
+// pools ([L][K data, V data, K scales, V scales][host pages]).
+struct HostTierState {
+  // SwapOut copies in flight, in copy-stream order. seq 0: the sequence was
+  // swapped back in (keeping its pages) or released (orphan: its pages,
+  // dropped when the copy is done).
+  struct SwapOutCopy {
+    int event = -1;
+    SequenceId seq = 0;
+    std::vector<int32_t> orphan;
+  };
+  int64_t pages_total = 0;
+  PoolLayout layout;
+  Memory pool;
+  uint8_t* pool_dev = nullptr;      // its device address (CUDA) or itself
+  std::vector<int32_t> free_pages;  // stack of free host pages
+  cudaStream_t copy_stream = nullptr;
+  cudaEvent_t copy_ready = nullptr;    // recorded on the caller's stream, waited by the copy stream
+  cudaEvent_t copy_drained = nullptr;  // recorded on the copy stream, waited by the caller's
+  std::vector<cudaEvent_t> swap_events;
+  std::vector<int> free_events;
+  std::vector<int> event_refs;  // sequences waiting on a SwapIn event
+  std::vector<SwapOutCopy> outs;
+  int64_t bytes_swapped_out = 0, bytes_swapped_in = 0;
+};
+// The whole state of a KVCache; heap-allocated so that its address (held by
+// the bound op objects) survives moves of the KVCache. The methods are defined
+// in the file of the group they change.
+class KVCacheState {
+ public:
+  using Sequence = internal::Sequence;
+  using Reservation = ImageState::Reservation;
+  using Row = StepState::Row;
+  using SwapOutCopy = HostTierState::SwapOutCopy;
+
+  KVCacheState(int32_t num_pages, size_t max_events)
+      : prefix(max_events), allocator(num_pages, &prefix.events) {}
+  ~KVCacheState();
+
+  absl::Status CheckLayer(int layer) const;
+
+  Sequence* Find(SequenceId id);
+  const Sequence* Find(SequenceId id) const;
+  static absl::Status Unknown(const char* name, SequenceId id);
+  // The live sequence `id` whose pages are on the device: NotFound naming
+  // `name` when unknown, FailedPrecondition naming `call` when swapped out.
+  absl::StatusOr<Sequence*> FindResident(SequenceId id, const char* call, const char* name = "seq");
+  absl::StatusOr<const Sequence*> FindResident(SequenceId id, const char* call,
+                                               const char* name = "seq") const;
+
+  PagedCache LayerCache(int layer) const;
+
+  // Copies page `src` to page `dst` in every layer, K and V, data and scales:
+  // on `stream` for CUDA, now for the CPU.
+  absl::Status CopyPage(int32_t src, int32_t dst, Stream stream);
+
+  // Token slots holding data (shared pages counted once); see Stats().
+  int64_t TokensResident() const;
+
+  // Tokens whose bytes in `layer` were written (or enqueued) under its
+  // current scales: the resident ones, less the current step's new tokens
+  // while this layer's appender has not run for the step (and never ran in
+  // a capture, whose replays the host cannot see).
+  int64_t TokensHeld(int layer) const;
+
+  // True while the host has not seen both of the layer's scales calibrated.
+  bool LayerPending(int layer) const;
+
+  absl::Status CheckScaleChange(int layer, StoredTokens stored, bool* reencode) const;
+
+  // Enqueues a copy of the layer's current K and V global scales into
+  // d_old_scales (the source of a re-encode).
+  absl::Status SaveOldScales(int layer, Stream stream);
+
+  // Requantizes every block of the layer's K and V pools from d_old_scales
+  // to d_scales.
+  absl::Status Reencode(int layer, Stream stream) const;
+
+  // Marks layers [first, first + count) calibrated on the device (enqueued
+  // on `stream`) and in the host mirror.
+  absl::Status MarkCalibrated(int first, int count, Stream stream);
+
+  // Fixed at Create.
+  KVCacheOptions options;
+  CacheGeometry geometry;
+  bool cuda = false;
+  MemoryState mem;
+  // Changing state, by owner.
+  SequenceTable sequences;
+  StepState step;
+  ScaleState scales;
+  PrefixState prefix;  // before the allocator, which reports to its event queue
+  PagePool allocator;  // src/page_pool: free / cached / used pages
+  ImageState images;
+  HostTierState host;
+
+  int64_t PageBytesAllLayers() const;
+
+  PageCopyParams HostCopy(const int32_t* src, const int32_t* dst, int64_t n, bool to_host) const;
+  PageCopyParams PoolToHost(const int32_t* pages, const int32_t* host, int64_t n) const;
+  PageCopyParams HostToPool(const int32_t* host, const int32_t* pages, int64_t n) const;
+
+  absl::Status TakeEvent(int* out);
+
+  // Copies pages between the pool and the host tier on the copy stream,
+  // after the work on `stream` so far; *event is recorded after the copy.
+  absl::Status EnqueueSwapCopy(const std::vector<int32_t>& pages,
+                               const std::vector<int32_t>& host_ids, bool to_host, Stream stream,
+                               int* event);
+
+  // A new empty sequence (KVCache::CreateSequence).
+  SequenceId NewSequence();
+
+  // Drops the sequence's device page references.
+  void ReleasePages(Sequence& q);
+
+  void FinishOut(SwapOutCopy& c);
+
+  // Drops the device pages of the SwapOut copies that are done (event
+  // queries, no sync).
+  void PollSwaps();
+
+  absl::Status WaitSwapOuts();
+
+  // The device pages unfinished SwapOut copies will release that become
+  // free (*to_free) or cached (*to_cached, indexed): those held only there.
+  void PendingReleases(int64_t* to_free, int64_t* to_cached) const;
+
+  int64_t PagesSwapPending() const;
+
+  void DropSwapIn(Sequence& q);
+
+  // Makes `stream` wait for everything enqueued on the copy stream so far
+  // (before a kernel that rewrites the whole pool: a re-encode).
+  absl::Status OrderAfterCopies(Stream stream);
+
+  // Makes `stream` wait for the SwapIn copy that filled q's pages, if any.
+  absl::Status OrderAfterSwapIn(const Sequence& q, Stream stream) const;
+
+  // Tokens of swapped-out sequences, and one of them.
+  int64_t SwappedTokens(SequenceId* any = nullptr) const;
+
+  // Frees pages held by finished SwapOut copies, waits for unfinished ones
+  // when they are needed; ResourceExhausted when n pages are not there.
+  absl::Status MakeAvailable(int64_t n, const char* what);
+
+  // XXH3-64 of every layer's scales when the host knows them all.
+  bool ScaleFingerprint(uint64_t* out) const;
+
+  // True once the host has seen every layer's scales calibrated: only then
+  // are pages indexed (bytes written under a pending layer's placeholder
+  // scale must not be shared).
+  bool Calibrated();
+
+  // The longest indexed prefix of `prompt` in whole pages, leaving at least
+  // one token: their hashes and pages (into the given vectors).
+  void MatchPages(absl::Span<const int32_t> prompt, absl::string_view key,
+                  std::vector<BlockHash>* hashes, std::vector<int32_t>* pages) const;
+
+  // After a committed append of entry `e` to `q` (its slots at h_slots[tok0
+  // ..]): records the token ids with the pages and queues the sequence when
+  // pages were completed (FlushIndex hashes and indexes them).
+  void CommitTokens(Sequence& q, const StepEntry& e, int64_t tok0);
+
+  // Hashes the completed pages of the queued sequences and indexes them (one
+  // kBlockStored event per run of consecutive newly indexed pages). Called
+  // before anything reads the index or frees pages, so the index is as if
+  // PrepareStep had done it.
+  void FlushIndex();
+
+  // The token ids recorded for a page (page_size of them).
+  absl::Span<const int32_t> PageTokens(int32_t page) const;
+
+  void ClearPrefixIndex();
+};
+
+// InvalidArgument unless `v` is a valid global scale; names `name`[layer].
+absl::Status CheckScale(float v, const char* name, int layer);
+
+// Undoes the copy-on-write claims of a step check on every exit.
+struct ClaimReset {
+  KVCacheState& s;
+  ~ClaimReset() {
+    for (int32_t p : s.step.cow_src) s.step.claim[p] = 0;
+  }
+};
+
+// Pass 1 of a step: checks the entries and counts the pages they need
+// (copies included); changes nothing but scratch (marks, claims, cow_src,
+// cow_entry, step_seqs). The caller holds a ClaimReset.
+absl::Status CheckStepEntries(KVCacheState& s, absl::Span<const StepEntry> entries,
+                              int64_t* need_out);
+
+// What a call on a moved-from KVCache returns.
+absl::Status MovedFrom();
+
+}  // namespace internal
+}  // namespace fp4kv
+
+// Returns FailedPrecondition from a KVCache member function of a moved-from
+// cache.
+#define FP4KV_KV_RETURN_IF_MOVED_FROM()                           \
+  do {                                                            \
+    if (state_ == nullptr) return ::fp4kv::internal::MovedFrom(); \
+  } while (0)
+
+#endif  // FP4KV_SRC_KV_CACHE_STATE_H_
