@@ -132,24 +132,23 @@ absl::Status PrepareDecodeAttention(const DecodeAttention::Options& o,
   int previous = 0;
   FP4KV_CUDA_RETURN_IF_ERROR(cudaGetDevice(&previous));
   if (previous != o.device.ordinal) FP4KV_CUDA_RETURN_IF_ERROR(cudaSetDevice(o.device.ordinal));
-  absl::Status st;
-  switch (o.geometry.head_dim_v) {
-    case 64:
-      st = PrepareForDim<64>(o, out);
-      break;
-    case 128:
-      st = PrepareForDim<128>(o, out);
-      break;
-    case 256:
-      st = PrepareForDim<256>(o, out);
-      break;
-    default:
-      st = absl::UnimplementedError(absl::StrCat("DecodeAttention on CUDA: head_dim ",
-                                                 o.geometry.head_dim_v, " (64, 128, 256)"));
-  }
+  // Initialized from a lambda: nvcc warns (#2810) on assigning to a Status.
+  absl::Status st = [&]() -> absl::Status {
+    switch (o.geometry.head_dim_v) {
+      case 64:
+        return PrepareForDim<64>(o, out);
+      case 128:
+        return PrepareForDim<128>(o, out);
+      case 256:
+        return PrepareForDim<256>(o, out);
+      default:
+        return absl::UnimplementedError(absl::StrCat("DecodeAttention on CUDA: head_dim ",
+                                                     o.geometry.head_dim_v, " (64, 128, 256)"));
+    }
+  }();
   if (previous != o.device.ordinal) {
     const cudaError_t err = cudaSetDevice(previous);
-    if (st.ok() && err != cudaSuccess) st = CudaStatus(err, "cudaSetDevice(restore)");
+    if (st.ok() && err != cudaSuccess) return CudaStatus(err, "cudaSetDevice(restore)");
   }
   return st;
 }
