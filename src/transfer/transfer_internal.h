@@ -115,6 +115,10 @@ void SealFrame(void* frame, int64_t bytes);
 // DataLoss naming what is wrong.
 absl::Status CheckFrame(const void* frame, int64_t bytes, FrameKind kind, uint64_t round,
                         int max_count);
+// An entry's status: the code and the message (cut to kEntryMessageBytes - 1
+// bytes) of `s`, and back, the message prefixed by `what`.
+void SetMessage(FrameEntry& e, const absl::Status& s);
+absl::Status EntryStatus(const FrameEntry& e, const char* what);
 
 }  // namespace internal
 }  // namespace fp4kv
