@@ -210,7 +210,9 @@ int Prefill(const Flags& f, const fp4kv::NcclUniqueId& id) {
   int64_t tokens = 0;
   for (int s = 0; s < f.seqs; ++s) {
     const int64_t len = f.min_len + static_cast<int64_t>(rng() % (f.max_len - f.min_len + 1));
-    const SequenceId seq = cache.CreateSequence().value();
+    absl::StatusOr<SequenceId> created = cache.CreateSequence();
+    CHECK_OK(created.status());
+    const SequenceId seq = *created;
     CHECK_OK(cache.PrepareStep({{seq, static_cast<int32_t>(len)}}, stream).status());
     for (int l = 0; l < f.layers; ++l) {
       for (int kv = 0; kv < 2; ++kv) {

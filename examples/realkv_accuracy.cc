@@ -152,8 +152,12 @@ bool RoundTrip(fp4kv::KeyFormat key_format, const fp4kv::Recipe& recipe, float h
     std::fprintf(stderr, "KVCache::Create: %s\n", cache.status().ToString().c_str());
     return false;
   }
-  const fp4kv::SequenceId seq = cache->CreateSequence().value();
-  const fp4kv::StepEntry entry{seq, kTokens};
+  absl::StatusOr<fp4kv::SequenceId> seq = cache->CreateSequence();
+  if (!seq.ok()) {
+    std::fprintf(stderr, "CreateSequence: %s\n", seq.status().ToString().c_str());
+    return false;
+  }
+  const fp4kv::StepEntry entry{*seq, kTokens};
   absl::StatusOr<fp4kv::StepInfo> info = cache->PrepareStep({&entry, 1});
   absl::StatusOr<fp4kv::CacheAppender> app = cache->appender(DType::kBF16);
   if (!info.ok() || !app.ok()) {
@@ -167,7 +171,7 @@ bool RoundTrip(fp4kv::KeyFormat key_format, const fp4kv::Recipe& recipe, float h
   k_out->assign(k.size(), 0);
   v_out->assign(v.size(), 0);
   if (s.ok()) {
-    s = cache->ReadSequence(0, seq, TensorView::Contiguous(k_out->data(), DType::kF16, shape),
+    s = cache->ReadSequence(0, *seq, TensorView::Contiguous(k_out->data(), DType::kF16, shape),
                             TensorView::Contiguous(v_out->data(), DType::kF16, shape));
   }
   if (!s.ok()) std::fprintf(stderr, "append / read: %s\n", s.ToString().c_str());

@@ -554,7 +554,9 @@ int main(int argc, char** argv) {
         r.stored = static_cast<int>(ps->cached_tokens);
         prefill_saved += ps->cached_tokens;
       } else {
-        r.seq = cache.CreateSequence().value();
+        absl::StatusOr<SequenceId> created = cache.CreateSequence();
+        CHECK_OK(created.status());
+        r.seq = *created;
       }
       r.state = Request::kPrefill;
       active.push_back(r.id);

@@ -127,11 +127,21 @@ absl::StatusOr<AttentionParams> MakeAttentionParams(const DecodeAttention::Optio
                                                     const DecodeAttentionArgs& a,
                                                     const PagedCache& cache, void* workspace,
                                                     int64_t workspace_bytes, int num_sms) {
+  CachePools pools;
+  FP4KV_RETURN_IF_ERROR(CheckCache(cache, o.geometry, o.device, &pools.k, &pools.v));
+  return MakeAttentionParams(o, a, pools, workspace, workspace_bytes, num_sms);
+}
+
+absl::StatusOr<AttentionParams> MakeAttentionParams(const DecodeAttention::Options& o,
+                                                    const DecodeAttentionArgs& a,
+                                                    const CachePools& pools, void* workspace,
+                                                    int64_t workspace_bytes, int num_sms) {
   const CacheGeometry& g = o.geometry;
   const Device& dev = o.device;
   const int hq = o.num_qo_heads;
   AttentionParams p;
-  FP4KV_RETURN_IF_ERROR(CheckCache(cache, g, dev, &p.k, &p.v));
+  p.k = pools.k;
+  p.v = pools.v;
 
   // Requests: seq_lens decides B, the block tables follow it.
   FP4KV_RETURN_IF_ERROR(CheckTensor(a.seq_lens, "seq_lens", DType::kI32, {kAny}, dev));
@@ -238,6 +248,21 @@ absl::StatusOr<AttentionParams> MakeAttentionParams(const DecodeAttention::Optio
   p.num_sms = num_sms;
   return p;
 }
+
+absl::Status DecodeAttentionRunner::Run(const DecodeAttention& op, const DecodeAttentionArgs& a,
+                                        const CachePools& pools, void* workspace,
+                                        int64_t workspace_bytes, Stream stream) {
+  absl::StatusOr<AttentionParams> p =
+      MakeAttentionParams(op.options_, a, pools, workspace, workspace_bytes, op.num_sms_);
+  if (!p.ok()) return p.status();
+  if (p->total_q == 0) return absl::OkStatus();
+  p->merge_overlaps = op.merge_overlaps_;
+  if (!op.options_.device.is_cuda()) {
+    ReferenceDecodeAttention(*p);
+    return absl::OkStatus();
+  }
+  return LaunchDecodeAttention(*p, stream);
+}
 }  // namespace internal
 
 absl::Status DecodeAttention::Run(const DecodeAttentionArgs& args, const PagedCache& cache,
@@ -246,16 +271,11 @@ absl::Status DecodeAttention::Run(const DecodeAttentionArgs& args, const PagedCa
     return absl::FailedPreconditionError(
         "DecodeAttention: expected an op from Create(), got a default-constructed one");
   }
-  absl::StatusOr<internal::AttentionParams> p =
-      internal::MakeAttentionParams(options_, args, cache, workspace, workspace_bytes, num_sms_);
-  if (!p.ok()) return p.status();
-  if (p->total_q == 0) return absl::OkStatus();
-  p->merge_overlaps = merge_overlaps_;
-  if (!options_.device.is_cuda()) {
-    internal::ReferenceDecodeAttention(*p);
-    return absl::OkStatus();
-  }
-  return internal::LaunchDecodeAttention(*p, stream);
+  internal::CachePools pools;
+  FP4KV_RETURN_IF_ERROR(
+      internal::CheckCache(cache, options_.geometry, options_.device, &pools.k, &pools.v));
+  return internal::DecodeAttentionRunner::Run(*this, args, pools, workspace, workspace_bytes,
+                                              stream);
 }
 
 absl::Status DecodeAttentionPaged(const DecodeAttention::Options& options,

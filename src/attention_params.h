@@ -102,6 +102,24 @@ absl::StatusOr<AttentionParams> MakeAttentionParams(const DecodeAttention::Optio
                                                     const PagedCache& cache, void* workspace,
                                                     int64_t workspace_bytes, int num_sms = 0);
 
+// The same for a cache whose views were checked once already (CheckCache
+// against the options' geometry and device): only the call's own views are
+// checked here.
+absl::StatusOr<AttentionParams> MakeAttentionParams(const DecodeAttention::Options& o,
+                                                    const DecodeAttentionArgs& a,
+                                                    const CachePools& pools, void* workspace,
+                                                    int64_t workspace_bytes, int num_sms = 0);
+
+// DecodeAttention::Run on a cache whose views were checked once already (a
+// KVCache's bound attention): checks the call's views, fills the params and
+// dispatches them to the CPU reference or the CUDA launcher. A friend of
+// DecodeAttention: it reads the launch shape Create() settled.
+struct DecodeAttentionRunner {
+  static absl::Status Run(const DecodeAttention& op, const DecodeAttentionArgs& a,
+                          const CachePools& pools, void* workspace, int64_t workspace_bytes,
+                          Stream stream);
+};
+
 // Scratch bytes of the CUDA kernel for these options (kernels/attention.cu).
 int64_t AttentionWorkspaceBytes(const DecodeAttention::Options& o, int num_sms);
 

@@ -83,10 +83,18 @@ absl::StatusOr<Appender> Appender::Create(const Options& o) {
 namespace internal {
 absl::StatusOr<AppendParams> MakeAppendParams(const Appender::Options& o, const AppendArgs& a,
                                               const PagedCache& cache) {
+  CachePools pools;
+  FP4KV_RETURN_IF_ERROR(CheckCache(cache, o.geometry, o.device, &pools.k, &pools.v));
+  return MakeAppendParams(o, a, pools);
+}
+
+absl::StatusOr<AppendParams> MakeAppendParams(const Appender::Options& o, const AppendArgs& a,
+                                              const CachePools& pools) {
   const CacheGeometry& g = o.geometry;
   const Device& dev = o.device;
   internal::AppendParams p;
-  FP4KV_RETURN_IF_ERROR(internal::CheckCache(cache, g, dev, &p.k, &p.v));
+  p.k = pools.k;
+  p.v = pools.v;
   FP4KV_RETURN_IF_ERROR(CheckGiven(a.key, "append_key"));
   FP4KV_RETURN_IF_ERROR(CheckShape(a.key, "append_key", {kAny, g.num_kv_heads, g.head_dim_k}));
   const int64_t rows = a.key.shape[0];
@@ -159,18 +167,22 @@ absl::StatusOr<AppendParams> MakeAppendParams(const Appender::Options& o, const 
   p.fp8_keys = g.fp8_keys();
   return p;
 }
+
+absl::Status RunAppend(const Appender& op, const AppendParams& p, Stream stream) {
+  if (p.nnz == 0) return absl::OkStatus();
+  if (!op.options().device.is_cuda()) {
+    ReferenceAppend(p);
+    return absl::OkStatus();
+  }
+  return LaunchAppend(p, stream);
+}
 }  // namespace internal
 
 absl::Status Appender::Run(const AppendArgs& a, const PagedCache& cache, Stream stream) const {
   if (!created_) return NotCreated("Appender");
   absl::StatusOr<internal::AppendParams> p = internal::MakeAppendParams(options_, a, cache);
   if (!p.ok()) return p.status();
-  if (p->nnz == 0) return absl::OkStatus();
-  if (!options_.device.is_cuda()) {
-    internal::ReferenceAppend(*p);
-    return absl::OkStatus();
-  }
-  return internal::LaunchAppend(*p, stream);
+  return internal::RunAppend(*this, *p, stream);
 }
 
 // -------------------------------------------------------------- Dequantizer
@@ -184,10 +196,18 @@ absl::StatusOr<Dequantizer> Dequantizer::Create(const Options& o) {
 namespace internal {
 absl::StatusOr<DequantParams> MakeDequantParams(const Dequantizer::Options& o, const DequantArgs& a,
                                                 const PagedCache& cache) {
+  CachePools pools;
+  FP4KV_RETURN_IF_ERROR(CheckCache(cache, o.geometry, o.device, &pools.k, &pools.v));
+  return MakeDequantParams(o, a, pools);
+}
+
+absl::StatusOr<DequantParams> MakeDequantParams(const Dequantizer::Options& o, const DequantArgs& a,
+                                                const CachePools& pools) {
   const CacheGeometry& g = o.geometry;
   const Device& dev = o.device;
   internal::DequantParams p;
-  FP4KV_RETURN_IF_ERROR(internal::CheckCache(cache, g, dev, &p.k, &p.v));
+  p.k = pools.k;
+  p.v = pools.v;
   FP4KV_RETURN_IF_ERROR(CheckGiven(a.block_tables, "block_tables"));
   FP4KV_RETURN_IF_ERROR(CheckTableDType(a.block_tables.dtype, "block_tables"));
   FP4KV_RETURN_IF_ERROR(CheckDType(a.block_tables, "block_tables", {o.table_dtype}));
@@ -238,18 +258,22 @@ absl::StatusOr<DequantParams> MakeDequantParams(const Dequantizer::Options& o, c
   p.fp8_keys = g.fp8_keys();
   return p;
 }
+
+absl::Status RunDequantize(const Dequantizer& op, const DequantParams& p, Stream stream) {
+  if (p.batch_size == 0 || p.max_seq_len == 0 || p.max_pages == 0) return absl::OkStatus();
+  if (!op.options().device.is_cuda()) {
+    ReferenceDequantize(p);
+    return absl::OkStatus();
+  }
+  return LaunchDequantize(p, stream);
+}
 }  // namespace internal
 
 absl::Status Dequantizer::Run(const DequantArgs& a, const PagedCache& cache, Stream stream) const {
   if (!created_) return NotCreated("Dequantizer");
   absl::StatusOr<internal::DequantParams> p = internal::MakeDequantParams(options_, a, cache);
   if (!p.ok()) return p.status();
-  if (p->batch_size == 0 || p->max_seq_len == 0 || p->max_pages == 0) return absl::OkStatus();
-  if (!options_.device.is_cuda()) {
-    internal::ReferenceDequantize(*p);
-    return absl::OkStatus();
-  }
-  return internal::LaunchDequantize(*p, stream);
+  return internal::RunDequantize(*this, *p, stream);
 }
 
 // ------------------------------------------------------------- Materializer
@@ -279,10 +303,19 @@ namespace internal {
 absl::StatusOr<MaterializeParams> MakeMaterializeParams(const Materializer::Options& o,
                                                         const MaterializeArgs& a,
                                                         const PagedCache& cache) {
+  CachePools pools;
+  FP4KV_RETURN_IF_ERROR(CheckCache(cache, o.geometry, o.device, &pools.k, &pools.v));
+  return MakeMaterializeParams(o, a, pools);
+}
+
+absl::StatusOr<MaterializeParams> MakeMaterializeParams(const Materializer::Options& o,
+                                                        const MaterializeArgs& a,
+                                                        const CachePools& pools) {
   const CacheGeometry& g = o.geometry;
   const Device& dev = o.device;
   internal::MaterializeParams p;
-  FP4KV_RETURN_IF_ERROR(internal::CheckCache(cache, g, dev, &p.k, &p.v));
+  p.k = pools.k;
+  p.v = pools.v;
   FP4KV_RETURN_IF_ERROR(CheckGiven(a.block_tables, "block_tables"));
   FP4KV_RETURN_IF_ERROR(CheckTableDType(a.block_tables.dtype, "block_tables"));
   FP4KV_RETURN_IF_ERROR(CheckDType(a.block_tables, "block_tables", {o.table_dtype}));
@@ -349,6 +382,14 @@ absl::StatusOr<MaterializeParams> MakeMaterializeParams(const Materializer::Opti
   p.fp8_keys = g.fp8_keys();
   return p;
 }
+
+absl::Status RunMaterialize(const Materializer& op, const MaterializeParams& p, Stream stream) {
+  if (!op.options().device.is_cuda()) {
+    ReferenceMaterialize(p);
+    return absl::OkStatus();
+  }
+  return LaunchMaterialize(p, stream);
+}
 }  // namespace internal
 
 absl::Status Materializer::Run(const MaterializeArgs& a, const PagedCache& cache,
@@ -357,11 +398,7 @@ absl::Status Materializer::Run(const MaterializeArgs& a, const PagedCache& cache
   absl::StatusOr<internal::MaterializeParams> p =
       internal::MakeMaterializeParams(options_, a, cache);
   if (!p.ok()) return p.status();
-  if (!options_.device.is_cuda()) {
-    internal::ReferenceMaterialize(*p);
-    return absl::OkStatus();
-  }
-  return internal::LaunchMaterialize(*p, stream);
+  return internal::RunMaterialize(*this, *p, stream);
 }
 
 absl::StatusOr<float> MinFp8Scale(float g) {

@@ -361,6 +361,12 @@ FP4KV_HD int64_t MaterializePages(const MaterializeParams& p, int b) {
   return n;
 }
 
+// A cache's K and V pools as CheckCache (src/validate.h) fills them from its
+// views: what an op reads of a cache once the views are known to be valid.
+struct CachePools {
+  PoolPtrs k, v;
+};
+
 // Checks an op's per-call views against its (validated) options and fills
 // the params its reference and kernel read (src/ops.cc). Cheap: no device
 // access. Errors are InvalidArgument naming the argument.
@@ -374,6 +380,25 @@ absl::StatusOr<MaterializeParams> MakeMaterializeParams(const Materializer::Opti
 absl::StatusOr<QuantizeCacheParams> MakeQuantizeCacheParams(const PagedCacheQuantizer::Options& o,
                                                             const QuantizeCacheArgs& a,
                                                             const PagedCache& cache);
+
+// The same for a cache whose views were checked once already (CheckCache
+// against the op's geometry and device, e.g. when a KVCache binds an op):
+// only the call's own views are checked here.
+absl::StatusOr<AppendParams> MakeAppendParams(const Appender::Options& o, const AppendArgs& a,
+                                              const CachePools& pools);
+absl::StatusOr<DequantParams> MakeDequantParams(const Dequantizer::Options& o,
+                                                const DequantArgs& a, const CachePools& pools);
+absl::StatusOr<MaterializeParams> MakeMaterializeParams(const Materializer::Options& o,
+                                                        const MaterializeArgs& a,
+                                                        const CachePools& pools);
+
+// The second half of an op's Run(): dispatches filled params to the CPU
+// reference (synchronous) or the CUDA launcher on `stream`, after the op's
+// own early outs (nothing to do). `op` comes from Create(); `p` from the
+// Make*Params of its options.
+absl::Status RunAppend(const Appender& op, const AppendParams& p, Stream stream);
+absl::Status RunDequantize(const Dequantizer& op, const DequantParams& p, Stream stream);
+absl::Status RunMaterialize(const Materializer& op, const MaterializeParams& p, Stream stream);
 
 // CPU reference (src/reference/). Synchronous, host memory.
 void ReferenceAppend(const AppendParams& p);

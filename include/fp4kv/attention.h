@@ -66,6 +66,10 @@ struct DecodeAttentionArgs {
   GlobalScale v_scale;
 };
 
+namespace internal {
+struct DecodeAttentionRunner;  // src/attention_params.h
+}  // namespace internal
+
 class DecodeAttention {
  public:
   DecodeAttention() = default;  // Run() fails until assigned from Create()
@@ -107,6 +111,7 @@ class DecodeAttention {
   const Options& options() const { return options_; }
 
  private:
+  friend struct internal::DecodeAttentionRunner;
   DecodeAttention(const Options& o, int num_sms, int64_t workspace_bytes, bool merge_overlaps)
       : options_(o),
         num_sms_(num_sms),

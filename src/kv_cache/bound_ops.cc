@@ -1,7 +1,13 @@
 // KVCache bound ops: the op objects of a cache and their per-layer Run().
+// A bound op owns the op object it was bound with. The cache's pools are
+// checked against it once, at bind time; Run() checks only what depends on
+// the call (layer, the caller's views) and on the step, picks the layer's
+// pools and the step's tables, and hands them to the op.
 #include <algorithm>
 
+#include "src/attention_params.h"
 #include "src/kv_cache/state.h"
+#include "src/validate.h"
 
 namespace fp4kv {
 
@@ -18,6 +24,59 @@ absl::Status NotBound(const char* what, bool bound) {
   return absl::FailedPreconditionError(absl::StrCat(
       what, ": expected an op from a KVCache accessor, got a default-constructed one"));
 }
+
+// Layer `layer`'s pools as CheckCache fills them from s.LayerCache(layer):
+// the same pointers and byte strides, computed without looking at views.
+internal::CachePools LayerPools(const KVCacheState& s, int layer) {
+  const CacheGeometry& g = s.geometry;
+  const internal::PoolLayout& pool = s.mem.pool;
+  uint8_t* base = s.mem.pools.get() + layer * pool.layer_bytes;
+  const bool nhd = g.layout == Layout::kNHD;
+  auto side = [&](bool is_v) {
+    internal::PoolPtrs p;
+    const internal::Region& data = pool.regions[is_v ? 1 : 0];
+    const int64_t data_row = g.DataRowBytes(is_v);
+    p.data = base + data.offset;
+    p.data_page = data.page_bytes;
+    p.data_entry = nhd ? g.num_kv_heads * data_row : data_row;
+    p.data_head = nhd ? data_row : g.page_size * data_row;
+    if (const int64_t scale_row = g.ScaleRowBytes(is_v); scale_row > 0) {
+      const internal::Region& scales = pool.regions[is_v ? 3 : 2];
+      p.scales = base + scales.offset;
+      p.scale_page = scales.page_bytes;
+      p.scale_entry = nhd ? g.num_kv_heads * scale_row : scale_row;
+      p.scale_head = nhd ? scale_row : g.page_size * scale_row;
+    }
+    p.head_dim = is_v ? g.head_dim_v : g.head_dim_k;
+    return p;
+  };
+  return {side(false), side(true)};
+}
+
+bool SamePools(const internal::PoolPtrs& a, const internal::PoolPtrs& b) {
+  return a.data == b.data && a.scales == b.scales && a.data_page == b.data_page &&
+         a.data_entry == b.data_entry && a.data_head == b.data_head &&
+         a.scale_page == b.scale_page && a.scale_entry == b.scale_entry &&
+         a.scale_head == b.scale_head && a.head_dim == b.head_dim;
+}
+
+// The bind-time check of a cache's own views against an op's geometry and
+// device: every layer's pools pass CheckCache (what the op's Run() would
+// check on every call), and LayerPools gives what CheckCache fills. Run()
+// then uses LayerPools unchecked: the pools never change after Create.
+absl::Status CheckLayerPools(const KVCacheState& s, const CacheGeometry& g, const Device& device) {
+  for (int layer = 0; layer < s.options.num_layers; ++layer) {
+    internal::CachePools checked;
+    FP4KV_RETURN_IF_ERROR(
+        internal::CheckCache(s.LayerCache(layer), g, device, &checked.k, &checked.v));
+    const internal::CachePools computed = LayerPools(s, layer);
+    if (!SamePools(checked.k, computed.k) || !SamePools(checked.v, computed.v)) {
+      return absl::InternalError(
+          absl::StrCat("KVCache: the pool pointers of layer ", layer, " disagree with its views"));
+    }
+  }
+  return absl::OkStatus();
+}
 }  // namespace
 
 absl::StatusOr<CacheAppender> KVCache::appender(DType input_dtype) const {
@@ -27,6 +86,7 @@ absl::StatusOr<CacheAppender> KVCache::appender(DType input_dtype) const {
       Appender::Create({s.geometry, input_dtype, AppendIndexing::kSlot, s.options.recipe,
                         s.options.device, s.options.count_scale_events});
   if (!op.ok()) return op.status();
+  FP4KV_RETURN_IF_ERROR(CheckLayerPools(s, op->options().geometry, op->options().device));
   return CacheAppender(state_, *std::move(op));
 }
 
@@ -42,6 +102,7 @@ absl::StatusOr<CacheMaterializer> KVCache::materializer() const {
   }
   absl::StatusOr<Materializer> op = Materializer::Create({g, DType::kI32, false, s.options.device});
   if (!op.ok()) return op.status();
+  FP4KV_RETURN_IF_ERROR(CheckLayerPools(s, op->options().geometry, op->options().device));
   return CacheMaterializer(state_, *std::move(op));
 }
 
@@ -51,6 +112,7 @@ absl::StatusOr<CacheDequantizer> KVCache::dequantizer(DType output_dtype) const 
   absl::StatusOr<Dequantizer> op =
       Dequantizer::Create({s.geometry, output_dtype, DType::kI32, s.options.device});
   if (!op.ok()) return op.status();
+  FP4KV_RETURN_IF_ERROR(CheckLayerPools(s, op->options().geometry, op->options().device));
   return CacheDequantizer(state_, *std::move(op));
 }
 
@@ -73,6 +135,7 @@ absl::StatusOr<CacheAttention> KVCache::attention(const CacheAttentionOptions& c
   o.device = s.options.device;
   absl::StatusOr<DecodeAttention> op = DecodeAttention::Create(o);
   if (!op.ok()) return op.status();
+  FP4KV_RETURN_IF_ERROR(CheckLayerPools(s, op->options().geometry, op->options().device));
   return CacheAttention(state_, *std::move(op));
 }
 
@@ -112,7 +175,7 @@ absl::Status CacheAppender::Run(int layer, const TensorView& key, const TensorVi
   a.v_scale = GlobalScale::Pointer(s.scales.d_scales + 4 * layer + 1);
   if (s.options.count_scale_events) a.scale_events = s.scales.d_events + 4 * layer;
   absl::StatusOr<internal::AppendParams> p =
-      internal::MakeAppendParams(op_.options(), a, s.LayerCache(layer));
+      internal::MakeAppendParams(op_.options(), a, LayerPools(s, layer));
   if (!p.ok()) return p.status();
   internal::ScopedDevice scoped;
   if (s.cuda) {
@@ -151,11 +214,7 @@ absl::Status CacheAppender::Run(int layer, const TensorView& key, const TensorVi
       FP4KV_RETURN_IF_ERROR(internal::LaunchCalibrateRows(c, stream));
     }
   }
-  if (!s.cuda) {
-    internal::ReferenceAppend(*p);
-    return absl::OkStatus();
-  }
-  return internal::LaunchAppend(*p, stream);
+  return internal::RunAppend(op_, *p, stream);
 }
 
 absl::Status CacheMaterializer::Run(int layer, const TensorView& out, Stream stream) const {
@@ -178,7 +237,10 @@ absl::Status CacheMaterializer::Run(int layer, const TensorView& out, Stream str
   a.v_scale = GlobalScale::Pointer(s.scales.d_scales + 4 * layer + 1);
   a.k_fp8_scale = GlobalScale::Pointer(s.scales.d_scales + 4 * layer + 2);
   a.v_fp8_scale = GlobalScale::Pointer(s.scales.d_scales + 4 * layer + 3);
-  return op_.Run(a, s.LayerCache(layer), stream);
+  absl::StatusOr<internal::MaterializeParams> p =
+      internal::MakeMaterializeParams(op_.options(), a, LayerPools(s, layer));
+  if (!p.ok()) return p.status();
+  return internal::RunMaterialize(op_, *p, stream);
 }
 
 absl::Status CacheDequantizer::Run(int layer, const TensorView& k_out, const TensorView& v_out,
@@ -211,7 +273,10 @@ absl::Status CacheDequantizer::Run(int layer, const TensorView& k_out, const Ten
   a.v_out = v_out;
   a.k_scale = GlobalScale::Pointer(s.scales.d_scales + 4 * layer + 0);
   a.v_scale = GlobalScale::Pointer(s.scales.d_scales + 4 * layer + 1);
-  return op_.Run(a, s.LayerCache(layer), stream);
+  absl::StatusOr<internal::DequantParams> p =
+      internal::MakeDequantParams(op_.options(), a, LayerPools(s, layer));
+  if (!p.ok()) return p.status();
+  return internal::RunDequantize(op_, *p, stream);
 }
 
 absl::Status CacheAttention::Run(int layer, const TensorView& q, const TensorView& out,
@@ -261,7 +326,8 @@ absl::Status CacheAttention::Run(int layer, const TensorView& q, const TensorVie
   if (max_q_len > 1) a.q_indptr.shape[0] = batch + 1;
   a.k_scale = GlobalScale::Pointer(s.scales.d_scales + 4 * layer + 0);
   a.v_scale = GlobalScale::Pointer(s.scales.d_scales + 4 * layer + 1);
-  return op_.Run(a, s.LayerCache(layer), workspace, workspace_bytes, stream);
+  return internal::DecodeAttentionRunner::Run(op_, a, LayerPools(s, layer), workspace,
+                                              workspace_bytes, stream);
 }
 
 }  // namespace fp4kv

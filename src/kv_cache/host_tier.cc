@@ -184,7 +184,6 @@ int64_t KVCacheState::SwappedTokens(SequenceId* any) const {
 }
 
 absl::Status KVCacheState::MakeAvailable(int64_t n, const char* what) {
-  PollSwaps();
   if (n > allocator.available_count() && !host.outs.empty()) {
     FP4KV_RETURN_IF_ERROR(WaitSwapOuts());
   }

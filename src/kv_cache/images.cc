@@ -267,6 +267,7 @@ absl::StatusOr<ImportReservation> KVCache::ReserveImport(const SequenceImageHead
   FP4KV_KV_RETURN_IF_MOVED_FROM();
   KVCacheState& s = *state_;
   s.FlushIndex();
+  s.PollSwaps();
   // The fields must be those of a well-formed image.
   uint8_t wire[kSequenceImageHeaderBytes];
   SerializeSequenceImageHeader(header, wire);

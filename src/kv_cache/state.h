@@ -299,8 +299,9 @@ class KVCacheState {
   // Tokens of swapped-out sequences, and one of them.
   int64_t SwappedTokens(SequenceId* any = nullptr) const;
 
-  // Frees pages held by finished SwapOut copies, waits for unfinished ones
-  // when they are needed; ResourceExhausted when n pages are not there.
+  // Waits for unfinished SwapOut copies when their pages are needed (the
+  // caller polled the finished ones at its start); ResourceExhausted when n
+  // pages are not there.
   absl::Status MakeAvailable(int64_t n, const char* what);
 
   // XXH3-64 of every layer's scales when the host knows them all.
