@@ -1,6 +1,7 @@
 #include "src/page_pool.h"
 
 #include "absl/strings/str_cat.h"
+#include "src/status_macros.h"
 
 namespace fp4kv {
 namespace internal {
@@ -135,7 +136,9 @@ absl::Status PagePool::Validate() const {
   if (free_top_ < 0 || free_top_ > n) {
     return absl::InternalError(absl::StrCat("free stack size ", free_top_, " outside [0, ", n, "]"));
   }
-  std::vector<char> on_stack(ref_.size(), 0);
+  HostVector<char> on_stack;
+  FP4KV_RETURN_IF_ERROR(SizeHost(&on_stack, static_cast<int64_t>(ref_.size()), char{0},
+                                 "KVCache::CheckInvariants", "a flag per page"));
   if (!has_index_ && (head_ != -1 || lru_count_ != 0 || !index_.empty())) {
     return absl::InternalError("a pool without a prefix index has cached or indexed pages");
   }

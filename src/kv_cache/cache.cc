@@ -439,9 +439,14 @@ absl::Status KVCache::CheckInvariants() const {
   const KVCacheState& s = *state_;
   const int ps = s.geometry.page_size;
   FP4KV_RETURN_IF_ERROR(s.allocator.Validate());
-  std::vector<int32_t> refs(s.allocator.num_pages(), 0);
+  constexpr char kCall[] = "KVCache::CheckInvariants";
+  internal::HostVector<int32_t> refs;
+  FP4KV_RETURN_IF_ERROR(internal::SizeHost(&refs, s.allocator.num_pages(), int32_t{0}, kCall,
+                                           "a reference count per page"));
   std::vector<uint8_t> scratch;
-  std::vector<uint8_t> host_owner(static_cast<size_t>(s.host.pages_total), 0);
+  internal::HostVector<uint8_t> host_owner;
+  FP4KV_RETURN_IF_ERROR(internal::SizeHost(&host_owner, s.host.pages_total, uint8_t{0}, kCall,
+                                           "an owner per host page"));
   for (int32_t h : s.host.free_pages) {
     if (h < 0 || h >= s.host.pages_total || host_owner[h]++ != 0) {
       return absl::InternalError(absl::StrCat("host page ", h, ": free twice or out of range"));
