@@ -631,7 +631,7 @@ TEST_P(KVCacheFuzz, CpuRandomOperationsKeepInvariants) {
     Fuzzer f(&cache, run_seed, nullptr);
     f.Run(ops);
     std::cout << c.name << " seed " << run_seed << ": " << ops << " ops; attention checked on " << f.attention_checks(0)
-              << " decode and " << f.attention_checks(1) << " verification steps\n";
+              << " decode and " << f.attention_checks(1) << " verification steps" << std::endl;
     if (HasFailure()) return;
   }
 }
@@ -648,7 +648,7 @@ TEST_P(KVCacheFuzz, GpuRandomOperationsKeepInvariants) {
     Fuzzer f(&cache, run_seed, reinterpret_cast<Stream>(stream));
     f.Run(ops);
     std::cout << c.name << " seed " << run_seed << ": " << ops << " ops; attention checked on " << f.attention_checks(0)
-              << " decode and " << f.attention_checks(1) << " verification steps\n";
+              << " decode and " << f.attention_checks(1) << " verification steps" << std::endl;
     if (HasFailure()) break;
   }
   FP4KV_ASSERT_CUDA(cudaStreamDestroy(stream));
