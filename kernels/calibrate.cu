@@ -228,7 +228,14 @@ absl::StatusOr<Calibrator> Calibrator::Create(const Options& o) {
   }
   c.temp_bytes_ = temp;
   c.scratch_bytes_ = kTempOffset + temp;
-  FP4KV_CUDA_RETURN_IF_ERROR(cudaMalloc(&c.d_scratch_, c.scratch_bytes_));
+  if (const cudaError_t err = cudaMalloc(&c.d_scratch_, c.scratch_bytes_); err != cudaSuccess) {
+    (void)cudaGetLastError();
+    c.d_scratch_ = nullptr;
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "Calibrator::Create: cannot allocate ", c.scratch_bytes_,
+        " bytes of device memory for the calibration scratch of ", o.max_elements,
+        " elements (cudaMalloc: ", cudaGetErrorName(err), ")"));
+  }
   return c;
 }
 

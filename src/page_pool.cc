@@ -1,25 +1,59 @@
 #include "src/page_pool.h"
 
 #include "absl/strings/str_cat.h"
+#include "src/status_macros.h"
 
 namespace fp4kv {
 namespace internal {
 
-PagePool::PagePool(int32_t num_pages, KVEventQueue* events)
-    : events_(events),
-      free_(num_pages),
-      ref_(num_pages, 0),
-      free_top_(num_pages),
-      prev_(num_pages, -1),
-      next_(num_pages, -1),
-      in_lru_(num_pages, 0),
-      indexed_(num_pages, 0),
-      hash_(num_pages) {
+namespace {
+constexpr char kCall[] = "KVCache::Create";
+// Slots of the index table per page: twice the most entries it can hold, as
+// erasures leave tombstones and the headroom keeps their cleanup amortized
+// O(1) (no rehash on the step path).
+constexpr int64_t kIndexSlotsPerPage = 2;
+// Bytes of one slot of the index table (entry + control byte), rounded up.
+constexpr int64_t kIndexSlotBytes = sizeof(std::pair<const BlockHash, int32_t>) + 1;
+}  // namespace
+
+int64_t PagePool::BookkeepingBytes(int64_t num_pages, bool prefix_index) {
+  int64_t per_page = 2 * sizeof(int32_t);
+  if (prefix_index) {
+    per_page += 2 * sizeof(int32_t) + 2 * sizeof(uint8_t) + sizeof(BlockHash) +
+                kIndexSlotsPerPage * kIndexSlotBytes;
+  }
+  int64_t bytes = 0;
+  return ArrayBytes(num_pages, per_page, &bytes) ? bytes : INT64_MAX;
+}
+
+absl::Status PagePool::Init(int32_t num_pages, bool prefix_index) {
+  *this = PagePool(events_);
+  if (num_pages < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("num_pages: expected >= 0, got ", num_pages));
+  }
+  const int64_t n = num_pages;
+  absl::Status st = SizeHost(&free_, n, int32_t{0}, kCall, "the free page stack");
+  if (st.ok()) st = SizeHost(&ref_, n, int32_t{0}, kCall, "the page reference counts");
+  if (st.ok() && prefix_index) {
+    st = SizeHost(&prev_, n, int32_t{-1}, kCall, "the prefix cache's LRU list");
+    if (st.ok()) st = SizeHost(&next_, n, int32_t{-1}, kCall, "the prefix cache's LRU list");
+    if (st.ok()) st = SizeHost(&in_lru_, n, uint8_t{0}, kCall, "the prefix cache's LRU flags");
+    if (st.ok()) st = SizeHost(&indexed_, n, uint8_t{0}, kCall, "the prefix index flags");
+    if (st.ok()) st = SizeHost(&hash_, n, BlockHash{}, kCall, "the page hashes");
+    if (st.ok()) {
+      st = TryHostAlloc(kCall, "the prefix index table", kIndexSlotsPerPage * n, kIndexSlotBytes,
+                        [&] { index_.reserve(static_cast<size_t>(kIndexSlotsPerPage * n)); });
+    }
+  }
+  if (!st.ok()) {
+    *this = PagePool(events_);
+    return st;
+  }
+  has_index_ = prefix_index;
+  free_top_ = num_pages;
   // The top of the stack is the end: page 0 is handed out first.
   for (int32_t i = 0; i < num_pages; ++i) free_[i] = num_pages - 1 - i;
-  // Twice the most entries it can hold: erasures leave tombstones, and the
-  // headroom keeps their cleanup amortized O(1) (no rehash on the step path).
-  index_.reserve(2 * static_cast<size_t>(num_pages));
+  return absl::OkStatus();
 }
 
 void PagePool::LruUnlink(int32_t p) {
@@ -63,7 +97,7 @@ void PagePool::Retain(int32_t page) {
 
 bool PagePool::Release(int32_t page) {
   if (--ref_[page] != 0) return false;
-  if (indexed_[page]) {
+  if (Indexed(page)) {
     LruPushBack(page);
   } else {
     free_[free_top_++] = page;
@@ -72,7 +106,7 @@ bool PagePool::Release(int32_t page) {
 }
 
 bool PagePool::Register(int32_t page, const BlockHash& hash) {
-  if (indexed_[page]) return false;
+  if (!has_index_ || indexed_[page]) return false;
   if (!index_.try_emplace(hash, page).second) return false;
   indexed_[page] = 1;
   hash_[page] = hash;
@@ -80,7 +114,7 @@ bool PagePool::Register(int32_t page, const BlockHash& hash) {
 }
 
 void PagePool::Unregister(int32_t page) {
-  if (!indexed_[page]) return;
+  if (!Indexed(page)) return;
   index_.erase(hash_[page]);
   indexed_[page] = 0;
   if (events_ != nullptr) events_->Removed(hash_[page]);
@@ -102,7 +136,12 @@ absl::Status PagePool::Validate() const {
   if (free_top_ < 0 || free_top_ > n) {
     return absl::InternalError(absl::StrCat("free stack size ", free_top_, " outside [0, ", n, "]"));
   }
-  std::vector<char> on_stack(ref_.size(), 0);
+  HostVector<char> on_stack;
+  FP4KV_RETURN_IF_ERROR(SizeHost(&on_stack, static_cast<int64_t>(ref_.size()), char{0},
+                                 "KVCache::CheckInvariants", "a flag per page"));
+  if (!has_index_ && (head_ != -1 || lru_count_ != 0 || !index_.empty())) {
+    return absl::InternalError("a pool without a prefix index has cached or indexed pages");
+  }
   for (int32_t i = 0; i < free_top_; ++i) {
     const int32_t p = free_[i];
     if (p < 0 || p >= n) {
@@ -110,10 +149,9 @@ absl::Status PagePool::Validate() const {
     }
     if (on_stack[p]) return absl::InternalError(absl::StrCat("page ", p, " is free twice"));
     on_stack[p] = 1;
-    if (ref_[p] != 0 || indexed_[p] || in_lru_[p]) {
+    if (ref_[p] != 0 || Indexed(p) || InLru(p)) {
       return absl::InternalError(absl::StrCat("free page ", p, " has reference count ", ref_[p],
-                                              ", indexed ", int{indexed_[p]}, ", in LRU ",
-                                              int{in_lru_[p]}));
+                                              ", indexed ", Indexed(p), ", in LRU ", InLru(p)));
     }
   }
   int32_t walked = 0;
@@ -133,13 +171,13 @@ absl::Status PagePool::Validate() const {
   }
   int32_t indexed = 0;
   for (int32_t p = 0; p < n; ++p) {
-    if (!on_stack[p] && !in_lru_[p] && ref_[p] <= 0) {
+    if (!on_stack[p] && !InLru(p) && ref_[p] <= 0) {
       return absl::InternalError(absl::StrCat("used page ", p, " has reference count ", ref_[p]));
     }
-    if (in_lru_[p] && on_stack[p]) {
+    if (InLru(p) && on_stack[p]) {
       return absl::InternalError(absl::StrCat("page ", p, " is both free and cached"));
     }
-    if (indexed_[p]) {
+    if (Indexed(p)) {
       ++indexed;
       auto it = index_.find(hash_[p]);
       if (it == index_.end() || it->second != p) {

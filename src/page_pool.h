@@ -12,15 +12,23 @@
 // released cached page (it leaves the index: a kBlockRemoved event). Every
 // operation but ClearIndex and Validate is O(1) amortized, and the index is
 // sized once so steps do not allocate. Not thread-safe.
+//
+// The LRU and the index exist only in a pool made with a prefix index
+// (Init(n, true)); without one no page is ever cached or indexed, and a page
+// costs 8 bytes of bookkeeping (its reference count and a free-stack entry)
+// instead of about 90.
 #ifndef FP4KV_SRC_PAGE_POOL_H_
 #define FP4KV_SRC_PAGE_POOL_H_
 
 #include <cstdint>
+#include <functional>
+#include <utility>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "fp4kv/kv_events.h"
+#include "src/host_alloc.h"
 #include "src/kv_event_queue.h"
 #include "src/prefix_hash.h"
 
@@ -29,10 +37,20 @@ namespace internal {
 
 class PagePool {
  public:
+  // An empty pool (no pages) until Init. `events` (may be null) receives the
+  // removals and clears; it must outlive the pool.
+  explicit PagePool(KVEventQueue* events = nullptr) : events_(events) {}
+
   // Pages 0 .. num_pages-1, all free; Allocate() hands them out in
-  // increasing order first, then most recently freed first. `events` (may be
-  // null) receives the removals and clears; it must outlive the pool.
-  explicit PagePool(int32_t num_pages, KVEventQueue* events = nullptr);
+  // increasing order first, then most recently freed first. With
+  // `prefix_index` false, Register() indexes nothing. ResourceExhausted
+  // (naming the bookkeeping and its bytes) when the host memory is not
+  // there; the pool is then empty. Sizes are checked before allocating.
+  absl::Status Init(int32_t num_pages, bool prefix_index);
+
+  // Host bytes Init(num_pages, prefix_index) allocates (an estimate of the
+  // index's table, exact for the arrays).
+  static int64_t BookkeepingBytes(int64_t num_pages, bool prefix_index);
 
   int32_t num_pages() const { return static_cast<int32_t>(ref_.size()); }
   int32_t free_count() const { return free_top_; }
@@ -56,7 +74,8 @@ class PagePool {
   int32_t RefCount(int32_t page) const { return ref_[page]; }
 
   // --- prefix index
-  bool Indexed(int32_t page) const { return indexed_[page] != 0; }
+  bool has_index() const { return has_index_; }
+  bool Indexed(int32_t page) const { return has_index_ && indexed_[page] != 0; }
   const BlockHash& HashOf(int32_t page) const { return hash_[page]; }
   // The page holding `hash`, or -1.
   int32_t Lookup(const BlockHash& hash) const {
@@ -64,7 +83,7 @@ class PagePool {
     return it == index_.end() ? -1 : it->second;
   }
   // Indexes a used, unindexed page under `hash`; false (nothing changes)
-  // when another page already holds that hash.
+  // when another page already holds that hash, or the pool has no index.
   bool Register(int32_t page, const BlockHash& hash);
   // Takes a used page out of the index (it is about to be overwritten): a
   // kBlockRemoved event. No-op for an unindexed page.
@@ -80,18 +99,25 @@ class PagePool {
   void LruUnlink(int32_t page);
   void LruPushBack(int32_t page);
 
+  bool InLru(int32_t page) const { return has_index_ && in_lru_[page] != 0; }
+
   KVEventQueue* events_;
-  std::vector<int32_t> free_;  // stack; entries [0, free_top_) are free pages
-  std::vector<int32_t> ref_;   // reference count per page
+  HostVector<int32_t> free_;  // stack; entries [0, free_top_) are free pages
+  HostVector<int32_t> ref_;   // reference count per page
   int32_t free_top_ = 0;
-  // LRU of cached pages: a doubly linked list through prev_/next_ (-1 ends);
-  // head_ is the least recently used.
-  std::vector<int32_t> prev_, next_;
-  std::vector<uint8_t> in_lru_;
+  // Prefix index only (empty without): the LRU of cached pages, a doubly
+  // linked list through prev_/next_ (-1 ends), head_ the least recently
+  // used; the index and each page's hash.
+  bool has_index_ = false;
+  HostVector<int32_t> prev_, next_;
+  HostVector<uint8_t> in_lru_;
   int32_t head_ = -1, tail_ = -1, lru_count_ = 0;
-  std::vector<uint8_t> indexed_;
-  std::vector<BlockHash> hash_;
-  absl::flat_hash_map<BlockHash, int32_t, BlockHashHasher> index_;
+  HostVector<uint8_t> indexed_;
+  HostVector<BlockHash> hash_;
+  using IndexEntry = std::pair<const BlockHash, int32_t>;
+  absl::flat_hash_map<BlockHash, int32_t, BlockHashHasher, std::equal_to<BlockHash>,
+                      HostAllocator<IndexEntry>>
+      index_;
   int64_t evictions_ = 0;
 };
 

@@ -626,10 +626,12 @@ TEST_P(KVCacheFuzz, CpuRandomOperationsKeepInvariants) {
   const FuzzConfig& c = kConfigs[GetParam()];
   for (uint64_t seed : {1u, 2u}) {
     KVCache cache = MakeCache(c, Device::Cpu());
-    Fuzzer f(&cache, seed * 7919 + GetParam(), nullptr);
-    f.Run(900);
-    std::cout << "seed " << seed << ": attention checked on " << f.attention_checks(0)
-              << " decode and " << f.attention_checks(1) << " verification steps\n";
+    const uint64_t run_seed = seed * 7919 + GetParam();
+    const int ops = testing::FuzzOps(900);
+    Fuzzer f(&cache, run_seed, nullptr);
+    f.Run(ops);
+    std::cout << c.name << " seed " << run_seed << ": " << ops << " ops; attention checked on " << f.attention_checks(0)
+              << " decode and " << f.attention_checks(1) << " verification steps" << std::endl;
     if (HasFailure()) return;
   }
 }
@@ -641,10 +643,12 @@ TEST_P(KVCacheFuzz, GpuRandomOperationsKeepInvariants) {
   FP4KV_ASSERT_CUDA(cudaStreamCreate(&stream));
   for (uint64_t seed : {3u, 4u}) {
     KVCache cache = MakeCache(c, Device::Cuda(0));
-    Fuzzer f(&cache, seed * 7919 + GetParam(), reinterpret_cast<Stream>(stream));
-    f.Run(900);
-    std::cout << "seed " << seed << ": attention checked on " << f.attention_checks(0)
-              << " decode and " << f.attention_checks(1) << " verification steps\n";
+    const uint64_t run_seed = seed * 7919 + GetParam();
+    const int ops = testing::FuzzOps(900);
+    Fuzzer f(&cache, run_seed, reinterpret_cast<Stream>(stream));
+    f.Run(ops);
+    std::cout << c.name << " seed " << run_seed << ": " << ops << " ops; attention checked on " << f.attention_checks(0)
+              << " decode and " << f.attention_checks(1) << " verification steps" << std::endl;
     if (HasFailure()) break;
   }
   FP4KV_ASSERT_CUDA(cudaStreamDestroy(stream));

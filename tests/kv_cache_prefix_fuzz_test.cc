@@ -509,13 +509,13 @@ KVCache MakeCache(const Config& c, Device device) {
 
 class KVCachePrefixFuzz : public ::testing::TestWithParam<int> {};
 
-// 2 configs x 2 seeds x 25000 operations = 10^5.
+// 2 configs x 2 seeds x 25000 operations = 10^5 (FP4KV_FUZZ_OPS: per run).
 TEST_P(KVCachePrefixFuzz, CpuRandomOperationsKeepInvariantsAndReuseExactBytes) {
   const Config& c = kConfigs[GetParam()];
   for (uint64_t seed : {11u, 12u}) {
     KVCache cache = MakeCache(c, Device::Cpu());
     PrefixFuzzer f(&cache, seed * 104729 + GetParam(), nullptr);
-    f.Run(25000);
+    f.Run(testing::FuzzOps(25000));
     if (HasFailure()) return;
   }
 }
@@ -528,7 +528,7 @@ TEST_P(KVCachePrefixFuzz, GpuRandomOperationsKeepInvariantsAndReuseExactBytes) {
   for (uint64_t seed : {13u, 14u}) {
     KVCache cache = MakeCache(c, Device::Cuda(0));
     PrefixFuzzer f(&cache, seed * 104729 + GetParam(), reinterpret_cast<Stream>(stream));
-    f.Run(10000);
+    f.Run(testing::FuzzOps(10000));
     if (HasFailure()) break;
   }
   FP4KV_ASSERT_CUDA(cudaStreamDestroy(stream));

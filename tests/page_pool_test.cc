@@ -15,8 +15,15 @@ namespace {
 
 BlockHash H(uint64_t i) { return BlockHash{i * 0x9e3779b97f4a7c15ull, ~i}; }
 
+PagePool Pool(int32_t n, KVEventQueue* q = nullptr, bool prefix_index = true) {
+  PagePool a(q);
+  absl::Status st = a.Init(n, prefix_index);
+  EXPECT_TRUE(st.ok()) << st;
+  return a;
+}
+
 TEST(PagePool, HandsOutEveryPageOnceThenReusesFreedOnes) {
-  PagePool a(5);
+  PagePool a = Pool(5);
   EXPECT_EQ(a.num_pages(), 5);
   EXPECT_EQ(a.free_count(), 5);
   std::vector<int32_t> got;
@@ -34,8 +41,35 @@ TEST(PagePool, HandsOutEveryPageOnceThenReusesFreedOnes) {
   EXPECT_TRUE(a.Validate().ok());
 }
 
+TEST(PagePool, WithoutAPrefixIndexNothingIsCachedOrIndexed) {
+  PagePool a = Pool(3, nullptr, /*prefix_index=*/false);
+  EXPECT_FALSE(a.has_index());
+  const int32_t p = a.Allocate();
+  EXPECT_FALSE(a.Register(p, H(0)));
+  EXPECT_FALSE(a.Indexed(p));
+  EXPECT_EQ(a.Lookup(H(0)), -1);
+  a.Unregister(p);
+  EXPECT_TRUE(a.Release(p));
+  EXPECT_EQ(a.free_count(), 3);
+  EXPECT_EQ(a.cached_count(), 0);
+  a.ClearIndex();
+  EXPECT_TRUE(a.Validate().ok());
+  EXPECT_LT(PagePool::BookkeepingBytes(1000, false), PagePool::BookkeepingBytes(1000, true) / 8);
+}
+
+TEST(PagePool, InitReplacesThePool) {
+  PagePool a;
+  EXPECT_EQ(a.num_pages(), 0);
+  EXPECT_EQ(a.Init(-1, true).code(), absl::StatusCode::kInvalidArgument);
+  ASSERT_TRUE(a.Init(4, true).ok());
+  EXPECT_EQ(a.Allocate(), 0);
+  ASSERT_TRUE(a.Init(2, false).ok());
+  EXPECT_EQ(a.free_count(), 2);
+  EXPECT_TRUE(a.Validate().ok());
+}
+
 TEST(PagePool, ReferenceCountsKeepSharedPagesUntilTheLastRelease) {
-  PagePool a(3);
+  PagePool a = Pool(3);
   const int32_t p = a.Allocate();
   a.Retain(p);
   a.Retain(p);
@@ -49,7 +83,7 @@ TEST(PagePool, ReferenceCountsKeepSharedPagesUntilTheLastRelease) {
 
 TEST(PagePool, ReleasedIndexedPagesAreCachedAndEvictedLeastRecentlyUsedFirst) {
   KVEventQueue q(64);
-  PagePool a(4, &q);
+  PagePool a = Pool(4, &q);
   std::vector<int32_t> p;
   for (int i = 0; i < 4; ++i) p.push_back(a.Allocate());
   ASSERT_TRUE(a.Register(p[0], H(0)));
@@ -92,7 +126,7 @@ TEST(PagePool, ReleasedIndexedPagesAreCachedAndEvictedLeastRecentlyUsedFirst) {
 
 TEST(PagePool, UnregisterAndClearIndex) {
   KVEventQueue q(64);
-  PagePool a(3, &q);
+  PagePool a = Pool(3, &q);
   const int32_t x = a.Allocate(), y = a.Allocate();
   ASSERT_TRUE(a.Register(x, H(7)));
   ASSERT_TRUE(a.Register(y, H(8)));
@@ -159,7 +193,7 @@ TEST(PagePool, RandomOperationsMatchAModel) {
   constexpr int32_t kPages = 23;
   std::mt19937_64 rng(42);
   KVEventQueue q(1 << 20);
-  PagePool a(kPages, &q);
+  PagePool a = Pool(kPages, &q);
   std::vector<int32_t> ref(kPages, 0);
   std::map<int32_t, BlockHash> indexed;  // page -> hash
   std::deque<int32_t> lru;              // front: least recently used

@@ -118,6 +118,13 @@ struct KVCacheStats {
   int64_t wasted_slots = 0;     // pages_used * page_size - tokens_resident
   double bytes_per_token = 0;   // all layers, K and V, data and scales
   int64_t pool_bytes = 0;       // bytes of all pools (data and scales, all layers)
+  // Sizing at Create (docs/kv_cache.md, "Allocation and budget rules"): the
+  // bytes the pools' device (host memory for Device::Cpu()) had available
+  // then, and whether memory_budget_bytes asked for more than a budget may
+  // take of them (15/16, less the step buffers and tables): the pools were
+  // then sized by what was available (pages_total, pool_bytes).
+  int64_t memory_available_at_create = 0;
+  bool memory_budget_clamped = false;
   std::vector<std::pair<SequenceId, int64_t>> sequence_lengths;  // by id
   // Prefix caching (all 0 when off).
   int64_t pages_cached = 0;         // in the index, held by no sequence: evictable
@@ -185,7 +192,12 @@ struct KVCacheOptions {
   // carry the key format (ExportSequence); an image imports only into a
   // cache of the same key format.
   CacheGeometry geometry;
-  int64_t memory_budget_bytes = 0;  // bytes for all pools of all layers
+  // Bytes for all pools of all layers. A budget beyond what the device (host
+  // memory for Device::Cpu()) has available at Create is clamped to 15/16 of
+  // that, less the step buffers and tables (Stats().memory_budget_clamped):
+  // INT64_MAX means "what there is". Given num_pages that do not fit are
+  // refused (ResourceExhausted with the bytes asked and available).
+  int64_t memory_budget_bytes = 0;
   Device device = Device::Cpu();
   Recipe recipe;  // fixed for the life of the cache
   // Global decode scales per layer ([num_layers] each, positive, finite),

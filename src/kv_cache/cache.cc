@@ -170,12 +170,57 @@ absl::StatusOr<KVCache> KVCache::Create(const KVCacheOptions& o) {
     return absl::InvalidArgumentError(absl::StrCat(
         "prefix_cache.max_pending_events: expected >= 0, got ", o.prefix_cache.max_pending_events));
   }
-  auto s = std::make_unique<KVCacheState>(
-      static_cast<int32_t>(g.num_pages),
-      o.prefix_cache.enabled ? static_cast<size_t>(o.prefix_cache.max_pending_events) : 0);
+  // Capacity: everything below is sized against what the devices have now,
+  // before anything is allocated (docs/kv_cache.md, "Allocation and budget
+  // rules").
+  internal::ScopedDevice scoped;
+  FP4KV_RETURN_IF_ERROR(scoped.Set(o.device));
+  internal::Capacity cap;
+  {
+    internal::CapacityInput in;
+    in.geometry = g;
+    in.num_layers = o.num_layers;
+    in.device = o.device;
+    in.prefix_cache = o.prefix_cache.enabled;
+    in.max_seqs_per_step = o.max_seqs_per_step;
+    in.max_tokens_per_step = o.max_tokens_per_step;
+    in.max_pages_per_seq = o.max_pages_per_seq > 0
+                               ? o.max_pages_per_seq
+                               : CeilDiv(internal::kDefaultMaxSeqTokens, g.page_size);
+    in.host_pages = host_pages;
+    in.budget = o.memory_budget_bytes;
+    absl::StatusOr<internal::Capacity> c = internal::PlanCapacity(in);
+    if (!c.ok()) return c.status();
+    cap = *c;
+  }
+  if (cap.num_pages != g.num_pages) {  // a budget clamped to what is available
+    g.num_pages = cap.num_pages;
+    if (!internal::ComputePoolLayout(g, o.num_layers, &pool_layout)) {
+      return absl::InternalError("KVCache::Create: the clamped pools do not fit in int64");
+    }
+    if (o.max_pages_per_seq == 0) {
+      max_pages_per_seq = static_cast<int>(
+          std::min<int64_t>(g.num_pages, CeilDiv(internal::kDefaultMaxSeqTokens, g.page_size)));
+    }
+  }
+
+  const size_t max_events =
+      o.prefix_cache.enabled ? static_cast<size_t>(o.prefix_cache.max_pending_events) : 0;
+  std::unique_ptr<KVCacheState> s(new (std::nothrow) KVCacheState(max_events));
+  if (s == nullptr) {
+    return internal::HostAllocError("KVCache::Create", "the cache state", 1, sizeof(KVCacheState));
+  }
+  constexpr char kCall[] = "KVCache::Create";
+  FP4KV_RETURN_IF_ERROR(
+      s->allocator.Init(static_cast<int32_t>(g.num_pages), o.prefix_cache.enabled));
   s->prefix.enabled = o.prefix_cache.enabled;
-  if (s->prefix.enabled)
-    s->prefix.page_tokens.assign(static_cast<size_t>(g.num_pages) * g.page_size, 0);
+  if (s->prefix.enabled) {
+    FP4KV_RETURN_IF_ERROR(internal::SizeHost(&s->prefix.page_tokens,
+                                             g.num_pages * g.page_size, int32_t{0}, kCall,
+                                             "the token ids of every page slot (prefix caching)"));
+  }
+  s->mem.available_at_create = cap.available;
+  s->mem.budget_clamped = cap.clamped;
   s->options = o;
   s->options.geometry = g;
   s->options.memory_budget_bytes = o.memory_budget_bytes;
@@ -189,8 +234,6 @@ absl::StatusOr<KVCache> KVCache::Create(const KVCacheOptions& o) {
   s->mem.step_layout = internal::ComputeStepLayout(S, T, M, o.num_layers);
   const internal::StepLayout& sl = s->mem.step_layout;
 
-  internal::ScopedDevice scoped;
-  FP4KV_RETURN_IF_ERROR(scoped.Set(o.device));
   using Kind = internal::Memory::Kind;
   FP4KV_RETURN_IF_ERROR(s->mem.pools.Allocate(s->cuda ? Kind::kDevice : Kind::kHost,
                                               s->mem.pool.total_bytes, "the pools"));
@@ -213,7 +256,8 @@ absl::StatusOr<KVCache> KVCache::Create(const KVCacheOptions& o) {
       FP4KV_CUDA_RETURN_IF_ERROR(
           cudaEventCreateWithFlags(&s->host.copy_drained, cudaEventDisableTiming));
     }
-    s->host.free_pages.resize(static_cast<size_t>(host_pages));
+    FP4KV_RETURN_IF_ERROR(internal::SizeHost(&s->host.free_pages, host_pages, int32_t{0}, kCall,
+                                             "the host tier's free page stack"));
     // Popped from the back: host pages are handed out in increasing order.
     for (int64_t i = 0; i < host_pages; ++i) {
       s->host.free_pages[i] = static_cast<int32_t>(host_pages - 1 - i);
@@ -298,12 +342,16 @@ absl::StatusOr<KVCache> KVCache::Create(const KVCacheOptions& o) {
   v.token_indptr = TensorView::Contiguous(d + sl.token_indptr, DType::kI32, {S + 1}, dev);
   v.fp8_block_tables = TensorView::Contiguous(d + sl.fp8_tables, DType::kI32, {S, M}, dev);
 
-  s->step.rows.assign(S, KVCacheState::Row{});
-  s->step.claim.assign(g.num_pages, 0);
-  s->step.step_seqs.assign(S, nullptr);
-  s->step.cow_src.reserve(S);
-  s->step.cow_entry.reserve(S);
-  s->step.cow_dst.reserve(S);
+  FP4KV_RETURN_IF_ERROR(
+      internal::SizeHost(&s->step.rows, S, KVCacheState::Row{}, kCall, "the step's row table"));
+  FP4KV_RETURN_IF_ERROR(internal::SizeHost(&s->step.claim, g.num_pages, int32_t{0}, kCall,
+                                           "the copy-on-write claims (one per page)"));
+  FP4KV_RETURN_IF_ERROR(internal::SizeHost(&s->step.step_seqs,
+                                           S, static_cast<KVCacheState::Sequence*>(nullptr),
+                                           kCall, "the step's sequences"));
+  FP4KV_RETURN_IF_ERROR(internal::ReserveHost(&s->step.cow_src, S, kCall, "the step's copies"));
+  FP4KV_RETURN_IF_ERROR(internal::ReserveHost(&s->step.cow_entry, S, kCall, "the step's copies"));
+  FP4KV_RETURN_IF_ERROR(internal::ReserveHost(&s->step.cow_dst, S, kCall, "the step's copies"));
   return KVCache(std::move(s));
 }
 
@@ -362,6 +410,8 @@ KVCacheStats KVCache::Stats() const {
   st.events_dropped = static_cast<int64_t>(s.prefix.events.dropped_total());
   st.num_sequences = s.sequences.live;
   st.pool_bytes = s.mem.pool.total_bytes;
+  st.memory_available_at_create = s.mem.available_at_create;
+  st.memory_budget_clamped = s.mem.budget_clamped;
   st.bytes_per_token = s.geometry.BytesPerToken() * s.options.num_layers;
   for (size_t slot = 0; slot < s.sequences.all.size(); ++slot) {
     const KVCacheState::Sequence& q = s.sequences.all[slot];
@@ -389,9 +439,14 @@ absl::Status KVCache::CheckInvariants() const {
   const KVCacheState& s = *state_;
   const int ps = s.geometry.page_size;
   FP4KV_RETURN_IF_ERROR(s.allocator.Validate());
-  std::vector<int32_t> refs(s.allocator.num_pages(), 0);
+  constexpr char kCall[] = "KVCache::CheckInvariants";
+  internal::HostVector<int32_t> refs;
+  FP4KV_RETURN_IF_ERROR(internal::SizeHost(&refs, s.allocator.num_pages(), int32_t{0}, kCall,
+                                           "a reference count per page"));
   std::vector<uint8_t> scratch;
-  std::vector<uint8_t> host_owner(static_cast<size_t>(s.host.pages_total), 0);
+  internal::HostVector<uint8_t> host_owner;
+  FP4KV_RETURN_IF_ERROR(internal::SizeHost(&host_owner, s.host.pages_total, uint8_t{0}, kCall,
+                                           "an owner per host page"));
   for (int32_t h : s.host.free_pages) {
     if (h < 0 || h >= s.host.pages_total || host_owner[h]++ != 0) {
       return absl::InternalError(absl::StrCat("host page ", h, ": free twice or out of range"));

@@ -213,9 +213,10 @@ absl::Status KVCache::ExportSequence(SequenceId seq, void* dst, int64_t dst_byte
   uint8_t* out = static_cast<uint8_t*>(dst);
   uint8_t header[kSequenceImageHeaderBytes];
   SerializeSequenceImageHeader(h, header);
-  std::vector<uint8_t> tokens;
+  internal::HostVector<uint8_t> tokens;
   if (h.has_tokens()) {
-    tokens.resize(static_cast<size_t>(h.tokens_bytes));
+    FP4KV_RETURN_IF_ERROR(internal::SizeHost(&tokens, h.tokens_bytes, uint8_t{0},
+                                             "ExportSequence", "the image's token ids"));
     internal::WriteTokens(s, *q, h, tokens.data());
   }
   const int L = s.options.num_layers;
@@ -448,10 +449,11 @@ absl::StatusOr<SequenceId> KVCache::CommitImport(ImportReservation reservation, 
 
   // Tokens (prefix caching): read and checked before anything changes.
   const bool tokens = s.prefix.enabled && h.has_tokens();
-  std::vector<uint8_t> tok;
+  internal::HostVector<uint8_t> tok;
   std::vector<BlockHash> hashes;
   if (tokens) {
-    tok.resize(static_cast<size_t>(h.tokens_bytes));
+    FP4KV_RETURN_IF_ERROR(internal::SizeHost(&tok, h.tokens_bytes, uint8_t{0}, "CommitImport",
+                                             "the image's token ids"));
     if (host_image) {
       std::memcpy(tok.data(), in + h.tokens_offset, tok.size());
     } else {

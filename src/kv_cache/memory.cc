@@ -70,6 +70,110 @@ int64_t MostPagesWithin(const CacheGeometry& g, int num_layers, int64_t budget,
   return std::max<int64_t>(p, 0);
 }
 
+namespace {
+
+// a + b, a * b saturating at INT64_MAX (sizes that large never fit anyway).
+int64_t SatAdd(int64_t a, int64_t b) {
+  int64_t r = 0;
+  return __builtin_add_overflow(a, b, &r) ? INT64_MAX : r;
+}
+int64_t SatMul(int64_t a, int64_t b) {
+  int64_t r = 0;
+  return __builtin_mul_overflow(a, b, &r) ? INT64_MAX : r;
+}
+
+}  // namespace
+
+absl::StatusOr<Capacity> PlanCapacity(const CapacityInput& in) {
+  const CacheGeometry& g = in.geometry;
+  const bool cuda = in.device.is_cuda();
+  const int64_t L = in.num_layers;
+  const int64_t S = in.max_seqs_per_step;
+  // Per page: the pools of every layer (device), the bookkeeping (host:
+  // PagePool, copy-on-write claims, with prefix caching the token ids).
+  const int64_t pool_per_page = SatMul(g.PageBytes(), L);
+  int64_t book_per_page = PagePool::BookkeepingBytes(1, in.prefix_cache) + 4;
+  if (in.prefix_cache) book_per_page = SatAdd(book_per_page, SatMul(4, g.page_size));
+  // Fixed: region alignment, the step buffers (device), the host tables of a
+  // step and of the layers, the pinned staging (CUDA), the host tier.
+  const StepLayout sl = ComputeStepLayout(S, in.max_tokens_per_step, in.max_pages_per_seq,
+                                          in.num_layers);
+  const int64_t dev_fixed = SatAdd(SatMul(4 * kRegionAlign, L), sl.device_bytes + kHostAlign);
+  int64_t host_fixed = SatAdd(SatMul(S, sizeof(StepState::Row) + sizeof(void*) + 12),
+                              SatMul(L, 64));
+  if (cuda) host_fixed = SatAdd(host_fixed, sl.staging_bytes + kHostAlign);
+  if (in.host_pages > 0) {
+    host_fixed = SatAdd(host_fixed, SatAdd(SatMul(in.host_pages, SatAdd(pool_per_page, 4)),
+                                           SatMul(4 * kRegionAlign, L)));
+  }
+
+  int64_t dev_avail = 0;
+  const int64_t host_avail = HostMemoryAvailable();
+  if (cuda) {
+    size_t free_bytes = 0, total_bytes = 0;
+    FP4KV_CUDA_RETURN_IF_ERROR(cudaMemGetInfo(&free_bytes, &total_bytes));
+    dev_avail = free_bytes > static_cast<size_t>(INT64_MAX) ? INT64_MAX
+                                                            : static_cast<int64_t>(free_bytes);
+  } else {
+    dev_avail = host_avail;
+  }
+  const std::string where = cuda ? in.device.ToString() : std::string("host");
+
+  Capacity c;
+  c.available = dev_avail;
+  c.num_pages = g.num_pages;
+  if (in.budget > 0) {
+    // The pages the budget buys, limited to what fits in all but
+    // 1/kReserveDivisor of the available memory after the fixed parts.
+    int64_t room = dev_avail - dev_avail / kReserveDivisor - dev_fixed;
+    int64_t per_page = pool_per_page;
+    if (!cuda) {
+      room -= host_fixed;
+      per_page = SatAdd(per_page, book_per_page);
+    }
+    int64_t fit = room > 0 ? room / per_page : 0;
+    if (cuda) {
+      const int64_t host_room = host_avail - host_avail / kReserveDivisor - host_fixed;
+      fit = std::min(fit, host_room > 0 ? host_room / book_per_page : 0);
+    }
+    if (fit < c.num_pages) {
+      c.num_pages = fit;
+      c.clamped = true;
+    }
+    if (c.num_pages < 1) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "KVCache::Create: memory_budget_bytes ", in.budget, " buys not even one page: ", where,
+          " has ", dev_avail, " bytes available, of which a budget may take all but 1/",
+          kReserveDivisor, " less ", SatAdd(dev_fixed, cuda ? 0 : host_fixed),
+          " bytes of step buffers and tables; a page of every layer takes ",
+          SatAdd(pool_per_page, cuda ? 0 : book_per_page), " bytes"));
+    }
+  }
+  // Everything, at the final page count, within what is available.
+  const int64_t pool_bytes = SatMul(c.num_pages, pool_per_page);
+  const int64_t book_bytes = SatMul(c.num_pages, book_per_page);
+  const int64_t dev_need =
+      SatAdd(SatAdd(pool_bytes, dev_fixed), cuda ? 0 : SatAdd(book_bytes, host_fixed));
+  if (dev_need > dev_avail) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "KVCache::Create: needs ", dev_need, " bytes of ", where, " memory (pools ", pool_bytes,
+        " for ", c.num_pages, " pages, step buffers ", sl.device_bytes,
+        cuda ? "" : absl::StrCat(", bookkeeping ", book_bytes, ", tables, staging and host tier ",
+                                 host_fixed),
+        "), ", dev_avail, " available"));
+  }
+  if (cuda) {
+    const int64_t host_need = SatAdd(book_bytes, host_fixed);
+    if (host_need > host_avail) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "KVCache::Create: needs ", host_need, " bytes of host memory (bookkeeping ", book_bytes,
+          " for ", c.num_pages, " pages, tables, pinned staging and host tier ", host_fixed,
+          "), ", host_avail, " available"));
+    }
+  }
+  return c;
+}
+
 PagedCache KVCacheState::LayerCache(int layer) const {
   const CacheGeometry& g = geometry;
   uint8_t* base = mem.pools.get() + layer * mem.pool.layer_bytes;

@@ -4,6 +4,7 @@
 #define FP4KV_SRC_KV_CACHE_MEMORY_H_
 
 #include <cuda_runtime_api.h>
+#include <sys/mman.h>
 
 #include <cstdint>
 #include <cstdlib>
@@ -12,8 +13,10 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "fp4kv/geometry.h"
+#include "absl/status/statusor.h"
 #include "fp4kv/tensor.h"
 #include "src/cuda_util.h"
+#include "src/host_alloc.h"
 #include "src/status_macros.h"
 
 namespace fp4kv {
@@ -21,6 +24,10 @@ namespace internal {
 
 constexpr int64_t kRegionAlign = 256;  // every pool region and step buffer
 constexpr int64_t kHostAlign = 256;    // as cudaMalloc: regions stay 256-byte aligned
+// Host allocations from this size on are anonymous mappings (lazily zeroed
+// by the kernel); smaller ones come from calloc (and AddressSanitizer sees
+// their bounds).
+constexpr int64_t kHostMapBytes = int64_t{64} << 20;
 // Longest sequence of the default max_pages_per_seq (KVCacheOptions).
 constexpr int64_t kDefaultMaxSeqTokens = 32768;
 // CTAs of a page copy to or from host memory (PCIe-bound; see PageCopyParams).
@@ -77,40 +84,66 @@ class Memory {
 
   Memory() = default;
   ~Memory() { Reset(); }
-  Memory(Memory&& o) noexcept : kind_(o.kind_), ptr_(o.ptr_) {
+  Memory(Memory&& o) noexcept
+      : kind_(o.kind_), ptr_(o.ptr_), base_(o.base_), mapped_(o.mapped_) {
     o.kind_ = Kind::kNone;
     o.ptr_ = nullptr;
+    o.base_ = nullptr;
+    o.mapped_ = 0;
   }
   Memory& operator=(Memory&& o) noexcept {
     if (this != &o) {
       Reset();
       kind_ = o.kind_;
       ptr_ = o.ptr_;
+      base_ = o.base_;
+      mapped_ = o.mapped_;
       o.kind_ = Kind::kNone;
       o.ptr_ = nullptr;
+      o.base_ = nullptr;
+      o.mapped_ = 0;
     }
     return *this;
   }
   Memory(const Memory&) = delete;
   Memory& operator=(const Memory&) = delete;
 
-  // Allocates and zeroes `bytes` (> 0). Device memory goes on the current
+  // Allocates and zeroes `bytes` (> 0); ResourceExhausted naming `call`,
+  // `what` and the size when it cannot. Device memory goes on the current
   // CUDA device.
-  absl::Status Allocate(Kind kind, int64_t bytes, const char* what) {
+  absl::Status Allocate(Kind kind, int64_t bytes, const char* what,
+                        const char* call = "KVCache::Create") {
     Reset();
+    if (bytes <= 0 || bytes > INT64_MAX - kHostAlign) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat(call, ": cannot allocate ", bytes, " bytes for ", what));
+    }
     void* p = nullptr;
     const size_t n = static_cast<size_t>(RoundUp(bytes, kHostAlign));
     cudaError_t err = cudaSuccess;
     switch (kind) {
       case Kind::kHost:
-        p = std::aligned_alloc(kHostAlign, n);
-        if (p != nullptr) std::memset(p, 0, n);
+        if (n >= kHostMapBytes) {
+          // Anonymous pages: zeroed by the kernel as they are first touched
+          // (no up-front fill of a whole pool), page-aligned.
+          void* m = mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+          if (m != MAP_FAILED) {
+            p = base_ = m;
+            mapped_ = n;
+          }
+        } else {
+          base_ = std::calloc(1, n + kHostAlign);
+          if (base_ != nullptr) {
+            p = reinterpret_cast<void*>(static_cast<uintptr_t>(RoundUp(
+                static_cast<int64_t>(reinterpret_cast<uintptr_t>(base_)), kHostAlign)));
+          }
+        }
         break;
       case Kind::kPinned:
       case Kind::kPinnedMapped:
         err = cudaHostAlloc(&p, n,
                             kind == Kind::kPinned ? cudaHostAllocDefault : cudaHostAllocMapped);
-        if (err == cudaSuccess) std::memset(p, 0, n);
+        if (err == cudaSuccess) std::memset(p, 0, n);  // pinned: resident anyway
         break;
       case Kind::kDevice:
         err = cudaMalloc(&p, n);
@@ -128,7 +161,7 @@ class Memory {
     if (err != cudaSuccess) (void)cudaGetLastError();
     if (p == nullptr || err != cudaSuccess) {
       return absl::ResourceExhaustedError(
-          absl::StrCat("KVCache::Create: cannot allocate ", bytes, " bytes for ", what,
+          absl::StrCat(call, ": cannot allocate ", bytes, " bytes for ", what,
                        err != cudaSuccess ? absl::StrCat(" (", cudaGetErrorName(err), ")") : ""));
     }
     kind_ = kind;
@@ -143,7 +176,13 @@ class Memory {
     if (ptr_ == nullptr) return;
     switch (kind_) {
       case Kind::kHost:
-        std::free(ptr_);
+        if (mapped_ > 0) {
+          (void)munmap(base_, mapped_);
+        } else {
+          std::free(base_);
+        }
+        base_ = nullptr;
+        mapped_ = 0;
         break;
       case Kind::kPinned:
       case Kind::kPinnedMapped:
@@ -161,6 +200,8 @@ class Memory {
 
   Kind kind_ = Kind::kNone;
   uint8_t* ptr_ = nullptr;
+  void* base_ = nullptr;  // kHost: what calloc or mmap returned (ptr_ is aligned up from it)
+  size_t mapped_ = 0;     // kHost: bytes of an mmap (0: calloc)
 };
 
 // Makes `device` current for a scope (CUDA only) and restores the previous
@@ -192,6 +233,35 @@ class ScopedDevice {
 // pools for num_layers layers fit in budget bytes, with their layout.
 int64_t MostPagesWithin(const CacheGeometry& g, int num_layers, int64_t budget,
                         internal::PoolLayout* layout);
+
+// What Create sizes against the memory available (docs/kv_cache.md,
+// "Allocation and budget rules").
+struct CapacityInput {
+  CacheGeometry geometry;  // num_pages: given, or derived from `budget`
+  int num_layers = 0;
+  Device device;
+  bool prefix_cache = false;
+  int64_t max_seqs_per_step = 0, max_tokens_per_step = 0, max_pages_per_seq = 0;
+  int64_t host_pages = 0;  // host tier
+  int64_t budget = 0;      // memory_budget_bytes (0: num_pages was given)
+};
+
+struct Capacity {
+  int64_t num_pages = 0;  // the pages to allocate (below the budget's when clamped)
+  int64_t available = 0;  // bytes the pools' device (CPU: host memory) had available
+  bool clamped = false;   // the budget asked for more than was available
+};
+
+// Fraction of the available memory a budget may take: 1 - 1/kReserveDivisor
+// (the rest stays with the process: CUDA context, workspaces, the server).
+constexpr int64_t kReserveDivisor = 16;
+
+// Checks that the pools, step buffers, staging, host tier and bookkeeping
+// of `in` fit in the memory available now (cudaMemGetInfo on the current
+// device; HostMemoryAvailable() for host memory), and clamps a budget to it:
+// ResourceExhausted with the bytes asked and available when given pages (or
+// a host tier) do not fit, or not even one page fits.
+absl::StatusOr<Capacity> PlanCapacity(const CapacityInput& in);
 
 }  // namespace internal
 }  // namespace fp4kv

@@ -18,6 +18,7 @@
 #include "absl/types/span.h"
 #include "fp4kv/kv_cache.h"
 #include "src/cuda_util.h"
+#include "src/host_alloc.h"
 #include "src/kv_cache/memory.h"
 #include "src/kv_event_queue.h"
 #include "src/page_pool.h"
@@ -65,6 +66,11 @@ struct MemoryState {
   Memory device_step;  // CPU: also the staging
   Memory staging;      // CUDA only (pinned)
   uint8_t* d_step = nullptr;
+  // Sizing (docs/kv_cache.md, "Allocation and budget rules"): the memory the
+  // pools' device had available at Create, and whether memory_budget_bytes
+  // was clamped to it.
+  int64_t available_at_create = 0;
+  bool budget_clamped = false;
 };
 
 // The current step and its staging (owner: step.cc).
@@ -87,16 +93,16 @@ struct StepState {
   StepViews views;
   StepInfo info;
   uint64_t step_serial = 0;  // committed PrepareSteps
-  std::vector<Row> rows;
+  HostVector<Row> rows;
   int64_t slot_extent = 0;  // staging slots [0, slot_extent) may be >= 0
   int rows_used = 0;
   uint64_t stamp = 0;
   // PrepareStep scratch (sized once).
-  std::vector<int32_t> claim;        // [num_pages]
-  std::vector<Sequence*> step_seqs;  // [max_seqs_per_step]
-  std::vector<int32_t> cow_src;      // pages to copy, in entry order
-  std::vector<int> cow_entry;        // entry index of each copy
-  std::vector<int32_t> cow_dst;
+  HostVector<int32_t> claim;        // [num_pages]
+  HostVector<Sequence*> step_seqs;  // [max_seqs_per_step]
+  HostVector<int32_t> cow_src;      // pages to copy, in entry order
+  HostVector<int> cow_entry;        // entry index of each copy
+  HostVector<int32_t> cow_dst;
 };
 
 // Global scales and their bookkeeping (owner: scales.cc; the bound appender
@@ -131,7 +137,8 @@ struct PrefixState {
   mutable std::vector<int32_t> match_pages;
   // Token id of every slot (page * page_size + entry) written by a tracked
   // sequence: a page's ids travel with it (forks, matches, truncations).
-  std::vector<int32_t> page_tokens;
+  // Allocated only with prefix caching on.
+  HostVector<int32_t> page_tokens;
   std::vector<uint32_t> unhashed;  // sequence slots with completed, unhashed pages
 };
 
@@ -172,7 +179,7 @@ struct HostTierState {
   PoolLayout layout;
   Memory pool;
   uint8_t* pool_dev = nullptr;      // its device address (CUDA) or itself
-  std::vector<int32_t> free_pages;  // stack of free host pages
+  HostVector<int32_t> free_pages;  // stack of free host pages
   cudaStream_t copy_stream = nullptr;
   cudaEvent_t copy_ready = nullptr;    // recorded on the caller's stream, waited by the copy stream
   cudaEvent_t copy_drained = nullptr;  // recorded on the copy stream, waited by the caller's
@@ -192,8 +199,7 @@ class KVCacheState {
   using Row = StepState::Row;
   using SwapOutCopy = HostTierState::SwapOutCopy;
 
-  KVCacheState(int32_t num_pages, size_t max_events)
-      : prefix(max_events), allocator(num_pages, &prefix.events) {}
+  explicit KVCacheState(size_t max_events) : prefix(max_events), allocator(&prefix.events) {}
   ~KVCacheState();
 
   absl::Status CheckLayer(int layer) const;

@@ -1,5 +1,8 @@
 #include "testing/test_util.h"
 
+#include <climits>
+#include <cstdlib>
+
 #include <cuda_runtime_api.h>
 
 #include <cmath>
@@ -105,6 +108,18 @@ TensorView OnDevice(const TensorView& host_view, void* device_ptr) {
   v.data = device_ptr;
   v.device = Device::Cuda(0);
   return v;
+}
+
+int FuzzOps(int default_ops) {
+  const char* v = std::getenv("FP4KV_FUZZ_OPS");
+  if (v == nullptr || *v == '\0') return default_ops;
+  char* end = nullptr;
+  const long long n = std::strtoll(v, &end, 10);
+  if (*end != '\0' || n < 1 || n > INT32_MAX) {
+    ADD_FAILURE() << "FP4KV_FUZZ_OPS: expected a positive integer, got " << v;
+    return default_ops;
+  }
+  return static_cast<int>(n);
 }
 
 }  // namespace testing

@@ -27,6 +27,11 @@ bool HasCudaDevice(std::string* why = nullptr);
     }                                                                 \
   } while (0)
 
+// Operations of one fuzz run: FP4KV_FUZZ_OPS from the environment (a
+// positive integer; e.g. 1000000 for a long run) or `default_ops` (what CI
+// runs).
+int FuzzOps(int default_ops);
+
 // Fails the test (ASSERT) when a CUDA call does not return cudaSuccess.
 #define FP4KV_ASSERT_CUDA(call)                                                    \
   do {                                                                             \
