@@ -242,7 +242,11 @@ BENCHMARK(BM_PrepareStepDecode)
 
 void BM_PageAllocator(benchmark::State& state) {
   const int32_t n = static_cast<int32_t>(state.range(0));
-  internal::PagePool a(1 << 20);
+  internal::PagePool a;
+  if (absl::Status st = a.Init(1 << 20, /*prefix_index=*/false); !st.ok()) {
+    state.SkipWithError(st.ToString().c_str());
+    return;
+  }
   std::vector<int32_t> pages(n);
   for (auto _ : state) {
     for (int32_t i = 0; i < n; ++i) pages[i] = a.Allocate();

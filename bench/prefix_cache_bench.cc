@@ -151,7 +151,11 @@ BENCHMARK(BM_CreateSequenceFromPrefix)->Unit(benchmark::kMicrosecond);
 
 void BM_AllocateWithEviction(benchmark::State& state) {
   constexpr int32_t kPages = 1 << 18;
-  internal::PagePool pool(kPages);
+  internal::PagePool pool;
+  if (absl::Status st = pool.Init(kPages, /*prefix_index=*/true); !st.ok()) {
+    state.SkipWithError(st.ToString().c_str());
+    return;
+  }
   uint64_t next = 1;
   for (int32_t i = 0; i < kPages; ++i) {
     const int32_t p = pool.Allocate();
