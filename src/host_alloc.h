@@ -74,6 +74,16 @@ inline absl::Status HostAllocError(const char* call, const char* what, int64_t c
       absl::StrCat(call, ": cannot allocate ", size, " of host memory for ", what));
 }
 
+// Host memory the process can still take now, in bytes: the least of
+// MemAvailable (/proc/meminfo), the cgroup's memory limit less its usage and
+// the address-space limit (RLIMIT_AS) less the address space in use.
+// INT64_MAX when none of these is known.
+int64_t HostMemoryAvailable();
+
+// Requests of at least this many bytes are checked against
+// HostMemoryAvailable() before they are made (smaller ones skip the read).
+inline constexpr int64_t kHostCheckBytes = int64_t{64} << 20;
+
 // Runs `allocate` (allocations of HostAllocator containers only) for `count`
 // elements of `elem_bytes`; a failure becomes HostAllocError. The size is
 // checked first, so an impossible one allocates nothing.
@@ -83,6 +93,17 @@ absl::Status TryHostAlloc(const char* call, const char* what, int64_t count, int
   int64_t bytes = 0;
   if (!ArrayBytes(count, elem_bytes, &bytes) || static_cast<uint64_t>(bytes) > PTRDIFF_MAX) {
     return HostAllocError(call, what, count, elem_bytes);
+  }
+  // Where the kernel overcommits (vm.overcommit_memory=1), malloc grants any
+  // size and the process is killed when the pages are touched: a large
+  // request is checked against the memory the process can take first.
+  if (bytes >= kHostCheckBytes) {
+    const int64_t available = HostMemoryAvailable();
+    if (bytes > available) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat(HostAllocError(call, what, count, elem_bytes).message(), " (",
+                       available, " bytes available)"));
+    }
   }
   try {
     allocate();
@@ -108,12 +129,6 @@ absl::Status ReserveHost(HostVector<T>* v, int64_t count, const char* call, cons
   return TryHostAlloc(call, what, count, sizeof(T),
                       [&] { v->reserve(static_cast<size_t>(count)); });
 }
-
-// Host memory the process can still take now, in bytes: the least of
-// MemAvailable (/proc/meminfo), the cgroup's memory limit less its usage and
-// the address-space limit (RLIMIT_AS) less the address space in use.
-// INT64_MAX when none of these is known.
-int64_t HostMemoryAvailable();
 
 }  // namespace internal
 }  // namespace fp4kv
