@@ -335,8 +335,14 @@ class Fuzzer {
     std::normal_distribution<float> normal(0.0f, 1.0f / 64);
     std::vector<uint16_t> q(static_cast<size_t>(rows * qo_heads * o.geometry.head_dim_k));
     for (uint16_t& x : q) x = FloatToBf16Bits(normal(rng_));
+    // The factory's values reach thousands with mixed signs, so a row's
+    // output can be a small average of large values; rounding the weights
+    // to 16 bits then costs up to 2^-9 of sum p|v| (not of |sum p v|): the
+    // bound is relative to the larger of the two (cancellation_tol). The
+    // attention suites, on Gaussian and real-model data, keep the plain one.
     ASSERT_EQ(testing::RunAndCheckCacheAttention(*cache_, kind == 0 ? *decode_ : *verify_, layer,
-                                                 entries, q, rows, qo_heads, stream_),
+                                                 entries, q, rows, qo_heads, stream_,
+                                                 /*cancellation_tol=*/4e-3),
               "")
         << (kind == 0 ? "decode" : "verification") << " attention, layer " << layer;
     ++attention_checks_[kind];

@@ -52,6 +52,11 @@ struct CacheAttentionWant {
   int head_dim_v = 0;
   std::vector<double> out;
   std::vector<double> lse;
+  // Per (row, head): ||sum_t p_t |v_t| ||_2 with p the normalized weights,
+  // the scale of the error that rounding the weights (p to 16 bits for the
+  // tensor-core product) can cause. Equal to ||out|| when the values do not
+  // cancel; far larger when they do (values of thousands that average out).
+  std::vector<double> magnitude;
   int64_t queries = 0;  // (row, head) pairs written
 };
 
@@ -70,12 +75,16 @@ absl::StatusOr<CacheAttentionWant> CacheAttentionReference(
 // rel_tol * ||want||_2 + two subnormal ulps of the dtype per element, lse
 // within lse_tol; a written row must not still be all poison; rows the
 // reference leaves alone must hold exactly the poison (out_poison in every
-// element, lse_poison's bits). "" or the first failure.
+// element, lse_poison's bits). With `cancellation_tol` > 0 the output bound is
+// max(rel_tol * ||want||, cancellation_tol * magnitude) instead (for data
+// whose values cancel, see CacheAttentionWant::magnitude). "" or the first
+// failure.
 std::string CompareCacheAttention(const CacheAttentionWant& want,
                                   const std::vector<uint16_t>& out,
                                   const std::vector<float>& lse, DType dtype,
                                   uint16_t out_poison, float lse_poison,
-                                  double rel_tol = 4e-3, double lse_tol = 1e-3);
+                                  double rel_tol = 4e-3, double lse_tol = 1e-3,
+                                  double cancellation_tol = 0.0);
 
 // The byte out and lse are filled with before a checked run, and lse's
 // poison as a float.
@@ -87,11 +96,13 @@ float CacheAttentionLsePoison();
 // written), out, lse and the workspace poisoned first, on `stream` (then
 // the device is synchronized), and compares with CacheAttentionReference.
 // "" or the first difference; a step without any query fails (the check
-// would check nothing).
+// would check nothing). cancellation_tol: as in CompareCacheAttention (0:
+// the plain bound of the attention suites).
 std::string RunAndCheckCacheAttention(const KVCache& cache, const CacheAttention& op, int layer,
                                       absl::Span<const StepEntry> entries,
                                       const std::vector<uint16_t>& q, int64_t rows,
-                                      int num_qo_heads, Stream stream = nullptr);
+                                      int num_qo_heads, Stream stream = nullptr,
+                                      double cancellation_tol = 0.0);
 
 }  // namespace testing
 }  // namespace fp4kv
