@@ -19,6 +19,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <memory>
 #include <random>
@@ -453,6 +454,125 @@ TEST_P(KVCacheTpTest, RanksMakeTheSameDecisionsUnderDeviceDelays) {
     d.Run(testing::FuzzOps(250));
     if (HasFatalFailure()) return;
     EXPECT_GT(d.prefix_hits(), 0);
+  }
+}
+
+// With explicit scales a rank stores the bytes of its heads exactly as a
+// one-rank cache does, so its attention output is that cache's output for
+// the matching heads (within the attention tolerance: the work split may
+// differ with the head count).
+TEST_P(KVCacheTpTest, ExplicitScalesGiveTheOneRankAttention) {
+  FP4KV_SKIP_WITHOUT_GPU();
+  const int tp = GetParam();
+  constexpr int kGroup = 2;  // query heads per KV head
+  constexpr int kSeqs = 3;
+  constexpr int kAttnDim = 64;  // a head_dim the attention kernels have
+  const int64_t prompt[kSeqs] = {9, 17, 5};
+  auto make = [&](int heads) {
+    KVCacheOptions o = RankOptions(1, Device::Cuda(0));
+    o.geometry.num_kv_heads = heads;
+    o.geometry.head_dim_k = o.geometry.head_dim_v = kAttnDim;
+    o.geometry.page_size = 16;
+    o.geometry.num_pages = 64;
+    o.max_tokens_per_step = 64;
+    o.prefix_cache.enabled = false;
+    o.host_tier.host_pages = 0;
+    o.k_global_scales.assign(kLayers, 0.004f);
+    o.v_global_scales.assign(kLayers, 0.005f);
+    return testing::CreateCacheOrAbort(o);
+  };
+  // One value per (token, head, d) of all heads; rank r sees heads
+  // [r * kHeads / tp, (r + 1) * kHeads / tp).
+  auto value = [](int step, int64_t t, int h, int d, int which) {
+    return 0.125f * static_cast<float>((step * 31 + t * 17 + h * 7 + d * 3 + which * 5) % 41) -
+           2.5f;
+  };
+  // Runs prefill (step 0) and one decode step (step 1) on a cache holding
+  // `heads` heads from `h0`; returns the decode attention output of every
+  // layer, [layer][seq][q head][d] as floats.
+  auto run = [&](int heads, int h0) -> std::vector<float> {
+    KVCache c = make(heads);
+    const int hq = heads * kGroup;
+    std::vector<float> outs;
+    std::vector<SequenceId> ids;
+    for (int i = 0; i < kSeqs; ++i) ids.push_back(*c.CreateSequence());
+    absl::StatusOr<CacheAppender> app = c.appender(DType::kBF16);
+    CacheAttentionOptions ao;
+    ao.num_qo_heads = hq;
+    absl::StatusOr<CacheAttention> att = c.attention(ao);
+    EXPECT_TRUE(app.ok() && att.ok());
+    if (!app.ok() || !att.ok()) return outs;
+    Buffer work(c.device(), static_cast<size_t>(att->WorkspaceBytes()));
+    for (int step = 0; step < 2; ++step) {
+      std::vector<StepEntry> entries;
+      int64_t tokens = 0;
+      for (int i = 0; i < kSeqs; ++i) {
+        const int32_t n = step == 0 ? static_cast<int32_t>(prompt[i]) : 1;
+        entries.push_back(StepEntry{ids[i], n, {}});
+        tokens += n;
+      }
+      absl::StatusOr<StepInfo> info = c.PrepareStep(entries);
+      EXPECT_TRUE(info.ok()) << info.status();
+      if (!info.ok()) return {};
+      for (int l = 0; l < kLayers; ++l) {
+        std::vector<uint16_t> k(static_cast<size_t>(tokens) * heads * kAttnDim), v(k.size());
+        for (int64_t t = 0; t < tokens; ++t) {
+          for (int h = 0; h < heads; ++h) {
+            for (int d = 0; d < kAttnDim; ++d) {
+              const size_t i = (static_cast<size_t>(t) * heads + h) * kAttnDim + d;
+              k[i] = FloatToBf16Bits(value(step * 2 + l, t, h0 + h, d, 0));
+              v[i] = FloatToBf16Bits(value(step * 2 + l, t, h0 + h, d, 1));
+            }
+          }
+        }
+        Buffer kb(c.device(), k.size() * 2), vb(c.device(), v.size() * 2);
+        EXPECT_TRUE(kb.Upload(k.data(), k.size() * 2) && vb.Upload(v.data(), v.size() * 2));
+        absl::Status st = app->Run(l, kb.View(DType::kBF16, {tokens, heads, kAttnDim}),
+                                   vb.View(DType::kBF16, {tokens, heads, kAttnDim}));
+        EXPECT_TRUE(st.ok()) << st;
+        if (step == 0) continue;
+        std::vector<uint16_t> q(static_cast<size_t>(kSeqs) * hq * kAttnDim);
+        for (int b = 0; b < kSeqs; ++b) {
+          for (int h = 0; h < hq; ++h) {
+            for (int d = 0; d < kAttnDim; ++d) {
+              q[(static_cast<size_t>(b) * hq + h) * kAttnDim + d] =
+                  FloatToBf16Bits(value(9 + l, b, h0 * kGroup + h, d, 2));
+            }
+          }
+        }
+        Buffer qb(c.device(), q.size() * 2), ob(c.device(), q.size() * 2);
+        EXPECT_TRUE(qb.Upload(q.data(), q.size() * 2));
+        st = att->Run(l, qb.View(DType::kBF16, {kSeqs, hq, kAttnDim}),
+                      ob.View(DType::kBF16, {kSeqs, hq, kAttnDim}), work.get(),
+                      att->WorkspaceBytes());
+        EXPECT_TRUE(st.ok()) << st;
+        for (uint16_t bits : ob.DownloadAs<uint16_t>(q.size())) outs.push_back(Bf16BitsToFloat(bits));
+      }
+    }
+    return outs;
+  };
+  const std::vector<float> full = run(kHeads, 0);
+  ASSERT_EQ(full.size(), static_cast<size_t>(kLayers) * kSeqs * kHeads * kGroup * kAttnDim);
+  const int heads = kHeads / tp;
+  for (int r = 0; r < tp; ++r) {
+    const std::vector<float> got = run(heads, r * heads);
+    ASSERT_EQ(got.size(), full.size() / tp);
+    for (int l = 0; l < kLayers; ++l) {
+      for (int b = 0; b < kSeqs; ++b) {
+        for (int h = 0; h < heads * kGroup; ++h) {
+          double err = 0, norm = 0;
+          for (int d = 0; d < kAttnDim; ++d) {
+            const float g = got[((static_cast<size_t>(l) * kSeqs + b) * heads * kGroup + h) * kAttnDim + d];
+            const float w = full[((static_cast<size_t>(l) * kSeqs + b) * kHeads * kGroup +
+                                  r * heads * kGroup + h) * kAttnDim + d];
+            err += (g - w) * double(g - w);
+            norm += double(w) * w;
+          }
+          EXPECT_LE(std::sqrt(err), 1e-2 * std::sqrt(norm) + 1e-3)
+              << "rank " << r << " layer " << l << " seq " << b << " q head " << h;
+        }
+      }
+    }
   }
 }
 
