@@ -443,6 +443,7 @@ TEST_P(KVCacheTpTest, RanksMakeTheSameDecisionsOnTheCpu) {
     d.Run(testing::FuzzOps(400));
     if (HasFatalFailure()) return;
     EXPECT_GT(d.prefix_hits(), 0);
+    EXPECT_GT(d.evictions(), 0);
   }
 }
 
