@@ -147,7 +147,7 @@ struct KVCacheStats {
   int64_t host_pages_used = 0;      // holding swapped-out sequences
   int64_t host_bytes = 0;           // of the pinned host pool
   int64_t sequences_swapped = 0;    // swapped out (also while the copy is in flight)
-  int64_t swaps_in_flight = 0;      // SwapOut copies whose device pages are not yet free
+  int64_t swaps_in_flight = 0;      // SwapOut copies not yet retired (see SwapOut)
   int64_t pages_swap_pending = 0;   // device pages those copies still hold
   int64_t bytes_swapped_out = 0;    // device -> host, ever
   int64_t bytes_swapped_in = 0;     // host -> device, ever
@@ -559,10 +559,12 @@ class KVCache {
   // event), and returns without waiting: the sequence is swapped out at
   // once (it cannot join a step, be read, forked, truncated or exported:
   // FailedPrecondition naming it), and its device page references are
-  // dropped when a later call sees the copy done (an event query, no sync):
-  // PrepareStep, PlanStep, the allocating calls, Stats, CheckInvariants.
-  // Pages shared with other sequences stay theirs, unchanged. A call that
-  // needs pages that only such copies still hold waits for them. With prefix
+  // dropped at a point fixed by the calls alone, never by when the copy
+  // finishes: the first call once two PrepareSteps have committed after the
+  // SwapOut (it waits for the copy if it is still running; the copy has had
+  // a whole step to run), or earlier by a call that needs pages only such
+  // copies hold (it waits for them), or SynchronizeSwaps. Pages shared
+  // with other sequences stay theirs, unchanged. With prefix
   // caching the sequence stops being tracked. Errors (nothing changed):
   // NotFound; FailedPrecondition (no host tier, already swapped out);
   // ResourceExhausted (host pages).

@@ -185,7 +185,10 @@ absl::Status CacheAppender::Run(int layer, const TensorView& key, const TensorVi
         cudaStreamIsCapturing(reinterpret_cast<cudaStream_t>(stream), &capture));
     if (capture != cudaStreamCaptureStatusNone) s.scales.layer_captured[layer] = 1;
   }
-  if (s.step.info.num_tokens > 0) s.scales.layer_append_serial[layer] = s.step.step_serial;
+  if (s.step.info.num_tokens > 0) {
+    s.scales.layer_append_serial[layer] = s.step.step_serial;
+    s.SettleLayers(layer, 1);  // its calibration (if any) is enqueued before the append
+  }
   if (p->nnz == 0) return absl::OkStatus();
   if (s.LayerPending(layer)) {
     internal::RowCalibrationParams c;

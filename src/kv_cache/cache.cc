@@ -329,6 +329,7 @@ absl::StatusOr<KVCache> KVCache::Create(const KVCacheOptions& o) {
   s->scales.known_scales = scales;
   s->scales.known.assign(L, 0);
   for (int l = 0; l < L; ++l) s->scales.known[l] = flags[2 * l] != 0 && flags[2 * l + 1] != 0;
+  s->scales.layer_settled = s->scales.known;
   s->images.book = std::make_shared<internal::ReservationBook>();
   s->images.book->state = s.get();
 

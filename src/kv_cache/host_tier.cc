@@ -100,10 +100,9 @@ void KVCacheState::FinishOut(SwapOutCopy& c) {
 
 void KVCacheState::PollSwaps() {
   size_t k = 0;
-  while (k < host.outs.size()) {
-    const cudaError_t e = cudaEventQuery(host.swap_events[host.outs[k].event]);
-    if (e == cudaErrorNotReady) break;
-    if (e != cudaSuccess) (void)cudaGetLastError();
+  while (k < host.outs.size() && host.outs[k].serial + 2 <= step.step_serial) {
+    if (cudaEventSynchronize(host.swap_events[host.outs[k].event]) != cudaSuccess)
+      (void)cudaGetLastError();
     FinishOut(host.outs[k]);
     ++k;
   }
@@ -256,7 +255,7 @@ absl::Status KVCache::SwapOut(SequenceId seq, Stream stream) {
   s.host.bytes_swapped_out += n * s.PageBytesAllLayers();
   if (event >= 0) {
     s.host.outs.push_back(
-        KVCacheState::SwapOutCopy{event, seq, {}});  // pages dropped when it is done
+        KVCacheState::SwapOutCopy{event, seq, {}, s.step.step_serial});  // see PollSwaps
   } else {
     s.ReleasePages(*q);
   }

@@ -506,6 +506,7 @@ absl::StatusOr<SequenceId> KVCache::CommitImport(ImportReservation reservation, 
       s.prefix.unhashed.push_back(s.sequences.slot_of[id]);
     }
   }
+  if (h.length > 0) s.SettleLayers(0, L);
   for (int l = 0; l < L; ++l) {
     if (adopt[2 * l] || adopt[2 * l + 1]) s.scales.known[l] = 0;
   }

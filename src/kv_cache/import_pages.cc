@@ -120,6 +120,7 @@ absl::StatusOr<SequenceId> KVCache::ImportHalfPages(absl::Span<const HalfPagedCa
   }
   q.length = length;
   if (n == 0) return id;
+  s.SettleLayers(0, L);
   absl::Status status = absl::OkStatus();
   const cudaStream_t cs = reinterpret_cast<cudaStream_t>(stream);
   if (s.cuda) {

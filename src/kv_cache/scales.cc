@@ -102,7 +102,12 @@ absl::Status KVCacheState::MarkCalibrated(int first, int count, Stream stream) {
                         cudaMemcpyHostToDevice, reinterpret_cast<cudaStream_t>(stream)));
   }
   for (size_t i = 0; i < ones.size(); ++i) scales.h_flags[2 * first + i] = 1;
+  SettleLayers(first, count);
   return absl::OkStatus();
+}
+
+void KVCacheState::SettleLayers(int first, int count) const {
+  std::fill(scales.layer_settled.begin() + first, scales.layer_settled.begin() + first + count, 1);
 }
 
 bool KVCacheState::ScaleFingerprint(uint64_t* out) const {
@@ -115,8 +120,8 @@ bool KVCacheState::ScaleFingerprint(uint64_t* out) const {
 
 bool KVCacheState::Calibrated() {
   if (scales.all_calibrated) return true;
-  for (int l = 0; l < options.num_layers; ++l) {
-    if (LayerPending(l)) return false;
+  for (uint8_t settled : scales.layer_settled) {
+    if (settled == 0) return false;
   }
   scales.all_calibrated = true;
   return true;

@@ -119,7 +119,14 @@ struct ScaleState {
   // Scale-change bookkeeping (see KVCache::LayerTokens).
   mutable std::vector<uint64_t> layer_append_serial;  // [L] step of the last append
   mutable std::vector<uint8_t> layer_captured;        // [L] an append was captured
-  bool all_calibrated = false;                        // sticky: a layer never goes back to pending
+  // The host's view of calibration, a function of the calls alone (never of
+  // the mapped flags, which the device writes when it gets there): a layer is
+  // settled once its scales were given (at Create, UpdateGlobalScales,
+  // CalibrateGlobalScales) or a call wrote tokens into it (an appender run of
+  // a step with tokens, an import). It gates prefix indexing (Calibrated());
+  // docs/kv_cache.md, "Tensor parallelism: decisions are a function of the calls".
+  mutable std::vector<uint8_t> layer_settled;  // [L]
+  bool all_calibrated = false;          // sticky: every layer settled
   // Scales the host knows ([L, 4] as d_scales; known[l]: given at Create or
   // by UpdateGlobalScales, not computed on the device since).
   std::vector<float> known_scales;
@@ -174,6 +181,7 @@ struct HostTierState {
     int event = -1;
     SequenceId seq = 0;
     std::vector<int32_t> orphan;
+    uint64_t serial = 0;  // StepState::step_serial at the SwapOut (see PollSwaps)
   };
   int64_t pages_total = 0;
   PoolLayout layout;
@@ -228,8 +236,14 @@ class KVCacheState {
   // a capture, whose replays the host cannot see).
   int64_t TokensHeld(int layer) const;
 
-  // True while the host has not seen both of the layer's scales calibrated.
+  // True while the host has not seen both of the layer's scales calibrated
+  // in the mapped flags: a device fact seen when the device gets there, so it
+  // decides only device work (whether a calibration kernel is launched),
+  // never what the host does.
   bool LayerPending(int layer) const;
+
+  // Marks layers [first, first + count) settled (ScaleState::layer_settled).
+  void SettleLayers(int first, int count) const;
 
   absl::Status CheckScaleChange(int layer, StoredTokens stored, bool* reencode) const;
 
@@ -281,8 +295,13 @@ class KVCacheState {
 
   void FinishOut(SwapOutCopy& c);
 
-  // Drops the device pages of the SwapOut copies that are done (event
-  // queries, no sync).
+  // Retires the SwapOut copies after which two PrepareSteps have committed
+  // (serial + 2 <= step_serial), in order: waits for each (the second
+  // PrepareStep waited for the first one's upload, so the copy has had a
+  // whole step to run) and drops its device pages. The
+  // rule depends only on the calls, never on when the copies finish, so
+  // every rank of a tensor-parallel group frees the same pages at the same
+  // call.
   void PollSwaps();
 
   absl::Status WaitSwapOuts();
@@ -313,9 +332,11 @@ class KVCacheState {
   // XXH3-64 of every layer's scales when the host knows them all.
   bool ScaleFingerprint(uint64_t* out) const;
 
-  // True once the host has seen every layer's scales calibrated: only then
-  // are pages indexed (bytes written under a pending layer's placeholder
-  // scale must not be shared).
+  // True once every layer is settled (ScaleState::layer_settled): only then
+  // are completed pages indexed. A layer the device has not calibrated holds
+  // only bytes of all-zero rows (a nonzero row calibrates it before it is
+  // written), which read the same under any scale; the rule exists so that
+  // no page written before a layer's first calibrating write is shared.
   bool Calibrated();
 
   // The longest indexed prefix of `prompt` in whole pages, leaving at least
