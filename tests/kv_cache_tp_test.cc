@@ -447,7 +447,7 @@ TEST_P(KVCacheTpTest, RanksMakeTheSameDecisionsOnTheCpu) {
   }
 }
 
-TEST_P(KVCacheTpTest, RanksMakeTheSameDecisionsUnderDeviceDelays) {
+TEST_P(KVCacheTpTest, GpuRanksMakeTheSameDecisionsUnderDeviceDelays) {
   FP4KV_SKIP_WITHOUT_GPU();
   for (uint64_t seed : {1u, 2u}) {
     SCOPED_TRACE(absl::StrCat("seed ", seed));
@@ -462,7 +462,7 @@ TEST_P(KVCacheTpTest, RanksMakeTheSameDecisionsUnderDeviceDelays) {
 // one-rank cache does, so its attention output is that cache's output for
 // the matching heads (within the attention tolerance: the work split may
 // differ with the head count).
-TEST_P(KVCacheTpTest, ExplicitScalesGiveTheOneRankAttention) {
+TEST_P(KVCacheTpTest, GpuExplicitScalesGiveTheOneRankAttention) {
   FP4KV_SKIP_WITHOUT_GPU();
   const int tp = GetParam();
   constexpr int kGroup = 2;  // query heads per KV head
