@@ -27,6 +27,16 @@
 // hold exactly the rows a prefill would write, and the error check below
 // covers them too. The end prints the hit rate and prefill tokens saved.
 //
+// Tensor parallelism (--tp=N, docs/kv_cache.md "Tensor parallelism"): N
+// caches (ranks), each holding kv_heads / N heads with the same options, get
+// every cache call of the loop in the same order; each appends its slice of
+// the K/V rows and attends with its qo_heads / N query heads (on a GPU: its
+// own stream and captured graphs, rank r on GPU r when there are N GPUs,
+// else all on GPU 0). After every call and every step the ranks' host
+// decisions (statuses, ids, StepInfo, slot mappings, block tables,
+// SequencePages, prefix matches, KV events, Stats counts) are compared; the
+// loop aborts naming the step and the call where they differ.
+//
 // Flags (--name=value): device (auto|cpu|cuda), read (attention|materialize),
 // layers, kv_heads, qo_heads (0: 4 * kv_heads), head_dim, page_size,
 // requests, max_batch, prompt_min, prompt_max, decode_min, decode_max, chunk
@@ -34,7 +44,7 @@
 // max_batch + samples full-length sequences), error_seqs (finished sequences
 // whose error is measured), prefix_cache (0|1), system_prompts (distinct
 // shared system prompts), follow_ups (percent of requests that continue an
-// earlier conversation), seed.
+// earlier conversation), tp (ranks), seed.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -49,8 +59,11 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "fp4kv/format.h"
 #include "fp4kv/kv_cache.h"
+#include "fp4kv/kv_events.h"
 #include "fp4kv/ops.h"
 
 namespace {
@@ -59,6 +72,7 @@ using fp4kv::DType;
 using fp4kv::KVCache;
 using fp4kv::SequenceId;
 using fp4kv::StepEntry;
+using fp4kv::StepInfo;
 using fp4kv::TensorView;
 
 #define CHECK_OK(expr)                                                                \
@@ -88,6 +102,7 @@ struct Flags {
   int64_t pool_pages = 0;
   int error_seqs = 8;
   int prefix_cache = 1, system_prompts = 3, follow_ups = 40;
+  int tp = 1;
   uint64_t seed = 1;
 
   bool Parse(int argc, char** argv) {
@@ -102,6 +117,9 @@ struct Flags {
             "  --requests, --max_batch, --prompt_min, --prompt_max, --decode_min, --decode_max,\n"
             "  --chunk (prefill chunk), --samples (forked samples), --pool_pages,\n"
             "  --error_seqs (sequences whose dequantized error is reported), --seed\n"
+            "  --prefix_cache=0|1, --system_prompts, --follow_ups (percent)\n"
+            "  --tp=N   N ranks of kv_heads / N heads each (N divides kv_heads and qo_heads),\n"
+            "           driven by the same calls; checks that their host decisions agree\n"
             "Unset sizes get GPU- or CPU-sized defaults.\n");
         std::exit(0);
       }
@@ -125,7 +143,8 @@ struct Flags {
           {"prompt_min", &prompt_min}, {"prompt_max", &prompt_max}, {"decode_min", &decode_min},
           {"decode_max", &decode_max}, {"chunk", &chunk},           {"samples", &samples},
           {"error_seqs", &error_seqs}, {"prefix_cache", &prefix_cache},
-          {"system_prompts", &system_prompts}, {"follow_ups", &follow_ups}};
+          {"system_prompts", &system_prompts}, {"follow_ups", &follow_ups},
+          {"tp", &tp}};
       bool known = false;
       for (const auto& f : ints) {
         if (k == f.name) {
@@ -240,6 +259,106 @@ struct ErrorStats {
   int seqs = 0;
 };
 
+// One tensor-parallel rank: a cache of kv_heads / tp heads, its bound ops,
+// stream, buffers (a captured graph bakes their addresses in) and graphs.
+struct Rank {
+  int gpu = 0;  // CUDA device ordinal
+  fp4kv::Device device;
+  absl::StatusOr<KVCache> cache = absl::UnknownError("not created");
+  absl::StatusOr<fp4kv::CacheAppender> appender = absl::UnknownError("not created");
+  absl::StatusOr<fp4kv::CacheMaterializer> materializer =
+      absl::FailedPreconditionError("not used (--read=attention)");
+  absl::StatusOr<fp4kv::CacheAttention> attention =
+      absl::FailedPreconditionError("not used (--read=materialize)");
+  cudaStream_t cs = nullptr;
+  fp4kv::Stream stream = nullptr;
+  std::vector<std::vector<uint16_t>> host_in;  // K/V rows (one staging buffer on a GPU)
+  std::vector<void*> in_ptr, q_ptr, o_ptr;     // per layer: K/V inputs; queries, outputs
+  std::vector<std::vector<uint8_t>> host_buffers;
+  std::vector<void*> device_buffers;
+  int64_t W = 0;  // FP8 workspace pages at capacity
+  void *ws = nullptr, *attn_ws = nullptr;
+  int64_t attn_ws_bytes = 0;
+  cudaGraphExec_t graph_append = nullptr, graph_read = nullptr;
+  cudaEvent_t ev[3] = {nullptr, nullptr, nullptr};
+};
+
+// Host decisions as text: with --tp, every rank's text must be equal.
+std::string Text(const std::string& s) { return s; }
+std::string Text(const absl::Status& s) { return s.ok() ? "OK" : s.ToString(); }
+std::string Text(const absl::StatusOr<SequenceId>& s) {
+  return s.ok() ? absl::StrCat("seq ", *s) : Text(s.status());
+}
+std::string Text(const absl::StatusOr<fp4kv::PrefixSequence>& p) {
+  return p.ok() ? absl::StrCat("seq ", p->seq, " cached tokens ", p->cached_tokens)
+                : Text(p.status());
+}
+std::string Text(const fp4kv::PrefixMatch& m) {
+  return absl::StrCat("tokens ", m.tokens, " pages ", m.pages, " evictable ", m.pages_evictable);
+}
+std::string Text(const fp4kv::KVEventBatch& b) {
+  std::string out = absl::StrCat("dropped ", b.dropped, "\n");
+  for (const fp4kv::KVEvent& e : b.events) {
+    absl::StrAppend(&out, static_cast<int>(e.type), " [");
+    for (const fp4kv::BlockHash& h : e.block_hashes) absl::StrAppend(&out, h.ToHex(), " ");
+    absl::StrAppend(&out, "] parent ", e.has_parent ? e.parent_block_hash.ToHex() : "-", " ids ",
+                    absl::StrJoin(e.token_ids, ","), " size ", e.block_size, " key '", e.extra_key,
+                    "'\n");
+  }
+  return out;
+}
+// A step's StepInfo and host step buffers (slots, lengths, block tables).
+std::string StepText(const KVCache& c, const absl::StatusOr<StepInfo>& s) {
+  if (!s.ok()) return Text(s.status());
+  const StepInfo& i = *s;
+  std::string out = absl::StrCat("seqs ", i.num_seqs, " tokens ", i.num_tokens, " max len ",
+                                 i.max_seq_len, " pages ", i.num_pages, " fp8 ",
+                                 i.fp8_workspace_pages, " allocated ", i.pages_allocated,
+                                 " copied ", i.pages_copied, " evicted ", i.pages_evicted, "\n");
+  absl::StrAppend(&out, "slots ", absl::StrJoin(c.host_slot_mapping(), ","), "\nlens ",
+                  absl::StrJoin(c.host_seq_lens(), ","), "\nkv indptr ",
+                  absl::StrJoin(c.host_kv_page_indptr(), ","), "\ntoken indptr ",
+                  absl::StrJoin(c.host_token_indptr(), ","), "\n");
+  const absl::Span<const int32_t> indptr = c.host_kv_page_indptr();
+  for (int r = 0; r < i.num_seqs; ++r) {
+    absl::StrAppend(&out, "table ", r, ": ",
+                    absl::StrJoin(c.host_block_table(r).subspan(0, indptr[r + 1] - indptr[r]), ","),
+                    "\n");
+  }
+  return out;
+}
+// The decision counts of Stats() and the pages of sequences `ids`.
+std::string StateText(const KVCache& c, const std::vector<SequenceId>& ids) {
+  const fp4kv::KVCacheStats s = c.Stats();
+  std::string out = absl::StrCat(
+      "pages total/free/used/shared/cached/indexed ", s.pages_total, "/", s.pages_free, "/",
+      s.pages_used, "/", s.pages_shared, "/", s.pages_cached, "/", s.pages_indexed, "; seqs ",
+      s.num_sequences, " tokens stored/resident ", s.tokens_stored, "/", s.tokens_resident,
+      " wasted ", s.wasted_slots, "; evictions ", s.evictions, "; prefix ", s.prefix_queries, "/",
+      s.prefix_query_tokens, "/", s.prefix_hit_tokens, "; events ", s.events_pending, "/",
+      s.events_dropped, "\n");
+  for (const auto& [id, len] : s.sequence_lengths) absl::StrAppend(&out, id, ":", len, " ");
+  out += "\n";
+  for (SequenceId id : ids) {
+    absl::StatusOr<absl::Span<const int32_t>> p = c.SequencePages(id);
+    absl::StrAppend(&out, "seq ", id, ": ",
+                    p.ok() ? absl::StrJoin(*p, ",") : std::string(p.status().message()), "\n");
+  }
+  return out;
+}
+
+// Aborts unless every rank described its answer to `what` alike.
+void Agree(const std::vector<std::string>& got, int64_t step, const char* what) {
+  for (size_t r = 1; r < got.size(); ++r) {
+    if (got[r] == got[0]) continue;
+    std::fprintf(stderr,
+                 "tp: step %lld: %s differs between rank 0 and rank %zu\n--- rank 0:\n%s\n"
+                 "--- rank %zu:\n%s\n",
+                 static_cast<long long>(step), what, r, got[0].c_str(), r, got[r].c_str());
+    std::exit(1);
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -265,6 +384,15 @@ int main(int argc, char** argv) {
                  "read=attention|materialize\n");
     return 2;
   }
+  const int TP = f.tp;
+  const int HQ = f.qo_heads > 0 ? f.qo_heads : 4 * f.kv_heads;
+  if (TP < 1 || f.kv_heads % TP != 0 || HQ % TP != 0) {
+    std::fprintf(stderr,
+                 "--tp=%d: each rank holds kv_heads / tp KV heads and qo_heads / tp query heads, "
+                 "so tp must be >= 1 and divide kv_heads (%d) and qo_heads (%d)\n",
+                 TP, f.kv_heads, HQ);
+    return 2;
+  }
   if (gpu) {
     cudaDeviceProp prop;
     CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
@@ -278,8 +406,8 @@ int main(int argc, char** argv) {
                            ? "no GPU on this machine"
                            : cudaGetErrorName(probe)));
   }
-  const fp4kv::Device device = gpu ? fp4kv::Device::Cuda(0) : fp4kv::Device::Cpu();
   const int L = f.layers, H = f.kv_heads, D = f.head_dim, PS = f.page_size;
+  const int HR = H / TP, HQR = HQ / TP;  // one rank's KV and query heads
   const int total_requests = f.requests + std::max(0, f.samples);
   const int max_seq = f.prompt_max + f.decode_max;
   const int M = (max_seq + PS - 1) / PS;
@@ -293,11 +421,10 @@ int main(int argc, char** argv) {
   RowBank bank(H, D, 2048, f.seed);
   fp4kv::KVCacheOptions o;
   o.num_layers = L;
-  o.geometry.num_kv_heads = H;
+  o.geometry.num_kv_heads = HR;
   o.geometry.head_dim_k = o.geometry.head_dim_v = D;
   o.geometry.page_size = PS;
   o.geometry.num_pages = f.pool_pages > 0 ? f.pool_pages : static_cast<int64_t>(S) * M;
-  o.device = device;
   // No global scales: each layer calibrates from its first rows (with
   // headroom); the counters show whether later rows outgrew it.
   o.count_scale_events = true;
@@ -305,117 +432,155 @@ int main(int argc, char** argv) {
   o.max_tokens_per_step = T;
   o.max_pages_per_seq = M;
   o.prefix_cache.enabled = f.prefix_cache != 0;
-  absl::StatusOr<KVCache> created = KVCache::Create(o);
-  CHECK_OK(created.status());
-  KVCache& cache = *created;
-  const fp4kv::KVCacheStats st0 = cache.Stats();
+  // With --tp the KV events are compared across ranks every step.
+  if (TP > 1) o.prefix_cache.max_pending_events = 1 << 14;
+  // Ranks: the same options (num_pages explicit), kv_heads / tp heads each.
+  std::vector<Rank> ranks(TP);
+  auto use = [&](const Rank& k) {
+    if (gpu) CHECK_CUDA(cudaSetDevice(k.gpu));
+  };
+  double pool_bytes = 0, bytes_per_token = 0;  // all ranks
+  for (int r = 0; r < TP; ++r) {
+    Rank& k = ranks[r];
+    k.gpu = gpu && gpu_count >= TP ? r : 0;
+    k.device = gpu ? fp4kv::Device::Cuda(k.gpu) : fp4kv::Device::Cpu();
+    use(k);
+    o.device = k.device;
+    k.cache = KVCache::Create(o);
+    CHECK_OK(k.cache.status());
+    pool_bytes += k.cache->Stats().pool_bytes;
+    bytes_per_token += k.cache->Stats().bytes_per_token;
+  }
+  const fp4kv::KVCacheStats st0 = ranks[0].cache->Stats();
   std::printf(
       "model: %d layers, %d KV heads, head_dim %d, page %d tokens; pool %lld pages (%.1f MiB), "
       "%.1f KiB/token (bf16: %.1f KiB, %.2fx)\n",
-      L, H, D, PS, static_cast<long long>(st0.pages_total), st0.pool_bytes / 1048576.0,
-      st0.bytes_per_token / 1024.0, 4.0 * L * H * D / 1024.0,
-      4.0 * L * H * D / st0.bytes_per_token);
+      L, H, D, PS, static_cast<long long>(st0.pages_total), pool_bytes / 1048576.0,
+      bytes_per_token / 1024.0, 4.0 * L * H * D / 1024.0, 4.0 * L * H * D / bytes_per_token);
+  if (TP > 1) {
+    std::printf(
+        "tp: %d ranks of %d KV heads and %d query heads, %s; the same calls in the same "
+        "order on every rank, host decisions compared after each\n",
+        TP, HR, HQR,
+        !gpu ? "all on the CPU"
+             : (gpu_count >= TP ? "rank r on GPU r, each its own stream and graphs"
+                                : "all on GPU 0, each its own stream and graphs"));
+  }
 
-  absl::StatusOr<fp4kv::CacheAppender> appender = cache.appender(DType::kBF16);
-  CHECK_OK(appender.status());
   const bool attend = f.read == "attention";
-  const int HQ = f.qo_heads > 0 ? f.qo_heads : 4 * H;
-  absl::StatusOr<fp4kv::CacheMaterializer> materializer =
-      absl::FailedPreconditionError("not used (--read=attention)");
-  absl::StatusOr<fp4kv::CacheAttention> attention =
-      absl::FailedPreconditionError("not used (--read=materialize)");
+  for (Rank& k : ranks) {
+    use(k);
+    k.appender = k.cache->appender(DType::kBF16);
+    CHECK_OK(k.appender.status());
+    if (attend) {
+      fp4kv::CacheAttentionOptions ao;
+      ao.num_qo_heads = HQR;
+      k.attention = k.cache->attention(ao);
+      CHECK_OK(k.attention.status());
+    } else {
+      k.materializer = k.cache->materializer();
+      CHECK_OK(k.materializer.status());
+    }
+  }
   if (attend) {
-    fp4kv::CacheAttentionOptions ao;
-    ao.num_qo_heads = HQ;
-    attention = cache.attention(ao);
-    CHECK_OK(attention.status());
     std::printf("reads: decode attention from the NVFP4 pages, %d query heads (group %d)\n", HQ,
                 HQ / H);
   } else {
-    materializer = cache.materializer();
-    CHECK_OK(materializer.status());
     std::printf("reads: FP8 materialization of every active page\n");
   }
 
-  // Fixed buffers: per-layer K/V inputs [T, H, D], queries and outputs
-  // [S, HQ, D], the attention workspace, the FP8 workspace at capacity (a
-  // captured graph bakes these addresses in).
-  cudaStream_t cs = nullptr;
-  if (gpu) CHECK_CUDA(cudaStreamCreateWithFlags(&cs, cudaStreamNonBlocking));
-  const fp4kv::Stream stream = reinterpret_cast<fp4kv::Stream>(cs);
-  const size_t in_elems = static_cast<size_t>(T) * H * D;
-  std::vector<std::vector<uint16_t>> host_in(gpu ? 1 : 2 * L, std::vector<uint16_t>(in_elems));
-  std::vector<void*> in_ptr(2 * L);
-  for (int i = 0; i < 2 * L; ++i) {
-    if (gpu) {
-      CHECK_CUDA(cudaMalloc(&in_ptr[i], in_elems * 2));
-    } else {
-      in_ptr[i] = host_in[i].data();
-    }
-  }
-  // Bytes on the cache's device (host memory for the CPU); freed at exit.
-  std::vector<std::vector<uint8_t>> host_buffers;
-  std::vector<void*> device_buffers;
-  auto alloc = [&](size_t bytes) -> void* {
+  // Fixed buffers of each rank: per-layer K/V inputs [T, HR, D], queries and
+  // outputs [S, HQR, D], the attention workspace, the FP8 workspace at
+  // capacity (a captured graph bakes these addresses in).
+  const size_t in_elems = static_cast<size_t>(T) * HR * D;
+  // Bytes on a rank's device (host memory for the CPU); freed at exit.
+  auto alloc = [&](Rank& k, size_t bytes) -> void* {
     if (bytes == 0) bytes = 256;
     if (!gpu) {
-      host_buffers.emplace_back(bytes);
-      return host_buffers.back().data();
+      k.host_buffers.emplace_back(bytes);
+      return k.host_buffers.back().data();
     }
     void* p = nullptr;
     CHECK_CUDA(cudaMalloc(&p, bytes));
-    device_buffers.push_back(p);
+    k.device_buffers.push_back(p);
     return p;
   };
-  const int64_t W = cache.Fp8WorkspacePagesAtCapacity();
-  void* ws = materializer.ok() ? alloc(static_cast<size_t>(W) * 2 * H * PS * D) : nullptr;
-  const size_t q_elems = static_cast<size_t>(S) * HQ * D;
-  std::vector<void*> q_ptr(attend ? L : 0), o_ptr(attend ? L : 0);
-  void* attn_ws = nullptr;
-  int64_t attn_ws_bytes = 0;
+  for (Rank& k : ranks) {
+    use(k);
+    if (gpu) CHECK_CUDA(cudaStreamCreateWithFlags(&k.cs, cudaStreamNonBlocking));
+    k.stream = reinterpret_cast<fp4kv::Stream>(k.cs);
+    k.host_in.assign(gpu ? 1 : 2 * L, std::vector<uint16_t>(in_elems));
+    k.in_ptr.resize(2 * L);
+    for (int i = 0; i < 2 * L; ++i) {
+      if (gpu) {
+        CHECK_CUDA(cudaMalloc(&k.in_ptr[i], in_elems * 2));
+      } else {
+        k.in_ptr[i] = k.host_in[i].data();
+      }
+    }
+    k.W = k.cache->Fp8WorkspacePagesAtCapacity();
+    if (k.materializer.ok()) k.ws = alloc(k, static_cast<size_t>(k.W) * 2 * HR * PS * D);
+    if (attend) {
+      k.attn_ws_bytes = k.attention->WorkspaceBytes();
+      k.attn_ws = alloc(k, static_cast<size_t>(k.attn_ws_bytes));
+    }
+  }
+  // Queries [S, HQ, D] per layer; rank r reads its query heads [r * HQR, (r + 1) * HQR).
+  const size_t q_elems = static_cast<size_t>(S) * HQR * D;
   if (attend) {
-    std::vector<uint16_t> q(q_elems);
+    std::vector<uint16_t> q(static_cast<size_t>(S) * HQ * D), q_rank(q_elems);
     std::normal_distribution<float> normal;
     std::mt19937_64 qrng(f.seed + 17);
     for (int l = 0; l < L; ++l) {
       for (uint16_t& x : q) x = fp4kv::FloatToBf16Bits(normal(qrng));
-      q_ptr[l] = alloc(q_elems * 2);
-      o_ptr[l] = alloc(q_elems * 2);
-      if (gpu) {
-        CHECK_CUDA(cudaMemcpy(q_ptr[l], q.data(), q_elems * 2, cudaMemcpyHostToDevice));
-      } else {
-        std::memcpy(q_ptr[l], q.data(), q_elems * 2);
+      for (int r = 0; r < TP; ++r) {
+        Rank& k = ranks[r];
+        use(k);
+        for (int i = 0; i < S; ++i) {
+          std::memcpy(q_rank.data() + static_cast<size_t>(i) * HQR * D,
+                      q.data() + (static_cast<size_t>(i) * HQ + r * HQR) * D, HQR * D * 2);
+        }
+        k.q_ptr.push_back(alloc(k, q_elems * 2));
+        k.o_ptr.push_back(alloc(k, q_elems * 2));
+        if (gpu) {
+          CHECK_CUDA(cudaMemcpy(k.q_ptr[l], q_rank.data(), q_elems * 2, cudaMemcpyHostToDevice));
+        } else {
+          std::memcpy(k.q_ptr[l], q_rank.data(), q_elems * 2);
+        }
       }
     }
-    attn_ws_bytes = attention->WorkspaceBytes();
-    attn_ws = alloc(static_cast<size_t>(attn_ws_bytes));
   }
-  auto view = [&](void* p) { return TensorView::Contiguous(p, DType::kBF16, {T, H, D}, device); };
-  auto qview = [&](void* p) { return TensorView::Contiguous(p, DType::kBF16, {S, HQ, D}, device); };
-  auto append_layers = [&]() {
+  auto view = [&](const Rank& k, void* p) {
+    return TensorView::Contiguous(p, DType::kBF16, {T, HR, D}, k.device);
+  };
+  auto qview = [&](const Rank& k, void* p) {
+    return TensorView::Contiguous(p, DType::kBF16, {S, HQR, D}, k.device);
+  };
+  auto append_layers = [&](Rank& k) {
     for (int l = 0; l < L; ++l) {
-      CHECK_OK(appender->Run(l, view(in_ptr[2 * l]), view(in_ptr[2 * l + 1]), stream));
+      CHECK_OK(
+          k.appender->Run(l, view(k, k.in_ptr[2 * l]), view(k, k.in_ptr[2 * l + 1]), k.stream));
     }
   };
-  auto read_layers = [&]() {
+  auto read_layers = [&](Rank& k) {
     for (int l = 0; l < L; ++l) {
       if (attend) {
-        CHECK_OK(attention->Run(l, qview(q_ptr[l]), qview(o_ptr[l]), attn_ws, attn_ws_bytes,
-                                stream));
+        CHECK_OK(k.attention->Run(l, qview(k, k.q_ptr[l]), qview(k, k.o_ptr[l]), k.attn_ws,
+                                  k.attn_ws_bytes, k.stream));
       } else {
-        const std::vector<int64_t> s = cache.Fp8WorkspaceShape(W);
-        CHECK_OK(materializer->Run(
-            l, TensorView::Contiguous(ws, DType::kE4M3, {s[0], s[1], s[2], s[3], s[4]}, device),
-            stream));
+        const std::vector<int64_t> s = k.cache->Fp8WorkspaceShape(k.W);
+        CHECK_OK(k.materializer->Run(
+            l, TensorView::Contiguous(k.ws, DType::kE4M3, {s[0], s[1], s[2], s[3], s[4]}, k.device),
+            k.stream));
       }
     }
   };
   // One step's layers: in a real model layer l's reads come before layer
   // l+1's appends; here each phase runs over all layers so that a captured
   // decode step can be timed per phase.
-  auto run_layers = [&]() {
-    append_layers();
-    read_layers();
+  auto run_layers = [&](Rank& k) {
+    append_layers(k);
+    read_layers(k);
   };
 
   // Requests: f.requests arrive over time; request 0 is forked into
@@ -462,15 +627,46 @@ int main(int argc, char** argv) {
   int64_t peak_pages = 0, copies = 0;
   double prepare_s = 0, layers_s = 0;  // host time in PrepareStep; the layers' ops (synchronized)
   int done = 0;
-  cudaGraphExec_t graph_append = nullptr, graph_read = nullptr;
-  cudaEvent_t ev[3] = {nullptr, nullptr, nullptr};
   if (gpu) {
-    for (cudaEvent_t& e : ev) CHECK_CUDA(cudaEventCreate(&e));
+    for (Rank& k : ranks) {
+      use(k);
+      for (cudaEvent_t& e : k.ev) CHECK_CUDA(cudaEventCreate(&e));
+    }
   }
-  double decode_append_ms = 0, decode_read_ms = 0;  // summed over replayed steps
+  double decode_append_ms = 0, decode_read_ms = 0;  // summed over replayed steps (rank 0)
+  // Every cache call goes to every rank in rank order; with --tp the answers
+  // (as text) must agree. Returns rank 0's answer.
+  const auto text = [](const KVCache&, const auto& x) { return Text(x); };
+  auto on_all = [&](const char* what, auto call, auto describe) {
+    std::vector<decltype(call(ranks[0]))> got;
+    for (Rank& k : ranks) {
+      use(k);
+      got.push_back(call(k));
+    }
+    if (TP > 1) {
+      std::vector<std::string> texts;
+      for (int r = 0; r < TP; ++r) texts.push_back(describe(*ranks[r].cache, got[r]));
+      Agree(texts, steps, what);
+    }
+    return std::move(got[0]);
+  };
+  auto sync_all = [&]() {
+    for (Rank& k : ranks) {
+      use(k);
+      if (gpu) CHECK_CUDA(cudaStreamSynchronize(k.cs));
+    }
+  };
 
   // Error of a finished request's dequantized K/V (layers 0 and L-1).
-  auto measure = [&](const Request& r) {
+  // With --tp each rank dequantizes its heads; the error covers all of them.
+  auto measure_rank = [&](const Request& r, int rank) {
+    Rank& k = ranks[rank];
+    use(k);
+    const KVCache& cache = *k.cache;
+    const cudaStream_t cs = k.cs;
+    const fp4kv::Stream stream = k.stream;
+    const fp4kv::Device device = k.device;
+    const int H = HR;
     const int len = r.stored;
     absl::StatusOr<absl::Span<const int32_t>> pages = cache.SequencePages(r.seq);
     CHECK_OK(pages.status());
@@ -507,7 +703,7 @@ int main(int argc, char** argv) {
       }
       for (int kv = 0; kv < 2; ++kv) {
         for (int t = 0; t < len; ++t) {
-          const uint16_t* x = bank.Row(kv, TokenKey(reqs, r.id, t, layer) * 2 + kv);
+          const uint16_t* x = bank.Row(kv, TokenKey(reqs, r.id, t, layer) * 2 + kv) + rank * HR * D;
           const uint16_t* y = out[kv].data() + static_cast<size_t>(t) * H * D;
           for (int b = 0; b < H * D; b += 16) {
             float amax = 0;
@@ -523,15 +719,18 @@ int main(int argc, char** argv) {
           }
         }
       }
-      err.rows += 2 * len;
+      if (rank == 0) err.rows += 2 * len;
     }
-    ++err.seqs;
     if (gpu) {
       CHECK_CUDA(cudaFree(d_table));
       CHECK_CUDA(cudaFree(d_lens));
       CHECK_CUDA(cudaFree(d_out[0]));
       CHECK_CUDA(cudaFree(d_out[1]));
     }
+  };
+  auto measure = [&](const Request& r) {
+    for (int rank = 0; rank < TP; ++rank) measure_rank(r, rank);
+    ++err.seqs;
   };
 
   const auto t_start = std::chrono::steady_clock::now();
@@ -547,14 +746,20 @@ int main(int argc, char** argv) {
       waiting.pop_front();
       if (f.prefix_cache != 0) {
         // Shares the cached pages of the prompt's longest cached prefix.
-        absl::StatusOr<fp4kv::PrefixSequence> ps = cache.CreateSequenceFromPrefix(
-            absl::Span<const int32_t>(r.ids.data(), r.prompt));
+        absl::StatusOr<fp4kv::PrefixSequence> ps = on_all(
+            "CreateSequenceFromPrefix",
+            [&](Rank& k) {
+              return k.cache->CreateSequenceFromPrefix(
+                  absl::Span<const int32_t>(r.ids.data(), r.prompt));
+            },
+            text);
         CHECK_OK(ps.status());
         r.seq = ps->seq;
         r.stored = static_cast<int>(ps->cached_tokens);
         prefill_saved += ps->cached_tokens;
       } else {
-        absl::StatusOr<SequenceId> created = cache.CreateSequence();
+        absl::StatusOr<SequenceId> created = on_all(
+            "CreateSequence", [&](Rank& k) { return k.cache->CreateSequence(); }, text);
         CHECK_OK(created.status());
         r.seq = *created;
       }
@@ -581,7 +786,8 @@ int main(int argc, char** argv) {
     }
     if (entries.empty()) continue;
     const auto t0 = std::chrono::steady_clock::now();
-    absl::StatusOr<fp4kv::StepInfo> info = cache.PrepareStep(entries, stream);
+    absl::StatusOr<StepInfo> info = on_all(
+        "PrepareStep", [&](Rank& k) { return k.cache->PrepareStep(entries, k.stream); }, StepText);
     prepare_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (!info.ok() && info.status().code() == absl::StatusCode::kResourceExhausted) {
       if (active.size() == 1) {
@@ -592,7 +798,9 @@ int main(int argc, char** argv) {
       // Preempt the newest request (recompute later) and retry next round.
       const int id = active.back();
       active.pop_back();
-      CHECK_OK(cache.ReleaseSequence(reqs[id].seq));
+      CHECK_OK(on_all(
+          "ReleaseSequence (preemption)",
+          [&](Rank& k) { return k.cache->ReleaseSequence(reqs[id].seq); }, text));
       reqs[id].stored = reqs[id].generated = 0;
       reqs[id].state = Request::kWaiting;
       waiting.push_front(id);
@@ -601,65 +809,84 @@ int main(int argc, char** argv) {
     }
     CHECK_OK(info.status());
     copies += info->pages_copied;
-    // New K/V rows of every layer, in the step's token order.
-    for (int l = 0; l < L; ++l) {
-      for (int kv = 0; kv < 2; ++kv) {
-        uint16_t* dst = gpu ? host_in[0].data() : host_in[2 * l + kv].data();
-        int64_t row = 0;
-        for (const StepEntry& e : entries) {
-          int rid = -1;
-          for (int id : active) {
-            if (reqs[id].seq == e.seq) rid = id;
+    // New K/V rows of every layer, in the step's token order; each rank
+    // gets the columns of its heads.
+    std::vector<int> entry_req;
+    for (const StepEntry& e : entries) {
+      for (int id : active) {
+        if (reqs[id].seq == e.seq) entry_req.push_back(id);
+      }
+    }
+    for (int rank = 0; rank < TP; ++rank) {
+      Rank& k = ranks[rank];
+      use(k);
+      for (int l = 0; l < L; ++l) {
+        for (int kv = 0; kv < 2; ++kv) {
+          uint16_t* dst = gpu ? k.host_in[0].data() : k.host_in[2 * l + kv].data();
+          int64_t row = 0;
+          for (size_t j = 0; j < entries.size(); ++j) {
+            for (int i = 0; i < entries[j].num_new_tokens; ++i) {
+              const int pos = reqs[entry_req[j]].stored + i;
+              std::memcpy(
+                  dst + row * HR * D,
+                  bank.Row(kv, TokenKey(reqs, entry_req[j], pos, l) * 2 + kv) + rank * HR * D,
+                  HR * D * 2);
+              ++row;
+            }
           }
-          for (int i = 0; i < e.num_new_tokens; ++i) {
-            const int pos = reqs[rid].stored + i;
-            std::memcpy(dst + row * H * D, bank.Row(kv, TokenKey(reqs, rid, pos, l) * 2 + kv),
-                        H * D * 2);
-            ++row;
+          if (gpu) {
+            CHECK_CUDA(cudaMemcpyAsync(k.in_ptr[2 * l + kv], dst, row * HR * D * 2,
+                                       cudaMemcpyHostToDevice, k.cs));
+            CHECK_CUDA(cudaStreamSynchronize(k.cs));  // the host row buffer is reused
           }
-        }
-        if (gpu) {
-          CHECK_CUDA(cudaMemcpyAsync(in_ptr[2 * l + kv], dst, row * H * D * 2,
-                                     cudaMemcpyHostToDevice, cs));
-          CHECK_CUDA(cudaStreamSynchronize(cs));  // the host row buffer is reused
         }
       }
     }
     const auto t1 = std::chrono::steady_clock::now();
     if (gpu && decode_only) {
-      if (graph_append == nullptr) {
-        for (int part = 0; part < 2; ++part) {
-          cudaGraph_t g;
-          CHECK_CUDA(cudaStreamBeginCapture(cs, cudaStreamCaptureModeThreadLocal));
-          if (part == 0) {
-            append_layers();
-          } else {
-            read_layers();
+      for (Rank& k : ranks) {
+        use(k);
+        if (k.graph_append == nullptr) {
+          for (int part = 0; part < 2; ++part) {
+            cudaGraph_t g;
+            CHECK_CUDA(cudaStreamBeginCapture(k.cs, cudaStreamCaptureModeThreadLocal));
+            if (part == 0) {
+              append_layers(k);
+            } else {
+              read_layers(k);
+            }
+            CHECK_CUDA(cudaStreamEndCapture(k.cs, &g));
+            CHECK_CUDA(cudaGraphInstantiate(part == 0 ? &k.graph_append : &k.graph_read, g, 0));
+            CHECK_CUDA(cudaGraphDestroy(g));
           }
-          CHECK_CUDA(cudaStreamEndCapture(cs, &g));
-          CHECK_CUDA(cudaGraphInstantiate(part == 0 ? &graph_append : &graph_read, g, 0));
-          CHECK_CUDA(cudaGraphDestroy(g));
         }
+        CHECK_CUDA(cudaEventRecord(k.ev[0], k.cs));
+        CHECK_CUDA(cudaGraphLaunch(k.graph_append, k.cs));
+        CHECK_CUDA(cudaEventRecord(k.ev[1], k.cs));
+        CHECK_CUDA(cudaGraphLaunch(k.graph_read, k.cs));
+        CHECK_CUDA(cudaEventRecord(k.ev[2], k.cs));
       }
-      CHECK_CUDA(cudaEventRecord(ev[0], cs));
-      CHECK_CUDA(cudaGraphLaunch(graph_append, cs));
-      CHECK_CUDA(cudaEventRecord(ev[1], cs));
-      CHECK_CUDA(cudaGraphLaunch(graph_read, cs));
-      CHECK_CUDA(cudaEventRecord(ev[2], cs));
-      CHECK_CUDA(cudaEventSynchronize(ev[2]));
+      for (Rank& k : ranks) {
+        use(k);
+        CHECK_CUDA(cudaEventSynchronize(k.ev[2]));
+      }
       float a_ms = 0, r_ms = 0;
-      CHECK_CUDA(cudaEventElapsedTime(&a_ms, ev[0], ev[1]));
-      CHECK_CUDA(cudaEventElapsedTime(&r_ms, ev[1], ev[2]));
+      use(ranks[0]);
+      CHECK_CUDA(cudaEventElapsedTime(&a_ms, ranks[0].ev[0], ranks[0].ev[1]));
+      CHECK_CUDA(cudaEventElapsedTime(&r_ms, ranks[0].ev[1], ranks[0].ev[2]));
       decode_append_ms += a_ms;
       decode_read_ms += r_ms;
       ++replays;
     } else {
-      run_layers();
+      for (Rank& k : ranks) {
+        use(k);
+        run_layers(k);
+      }
     }
-    if (gpu) CHECK_CUDA(cudaStreamSynchronize(cs));
+    sync_all();
     layers_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count();
     ++steps;
-    peak_pages = std::max(peak_pages, cache.Stats().pages_used);
+    peak_pages = std::max(peak_pages, ranks[0].cache->Stats().pages_used);
     // Advance the requests.
     std::vector<int> finished;
     for (const StepEntry& e : entries) {
@@ -691,7 +918,8 @@ int main(int argc, char** argv) {
         random_ids(c.decode, &c.ids);  // its own samples
         KeyTokens(c);
         c.state = Request::kDecode;
-        absl::StatusOr<SequenceId> child = cache.ForkSequence(reqs[0].seq);
+        absl::StatusOr<SequenceId> child = on_all(
+            "ForkSequence", [&](Rank& k) { return k.cache->ForkSequence(reqs[0].seq); }, text);
         CHECK_OK(child.status());
         c.seq = *child;
         reqs.push_back(c);
@@ -699,16 +927,38 @@ int main(int argc, char** argv) {
       }
       forked = true;
     }
-    if (gpu) CHECK_CUDA(cudaStreamSynchronize(cs));
+    sync_all();
     for (int id : finished) {
       if (err.seqs < f.error_seqs) measure(reqs[id]);
-      CHECK_OK(cache.ReleaseSequence(reqs[id].seq));
+      CHECK_OK(on_all(
+          "ReleaseSequence", [&](Rank& k) { return k.cache->ReleaseSequence(reqs[id].seq); },
+          text));
       reqs[id].state = Request::kDone;
       active.erase(std::find(active.begin(), active.end(), id));
       ++done;
     }
+    if (TP > 1) {
+      // The step's sequences and the active ones: pages, Stats counts, KV
+      // events, and what the next waiting prompt would reuse.
+      std::vector<SequenceId> ids;
+      for (const StepEntry& e : entries) ids.push_back(e.seq);
+      for (int id : active) ids.push_back(reqs[id].seq);
+      on_all(
+          "Stats / SequencePages", [&](Rank& k) { return StateText(*k.cache, ids); }, text);
+      on_all(
+          "TakeEvents", [&](Rank& k) { return k.cache->TakeEvents(); }, text);
+      if (f.prefix_cache != 0 && !waiting.empty()) {
+        const Request& w = reqs[waiting.front()];
+        on_all(
+            "MatchPrefix",
+            [&](Rank& k) {
+              return k.cache->MatchPrefix(absl::Span<const int32_t>(w.ids.data(), w.prompt));
+            },
+            text);
+      }
+    }
     if (steps % 50 == 0) {
-      const fp4kv::KVCacheStats st = cache.Stats();
+      const fp4kv::KVCacheStats st = ranks[0].cache->Stats();
       std::printf(
           "step %5lld: %3zu active, %3zu waiting, pages %lld/%lld in use (%lld shared), "
           "%lld tokens stored, %lld wasted slots\n",
@@ -718,10 +968,10 @@ int main(int argc, char** argv) {
           static_cast<long long>(st.wasted_slots));
     }
   }
-  if (gpu) CHECK_CUDA(cudaStreamSynchronize(cs));
+  sync_all();
   const double secs =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
-  const fp4kv::KVCacheStats st = cache.Stats();
+  const fp4kv::KVCacheStats st = ranks[0].cache->Stats();
   std::printf(
       "done: %d requests (%d forked samples) in %.2f s, %lld steps (%lld replayed from one CUDA "
       "graph), %lld preemptions\n",
@@ -741,25 +991,30 @@ int main(int argc, char** argv) {
       (prefill_tokens + decode_tokens) / std::max(1e-9, layers_s));
   if (replays > 0) {
     std::printf(
-        "decode step (%d layers, graph replay, mean of %lld steps): append %.1f us, %s %.1f us\n",
-        L, static_cast<long long>(replays), 1000.0 * decode_append_ms / replays,
-        attend ? "attention" : "materialize", 1000.0 * decode_read_ms / replays);
+        "decode step (%d layers, graph replay, mean of %lld steps%s): append %.1f us, %s %.1f us\n",
+        L, static_cast<long long>(replays), TP > 1 ? ", rank 0" : "",
+        1000.0 * decode_append_ms / replays, attend ? "attention" : "materialize",
+        1000.0 * decode_read_ms / replays);
   }
   uint64_t events[4] = {0, 0, 0, 0};
-  for (int l = 0; l < L; ++l) {
-    absl::StatusOr<fp4kv::ScaleEventCounts> c = cache.ReadScaleEvents(l, stream);
-    CHECK_OK(c.status());
-    events[0] += c->k_saturated;
-    events[1] += c->k_underflow;
-    events[2] += c->v_saturated;
-    events[3] += c->v_underflow;
+  for (Rank& k : ranks) {  // all ranks' blocks
+    use(k);
+    for (int l = 0; l < L; ++l) {
+      absl::StatusOr<fp4kv::ScaleEventCounts> c = k.cache->ReadScaleEvents(l, k.stream);
+      CHECK_OK(c.status());
+      events[0] += c->k_saturated;
+      events[1] += c->k_underflow;
+      events[2] += c->v_saturated;
+      events[3] += c->v_underflow;
+    }
   }
-  absl::StatusOr<fp4kv::LayerScales> sc0 = cache.ReadScales(0, stream);
+  use(ranks[0]);
+  absl::StatusOr<fp4kv::LayerScales> sc0 = ranks[0].cache->ReadScales(0, ranks[0].stream);
   CHECK_OK(sc0.status());
   std::printf(
-      "scales: calibrated from each layer's first rows (layer 0: K %.3g, V %.3g); blocks "
+      "scales: calibrated from each layer's first rows (%slayer 0: K %.3g, V %.3g); blocks "
       "saturated K %llu / V %llu, underflowed K %llu / V %llu (all layers)\n",
-      sc0->k, sc0->v, static_cast<unsigned long long>(events[0]),
+      TP > 1 ? "rank 0, " : "", sc0->k, sc0->v, static_cast<unsigned long long>(events[0]),
       static_cast<unsigned long long>(events[2]), static_cast<unsigned long long>(events[1]),
       static_cast<unsigned long long>(events[3]));
   std::printf("pages: peak %lld of %lld in use, %lld copied on write; now %lld in use\n",
@@ -784,13 +1039,19 @@ int main(int argc, char** argv) {
         100 * std::sqrt(err.err2[0] / err.sig2[0]), 100 * std::sqrt(err.err2[1] / err.sig2[1]),
         err.max_rel[0], err.max_rel[1]);
   }
-  if (graph_append) CHECK_CUDA(cudaGraphExecDestroy(graph_append));
-  if (graph_read) CHECK_CUDA(cudaGraphExecDestroy(graph_read));
-  if (gpu) {
-    for (void* p : in_ptr) CHECK_CUDA(cudaFree(p));
-    for (void* p : device_buffers) CHECK_CUDA(cudaFree(p));
-    for (cudaEvent_t e : ev) CHECK_CUDA(cudaEventDestroy(e));
-    CHECK_CUDA(cudaStreamDestroy(cs));
+  if (TP > 1) {
+    std::printf("tp=%d: %lld steps, every host decision agreed across ranks\n", TP,
+                static_cast<long long>(steps));
+  }
+  for (Rank& k : ranks) {
+    if (!gpu) continue;
+    use(k);
+    if (k.graph_append) CHECK_CUDA(cudaGraphExecDestroy(k.graph_append));
+    if (k.graph_read) CHECK_CUDA(cudaGraphExecDestroy(k.graph_read));
+    for (void* p : k.in_ptr) CHECK_CUDA(cudaFree(p));
+    for (void* p : k.device_buffers) CHECK_CUDA(cudaFree(p));
+    for (cudaEvent_t e : k.ev) CHECK_CUDA(cudaEventDestroy(e));
+    CHECK_CUDA(cudaStreamDestroy(k.cs));
   }
   return 0;
 }
