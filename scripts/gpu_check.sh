@@ -180,6 +180,13 @@ if [ "${SKIP_EXAMPLES:-0}" != 1 ] && [ -x "$BUILD_DIR/serving_loop" ]; then
   rc=$?
   tail -n 12 "$OUT_DIR/serving_loop.log" | tee -a "$SUMMARY"
   [ "$rc" -ne 0 ] && { note "serving_loop: exit $rc"; status=1; }
+  # Two tensor-parallel ranks (half the KV heads each) on this GPU: every
+  # host decision must agree across the ranks, step by step.
+  note "== serving_loop --tp=2"
+  "$BUILD_DIR/serving_loop" --tp=2 > "$OUT_DIR/serving_loop_tp2.log" 2>&1
+  rc=$?
+  tail -n 2 "$OUT_DIR/serving_loop_tp2.log" | tee -a "$SUMMARY"
+  [ "$rc" -ne 0 ] && { note "serving_loop --tp=2: exit $rc"; status=1; }
 fi
 
 note "== overall: $([ $status -eq 0 ] && echo OK || echo FAILED) (logs in $OUT_DIR)"
