@@ -166,9 +166,12 @@ absl::StatusOr<KVCache> KVCache::Create(const KVCacheOptions& o) {
           host_pages));
     }
   }
-  if (o.prefix_cache.max_pending_events < 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "prefix_cache.max_pending_events: expected >= 0, got ", o.prefix_cache.max_pending_events));
+  if (o.prefix_cache.max_pending_events < 0 ||
+      o.prefix_cache.max_pending_events > internal::KVEventQueue::kMaxEvents) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("prefix_cache.max_pending_events: expected 0 .. ",
+                     internal::KVEventQueue::kMaxEvents, ", got ",
+                     o.prefix_cache.max_pending_events));
   }
   // Capacity: everything below is sized against what the devices have now,
   // before anything is allocated (docs/kv_cache.md, "Allocation and budget
@@ -182,6 +185,7 @@ absl::StatusOr<KVCache> KVCache::Create(const KVCacheOptions& o) {
     in.num_layers = o.num_layers;
     in.device = o.device;
     in.prefix_cache = o.prefix_cache.enabled;
+    in.events = o.prefix_cache.enabled && o.prefix_cache.max_pending_events > 0;
     in.max_seqs_per_step = o.max_seqs_per_step;
     in.max_tokens_per_step = o.max_tokens_per_step;
     in.max_pages_per_seq = o.max_pages_per_seq > 0
@@ -214,6 +218,7 @@ absl::StatusOr<KVCache> KVCache::Create(const KVCacheOptions& o) {
   FP4KV_RETURN_IF_ERROR(
       s->allocator.Init(static_cast<int32_t>(g.num_pages), o.prefix_cache.enabled));
   s->prefix.enabled = o.prefix_cache.enabled;
+  FP4KV_RETURN_IF_ERROR(s->prefix.events.Reserve(g.num_pages, kCall));
   if (s->prefix.enabled) {
     FP4KV_RETURN_IF_ERROR(internal::SizeHost(&s->prefix.page_tokens,
                                              g.num_pages * g.page_size, int32_t{0}, kCall,
