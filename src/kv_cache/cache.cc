@@ -293,8 +293,14 @@ absl::StatusOr<KVCache> KVCache::Create(const KVCacheOptions& o) {
   // Scales: explicit ones are calibrated; a missing side starts pending with
   // a placeholder (1.0) that only all-zero rows are ever stored under.
   const int L = o.num_layers;
-  std::vector<float> scales(4 * static_cast<size_t>(L));
-  std::vector<int32_t> flags(2 * static_cast<size_t>(L));
+  // [L, 4] and [L, 2]: L is bounded by the pools (and counted by
+  // PlanCapacity); through the helper like the other host tables.
+  internal::HostVector<float> scales;
+  internal::HostVector<int32_t> flags;
+  FP4KV_RETURN_IF_ERROR(internal::SizeHost(&scales, 4 * int64_t{L}, 0.0f, kCall,
+                                           "the global scales"));
+  FP4KV_RETURN_IF_ERROR(internal::SizeHost(&flags, 2 * int64_t{L}, int32_t{0}, kCall,
+                                           "the calibration flags"));
   for (int l = 0; l < L; ++l) {
     const float k = o.k_global_scales.empty() ? 1.0f : o.k_global_scales[l];
     const float v = o.v_global_scales.empty() ? 1.0f : o.v_global_scales[l];
@@ -331,7 +337,7 @@ absl::StatusOr<KVCache> KVCache::Create(const KVCacheOptions& o) {
   }
   s->scales.layer_append_serial.assign(L, 0);
   s->scales.layer_captured.assign(L, 0);
-  s->scales.known_scales = scales;
+  s->scales.known_scales.assign(scales.begin(), scales.end());
   s->scales.known.assign(L, 0);
   for (int l = 0; l < L; ++l) s->scales.known[l] = flags[2 * l] != 0 && flags[2 * l + 1] != 0;
   s->images.book = std::make_shared<internal::ReservationBook>();

@@ -68,7 +68,7 @@ struct StepLayout {
   // ReadSequence's block table [max_pages_per_seq] i32 and length [1] i32.
   int64_t readback = 0;
   // Page ids of an export or import [max_pages_per_seq] i32 (the caller's
-  // stream), of a swap [2, max_pages_per_seq] i32 (the copy stream), and an
+  // stream), of a swap [2, n <= max_pages_per_seq] i32 (the copy stream), and an
   // image's scale table [L, 4] f32 + [L, 2] i32.
   int64_t xfer_ids = 0, swap_ids = 0, import_scales = 0, adopt_mask = 0;  // mask [L, 2] u8
   int64_t device_bytes = 0;
