@@ -25,7 +25,8 @@
 #endif
 #endif
 #if defined(__SANITIZE_ADDRESS__) || defined(FP4KV_TRANSFER_TEST_ASAN)
-#include <sanitizer/allocator_interface.h>
+// From <sanitizer/allocator_interface.h> (not installed with every compiler).
+extern "C" size_t __sanitizer_get_current_allocated_bytes();
 #else
 #include <malloc.h>
 #endif
