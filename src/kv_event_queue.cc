@@ -13,7 +13,8 @@ absl::Status KVEventQueue::Reserve(int64_t pages, const char* call) {
   static_assert(sizeof(Rec) + sizeof(BlockHash) <= kReserveBytesPerPage,
                 "PlanCapacity counts kReserveBytesPerPage a page");
   if (!enabled()) return absl::OkStatus();
-  const int64_t n = static_cast<int64_t>(std::min<uint64_t>(max_events_, std::max<int64_t>(pages, 0)));
+  const int64_t n =
+      static_cast<int64_t>(std::min<uint64_t>(max_events_, std::max<int64_t>(pages, 0)));
   FP4KV_RETURN_IF_ERROR(ReserveHost(&recs_, n, call, "the KV event queue"));
   return ReserveHost(&hashes_, n, call, "the KV event queue's hashes");
 }

@@ -76,7 +76,7 @@ class KVEventQueue {
   HostVector<Rec> recs_;
   HostVector<BlockHash> hashes_;
   HostVector<int32_t> tokens_;
-  std::vector<std::string> keys_;  // one per run of events with the same extra key
+  std::vector<std::string> keys_;     // one per run of events with the same extra key
   bool last_stored_dropped_ = false;  // a continuing page of a dropped event is dropped too
   uint64_t dropped_ = 0;              // since the last Take
   uint64_t dropped_total_ = 0;        // since creation

@@ -97,8 +97,8 @@ TEST(GpuTransferTest, SlotsBeyondTheDeviceAreResourceExhaustedAndAllocateNothing
   // 2x the device's memory in two slots, and a slot count whose bytes
   // overflow int64.
   const int64_t over = static_cast<int64_t>(total);
-  for (const auto& [slot_bytes, slots] : {std::pair<int64_t, int>{over, 2},
-                                          std::pair<int64_t, int>{INT64_MAX / 64, 256}}) {
+  for (const auto& [slot_bytes, slots] :
+       {std::pair<int64_t, int>{over, 2}, std::pair<int64_t, int>{INT64_MAX / 64, 256}}) {
     auto s = internal::CreateSender(cache.Port(), pair->first.get(), Opts(slot_bytes, slots, 0));
     EXPECT_EQ(s.status().code(), absl::StatusCode::kResourceExhausted) << s.status();
     EXPECT_NE(s.status().message().find("SequenceSender::Create"), std::string::npos);

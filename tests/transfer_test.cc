@@ -4,6 +4,8 @@
 // demand), byte-exact for the images they hold. No KVCache is involved
 // here; tests/kv_cache_transfer_test.cc moves sequences between real
 // KVCaches.
+#include "fp4kv/transfer.h"
+
 #include <algorithm>
 #include <chrono>
 #include <cstring>
@@ -13,7 +15,6 @@
 #include <string>
 #include <vector>
 
-#include "fp4kv/transfer.h"
 #include "gtest/gtest.h"
 #include "src/host_alloc.h"
 #include "src/transfer/transfer_internal.h"

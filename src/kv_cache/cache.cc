@@ -168,10 +168,9 @@ absl::StatusOr<KVCache> KVCache::Create(const KVCacheOptions& o) {
   }
   if (o.prefix_cache.max_pending_events < 0 ||
       o.prefix_cache.max_pending_events > internal::KVEventQueue::kMaxEvents) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("prefix_cache.max_pending_events: expected 0 .. ",
-                     internal::KVEventQueue::kMaxEvents, ", got ",
-                     o.prefix_cache.max_pending_events));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "prefix_cache.max_pending_events: expected 0 .. ", internal::KVEventQueue::kMaxEvents,
+        ", got ", o.prefix_cache.max_pending_events));
   }
   // Capacity: everything below is sized against what the devices have now,
   // before anything is allocated (docs/kv_cache.md, "Allocation and budget
@@ -297,10 +296,10 @@ absl::StatusOr<KVCache> KVCache::Create(const KVCacheOptions& o) {
   // PlanCapacity); through the helper like the other host tables.
   internal::HostVector<float> scales;
   internal::HostVector<int32_t> flags;
-  FP4KV_RETURN_IF_ERROR(internal::SizeHost(&scales, 4 * int64_t{L}, 0.0f, kCall,
-                                           "the global scales"));
-  FP4KV_RETURN_IF_ERROR(internal::SizeHost(&flags, 2 * int64_t{L}, int32_t{0}, kCall,
-                                           "the calibration flags"));
+  FP4KV_RETURN_IF_ERROR(
+      internal::SizeHost(&scales, 4 * int64_t{L}, 0.0f, kCall, "the global scales"));
+  FP4KV_RETURN_IF_ERROR(
+      internal::SizeHost(&flags, 2 * int64_t{L}, int32_t{0}, kCall, "the calibration flags"));
   for (int l = 0; l < L; ++l) {
     const float k = o.k_global_scales.empty() ? 1.0f : o.k_global_scales[l];
     const float v = o.v_global_scales.empty() ? 1.0f : o.v_global_scales[l];

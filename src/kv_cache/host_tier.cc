@@ -70,8 +70,8 @@ absl::Status KVCacheState::EnqueueSwapCopy(const std::vector<int32_t>& pages,
     // [2, max_pages_per_seq]; the host copy sized by n, not the capacity.
     int32_t* d_ids = reinterpret_cast<int32_t*>(mem.d_step + mem.step_layout.swap_ids);
     internal::HostVector<int32_t> ids;
-    FP4KV_RETURN_IF_ERROR(internal::SizeHost(&ids, 2 * n, int32_t{0},
-                                             to_host ? "SwapOut" : "SwapIn", "the swap's page ids"));
+    FP4KV_RETURN_IF_ERROR(internal::SizeHost(
+        &ids, 2 * n, int32_t{0}, to_host ? "SwapOut" : "SwapIn", "the swap's page ids"));
     std::copy(pages.begin(), pages.end(), ids.begin());
     std::copy(host_ids.begin(), host_ids.end(), ids.begin() + n);
     // From pageable memory: staged before the call returns.

@@ -16,17 +16,16 @@
 namespace fp4kv {
 namespace internal {
 
-absl::Status Buffers::Allocate(const char* call, Device device, int64_t slot_bytes,
-                               int num_slots, int64_t host_bytes) {
+absl::Status Buffers::Allocate(const char* call, Device device, int64_t slot_bytes, int num_slots,
+                               int64_t host_bytes) {
   // Sized first (overflow-checked), then compared with what is available
   // now: nothing is allocated for a request that cannot be had.
   int64_t slots_total = 0;
   if (slot_bytes <= 0 || slot_bytes > INT64_MAX - 255 || num_slots < 1 ||
       __builtin_mul_overflow(SlotStride(slot_bytes), static_cast<int64_t>(num_slots),
                              &slots_total)) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat(call, ": cannot allocate ", num_slots, " slots of ", slot_bytes,
-                     " bytes (beyond int64)"));
+    return absl::ResourceExhaustedError(absl::StrCat(
+        call, ": cannot allocate ", num_slots, " slots of ", slot_bytes, " bytes (beyond int64)"));
   }
   if (host_bytes <= 0) {
     return absl::ResourceExhaustedError(
@@ -37,26 +36,23 @@ absl::Status Buffers::Allocate(const char* call, Device device, int64_t slot_byt
     DeviceScope scope(device);
     size_t free_bytes = 0, total_bytes = 0;
     FP4KV_CUDA_RETURN_IF_ERROR(cudaMemGetInfo(&free_bytes, &total_bytes));
-    const int64_t dev_avail = free_bytes > static_cast<size_t>(INT64_MAX)
-                                  ? INT64_MAX
-                                  : static_cast<int64_t>(free_bytes);
+    const int64_t dev_avail =
+        free_bytes > static_cast<size_t>(INT64_MAX) ? INT64_MAX : static_cast<int64_t>(free_bytes);
     if (slots_total > dev_avail) {
       return absl::ResourceExhaustedError(absl::StrCat(
-          call, ": cannot allocate ", slots_total, " bytes of ", device.ToString(),
-          " memory for ", num_slots, " slots of ", slot_bytes, " bytes (", dev_avail,
-          " bytes available)"));
+          call, ": cannot allocate ", slots_total, " bytes of ", device.ToString(), " memory for ",
+          num_slots, " slots of ", slot_bytes, " bytes (", dev_avail, " bytes available)"));
     }
     if (host_bytes > host_avail) {
-      return absl::ResourceExhaustedError(
-          absl::StrCat(call, ": cannot allocate ", host_bytes,
-                       " bytes of pinned host memory for frames (", host_avail,
-                       " bytes available)"));
+      return absl::ResourceExhaustedError(absl::StrCat(call, ": cannot allocate ", host_bytes,
+                                                       " bytes of pinned host memory for frames (",
+                                                       host_avail, " bytes available)"));
     }
   } else if (slots_total > host_avail || host_bytes > host_avail - slots_total) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        call, ": cannot allocate ", slots_total, " bytes of host memory for ", num_slots,
-        " slots of ", slot_bytes, " bytes and ", host_bytes, " for frames (", host_avail,
-        " bytes available)"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat(call, ": cannot allocate ", slots_total, " bytes of host memory for ",
+                     num_slots, " slots of ", slot_bytes, " bytes and ", host_bytes,
+                     " bytes for frames (", host_avail, " bytes available)"));
   }
 
   device_ = device;
@@ -77,9 +73,9 @@ absl::Status Buffers::Allocate(const char* call, Device device, int64_t slot_byt
     if (e != cudaSuccess) {
       cudaGetLastError();
       Free();
-      return absl::ResourceExhaustedError(absl::StrCat(
-          call, ": allocating ", what, " (", num_slots, " slots of ", slot_bytes, " bytes, ",
-          host_bytes, " bytes of frames): ", cudaGetErrorString(e)));
+      return absl::ResourceExhaustedError(
+          absl::StrCat(call, ": allocating ", what, " (", num_slots, " slots of ", slot_bytes,
+                       " bytes, ", host_bytes, " bytes of frames): ", cudaGetErrorString(e)));
     }
   } else {
     slots_ = std::malloc(static_cast<size_t>(slots_total));
@@ -88,7 +84,7 @@ absl::Status Buffers::Allocate(const char* call, Device device, int64_t slot_byt
       Free();
       return absl::ResourceExhaustedError(absl::StrCat(
           call, ": cannot allocate ", slots_total, " bytes of host memory for ", num_slots,
-          " slots of ", slot_bytes, " bytes and ", host_bytes, " for frames"));
+          " slots of ", slot_bytes, " bytes and ", host_bytes, " bytes for frames"));
     }
   }
   std::memset(host_, 0, static_cast<size_t>(host_bytes));

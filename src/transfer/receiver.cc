@@ -388,8 +388,8 @@ absl::StatusOr<SequenceReceiver> internal::CreateReceiver(std::unique_ptr<Transf
   // and per-step vectors below. Allocate checks the sizes against what is
   // available.
   const int64_t host_bytes = 2 * impl->frame_bytes + 2 * static_cast<int64_t>(sizeof(FrameHead));
-  FP4KV_RETURN_IF_ERROR(impl->buf.Allocate("SequenceReceiver::Create", port->device(), options.slot_bytes,
-                                           options.num_slots, host_bytes));
+  FP4KV_RETURN_IF_ERROR(impl->buf.Allocate("SequenceReceiver::Create", port->device(),
+                                           options.slot_bytes, options.num_slots, host_bytes));
   auto* h = static_cast<unsigned char*>(impl->buf.host_);
   impl->out = h;
   impl->in = h + impl->frame_bytes;

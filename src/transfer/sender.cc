@@ -415,8 +415,8 @@ absl::StatusOr<SequenceSender> internal::CreateSender(std::unique_ptr<TransferCa
   const int64_t host_bytes = 2 * impl->ring * impl->frame_bytes +
                              2 * static_cast<int64_t>(sizeof(FrameHead)) +
                              options.num_slots * impl->hdr;
-  FP4KV_RETURN_IF_ERROR(impl->buf.Allocate("SequenceSender::Create", port->device(), options.slot_bytes,
-                                           options.num_slots, host_bytes));
+  FP4KV_RETURN_IF_ERROR(impl->buf.Allocate("SequenceSender::Create", port->device(),
+                                           options.slot_bytes, options.num_slots, host_bytes));
   auto* h = static_cast<unsigned char*>(impl->buf.host_);
   for (int i = 0; i < impl->ring; ++i) {
     impl->out_frames.push_back(h);
