@@ -16,9 +16,11 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 #include "fp4kv/kv_events.h"
+#include "src/host_alloc.h"
 
 namespace fp4kv {
 namespace internal {
@@ -26,8 +28,18 @@ namespace internal {
 class KVEventQueue {
  public:
   static constexpr size_t kMaxMergedHashes = 256;
+  // The largest max_events KVCache::Create accepts
+  // (prefix_cache.max_pending_events).
+  static constexpr int64_t kMaxEvents = int64_t{1} << 24;
+  // Host bytes Reserve() takes per page.
+  static constexpr int64_t kReserveBytesPerPage = 64;
 
   explicit KVEventQueue(size_t max_events) : max_events_(max_events) {}
+
+  // Capacity for min(max_events, pages) events of one page each (a step
+  // stores or removes at most the pool's pages); ResourceExhausted naming
+  // `call` when it cannot be had. A no-op when disabled.
+  absl::Status Reserve(int64_t pages, const char* call);
 
   bool enabled() const { return max_events_ > 0; }
   size_t pending() const { return recs_.size(); }
@@ -54,12 +66,17 @@ class KVEventQueue {
     uint32_t key = 0;  // into keys_
   };
   bool Admit();  // room for one more event; counts a drop otherwise
+  void Drop();   // counts one dropped event
+  // Room in the arenas for one more record, `hashes` hashes and `tokens`
+  // token ids (and a key when `key`), without throwing: false when the
+  // memory cannot be had or an arena index would pass uint32.
+  bool Room(bool rec, size_t hashes, size_t tokens, bool key);
 
   size_t max_events_;
-  std::vector<Rec> recs_;
-  std::vector<BlockHash> hashes_;
-  std::vector<int32_t> tokens_;
-  std::vector<std::string> keys_;
+  HostVector<Rec> recs_;
+  HostVector<BlockHash> hashes_;
+  HostVector<int32_t> tokens_;
+  std::vector<std::string> keys_;     // one per run of events with the same extra key
   bool last_stored_dropped_ = false;  // a continuing page of a dropped event is dropped too
   uint64_t dropped_ = 0;              // since the last Take
   uint64_t dropped_total_ = 0;        // since creation

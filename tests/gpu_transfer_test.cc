@@ -87,6 +87,29 @@ TEST(GpuTransferTest, LoopbackOnDeviceMemoryIsByteExact) {
             {1, 33, 4096, 17, 700, 2048, 5, 1500, 3000}, 3);
 }
 
+TEST(GpuTransferTest, SlotsBeyondTheDeviceAreResourceExhaustedAndAllocateNothing) {
+  FP4KV_SKIP_WITHOUT_GPU();
+  auto pair = LoopbackTransport::CreatePair(Device::Cuda(0));
+  ASSERT_TRUE(pair.ok()) << pair.status();
+  FakeImageCache cache(Device::Cuda(0), 100);
+  size_t free_before = 0, free_after = 0, total = 0;
+  FP4KV_ASSERT_CUDA(cudaMemGetInfo(&free_before, &total));
+  // 2x the device's memory in two slots, and a slot count whose bytes
+  // overflow int64.
+  const int64_t over = static_cast<int64_t>(total);
+  for (const auto& [slot_bytes, slots] :
+       {std::pair<int64_t, int>{over, 2}, std::pair<int64_t, int>{INT64_MAX / 64, 256}}) {
+    auto s = internal::CreateSender(cache.Port(), pair->first.get(), Opts(slot_bytes, slots, 0));
+    EXPECT_EQ(s.status().code(), absl::StatusCode::kResourceExhausted) << s.status();
+    EXPECT_NE(s.status().message().find("SequenceSender::Create"), std::string::npos);
+    auto r = internal::CreateReceiver(cache.Port(), pair->second.get(), Opts(slot_bytes, slots, 0));
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted) << r.status();
+    EXPECT_NE(r.status().message().find("SequenceReceiver::Create"), std::string::npos);
+  }
+  FP4KV_ASSERT_CUDA(cudaMemGetInfo(&free_after, &total));
+  EXPECT_EQ(free_after, free_before);
+}
+
 TEST(GpuTransferTest, LoopbackFaultsOnDeviceLeaveBothCachesUnchanged) {
   FP4KV_SKIP_WITHOUT_GPU();
   auto pair = LoopbackTransport::CreatePair(Device::Cuda(0));

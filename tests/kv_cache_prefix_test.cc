@@ -343,6 +343,16 @@ TEST(KVCachePrefix, EventQueueOverflowIsCounted) {
   EXPECT_EQ(b.dropped, 3u);
   o.prefix_cache.max_pending_events = -1;
   EXPECT_EQ(KVCache::Create(o).status().code(), absl::StatusCode::kInvalidArgument);
+  // Beyond 2^24 events (docs/kv_cache.md, "Allocation and budget rules"):
+  // refused by name rather than left to grow without bound.
+  for (int64_t bad : {(int64_t{1} << 24) + 1, INT64_MAX}) {
+    o.prefix_cache.max_pending_events = bad;
+    absl::Status st = KVCache::Create(o).status();
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(st.message().find("prefix_cache.max_pending_events"), absl::string_view::npos);
+  }
+  o.prefix_cache.max_pending_events = int64_t{1} << 24;
+  EXPECT_TRUE(KVCache::Create(o).ok());
 }
 
 }  // namespace

@@ -4,6 +4,8 @@
 // demand), byte-exact for the images they hold. No KVCache is involved
 // here; tests/kv_cache_transfer_test.cc moves sequences between real
 // KVCaches.
+#include "fp4kv/transfer.h"
+
 #include <algorithm>
 #include <chrono>
 #include <cstring>
@@ -13,10 +15,22 @@
 #include <string>
 #include <vector>
 
-#include "fp4kv/transfer.h"
 #include "gtest/gtest.h"
+#include "src/host_alloc.h"
 #include "src/transfer/transfer_internal.h"
 #include "testing/fake_image_cache.h"
+
+#if defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define FP4KV_TRANSFER_TEST_ASAN 1
+#endif
+#endif
+#if defined(__SANITIZE_ADDRESS__) || defined(FP4KV_TRANSFER_TEST_ASAN)
+// From <sanitizer/allocator_interface.h> (not installed with every compiler).
+extern "C" size_t __sanitizer_get_current_allocated_bytes();
+#else
+#include <malloc.h>
+#endif
 
 namespace fp4kv {
 namespace {
@@ -624,6 +638,74 @@ TEST(TransferTest, BadArgumentsAreRefusedByName) {
   SequenceSender moved = std::move(*ok);
   EXPECT_EQ(ok->Send(small).status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(moved.in_flight(), 1);
+}
+
+// Bytes of the heap in use (malloc'ed, including its large mappings).
+int64_t HeapBytesInUse() {
+#if defined(__SANITIZE_ADDRESS__) || defined(FP4KV_TRANSFER_TEST_ASAN)
+  return static_cast<int64_t>(__sanitizer_get_current_allocated_bytes());
+#else
+  const struct mallinfo2 m = mallinfo2();
+  return static_cast<int64_t>(m.uordblks + m.hblkhd);
+#endif
+}
+
+TEST(TransferTest, SlotsBeyondTheMachineAreResourceExhaustedAndAllocateNothing) {
+  FakeImageCache cache(Device::Cpu(), 100);
+  Link l = MakeLink();
+  const int64_t available = internal::HostMemoryAvailable();
+  struct Case {
+    int64_t slot_bytes;
+    int slots;
+    const char* why;
+  };
+  const Case cases[] = {
+      {INT64_MAX, 1, "the slot stride overflows"},
+      {INT64_MAX - 300, 4, "the slot stride fits, not four of them"},
+      {INT64_MAX / 64, 256, "the slots' bytes overflow"},
+      {int64_t{1} << 46, 256, "2^54 bytes: valid int64, beyond any machine"},
+      {available == INT64_MAX ? int64_t{1} << 50 : available, 2, "twice what is available"},
+  };
+  auto create = [&](const Case& c, int side) {
+    return side == 0
+               ? internal::CreateSender(cache.Port(), l.a.get(), Opts(c.slot_bytes, c.slots))
+                     .status()
+               : internal::CreateReceiver(cache.Port(), l.b.get(), Opts(c.slot_bytes, c.slots))
+                     .status();
+  };
+  // Every case once first, so that first-use initialization is done; then
+  // no call may leave a buffer behind. The smallest (a receiver's frames of
+  // one slot) is over 1 KiB; malloc's own caches move by a few dozen bytes.
+  for (const Case& c : cases) {
+    for (int side = 0; side < 2; ++side) (void)create(c, side);
+  }
+  for (const Case& c : cases) {
+    SCOPED_TRACE(::testing::Message() << c.why << ": " << c.slots << " x " << c.slot_bytes);
+    for (int side = 0; side < 2; ++side) {
+      const std::string call = side == 0 ? "SequenceSender::Create" : "SequenceReceiver::Create";
+      const std::string slots = "slots of " + std::to_string(c.slot_bytes);
+      const int64_t before = HeapBytesInUse();
+      absl::StatusCode code = absl::StatusCode::kOk;
+      bool named = false;
+      {
+        absl::Status s = create(c, side);
+        code = s.code();
+        named = s.message().find(call) != absl::string_view::npos &&
+                s.message().find(slots) != absl::string_view::npos;
+      }
+      const int64_t after = HeapBytesInUse();
+      EXPECT_EQ(code, absl::StatusCode::kResourceExhausted) << call;
+      EXPECT_TRUE(named) << create(c, side);
+      EXPECT_LT(after - before, 1024) << call;
+    }
+  }
+  // A link that fits still comes up afterwards.
+  Pair p;
+  SequenceId a = p.src.Add(30, 1);
+  ASSERT_TRUE(p.sender->Send(a).ok());
+  p.Pump();
+  ASSERT_EQ(p.received.size(), 1u);
+  EXPECT_EQ(p.received[0].state, TransferState::kConfirmed) << p.received[0].status;
 }
 
 TEST(TransferTest, CloseEndsTheLinkOnBothSides) {

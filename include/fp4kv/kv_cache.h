@@ -159,7 +159,8 @@ struct KVCacheStats {
 // used first) and are shared by later sequences with the same prefix.
 struct PrefixCacheOptions {
   bool enabled = false;
-  // Bound of the KV event queue (TakeEvents); 0: no events are kept.
+  // Bound of the KV event queue (TakeEvents), 0 .. 2^24; 0: no events are
+  // kept.
   int64_t max_pending_events = 0;
 };
 

@@ -251,8 +251,9 @@ struct TransferOffer {
 class SequenceSender {
  public:
   // `cache` and `transport` must outlive the sender and live on the same
-  // device. InvalidArgument naming the option; ResourceExhausted when the
-  // slots cannot be allocated.
+  // device. InvalidArgument naming the option; ResourceExhausted (naming the
+  // buffer and the bytes asked and available, nothing allocated) when the
+  // slots or frames do not fit in the memory available.
   static absl::StatusOr<SequenceSender> Create(KVCache* cache, Transport* transport,
                                                const TransferOptions& options);
   SequenceSender(SequenceSender&&) noexcept;

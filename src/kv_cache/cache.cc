@@ -166,9 +166,11 @@ absl::StatusOr<KVCache> KVCache::Create(const KVCacheOptions& o) {
           host_pages));
     }
   }
-  if (o.prefix_cache.max_pending_events < 0) {
+  if (o.prefix_cache.max_pending_events < 0 ||
+      o.prefix_cache.max_pending_events > internal::KVEventQueue::kMaxEvents) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "prefix_cache.max_pending_events: expected >= 0, got ", o.prefix_cache.max_pending_events));
+        "prefix_cache.max_pending_events: expected 0 .. ", internal::KVEventQueue::kMaxEvents,
+        ", got ", o.prefix_cache.max_pending_events));
   }
   // Capacity: everything below is sized against what the devices have now,
   // before anything is allocated (docs/kv_cache.md, "Allocation and budget
@@ -182,6 +184,7 @@ absl::StatusOr<KVCache> KVCache::Create(const KVCacheOptions& o) {
     in.num_layers = o.num_layers;
     in.device = o.device;
     in.prefix_cache = o.prefix_cache.enabled;
+    in.events = o.prefix_cache.enabled && o.prefix_cache.max_pending_events > 0;
     in.max_seqs_per_step = o.max_seqs_per_step;
     in.max_tokens_per_step = o.max_tokens_per_step;
     in.max_pages_per_seq = o.max_pages_per_seq > 0
@@ -214,6 +217,7 @@ absl::StatusOr<KVCache> KVCache::Create(const KVCacheOptions& o) {
   FP4KV_RETURN_IF_ERROR(
       s->allocator.Init(static_cast<int32_t>(g.num_pages), o.prefix_cache.enabled));
   s->prefix.enabled = o.prefix_cache.enabled;
+  FP4KV_RETURN_IF_ERROR(s->prefix.events.Reserve(g.num_pages, kCall));
   if (s->prefix.enabled) {
     FP4KV_RETURN_IF_ERROR(internal::SizeHost(&s->prefix.page_tokens,
                                              g.num_pages * g.page_size, int32_t{0}, kCall,
@@ -288,8 +292,14 @@ absl::StatusOr<KVCache> KVCache::Create(const KVCacheOptions& o) {
   // Scales: explicit ones are calibrated; a missing side starts pending with
   // a placeholder (1.0) that only all-zero rows are ever stored under.
   const int L = o.num_layers;
-  std::vector<float> scales(4 * static_cast<size_t>(L));
-  std::vector<int32_t> flags(2 * static_cast<size_t>(L));
+  // [L, 4] and [L, 2]: L is bounded by the pools (and counted by
+  // PlanCapacity); through the helper like the other host tables.
+  internal::HostVector<float> scales;
+  internal::HostVector<int32_t> flags;
+  FP4KV_RETURN_IF_ERROR(
+      internal::SizeHost(&scales, 4 * int64_t{L}, 0.0f, kCall, "the global scales"));
+  FP4KV_RETURN_IF_ERROR(
+      internal::SizeHost(&flags, 2 * int64_t{L}, int32_t{0}, kCall, "the calibration flags"));
   for (int l = 0; l < L; ++l) {
     const float k = o.k_global_scales.empty() ? 1.0f : o.k_global_scales[l];
     const float v = o.v_global_scales.empty() ? 1.0f : o.v_global_scales[l];
@@ -326,7 +336,7 @@ absl::StatusOr<KVCache> KVCache::Create(const KVCacheOptions& o) {
   }
   s->scales.layer_append_serial.assign(L, 0);
   s->scales.layer_captured.assign(L, 0);
-  s->scales.known_scales = scales;
+  s->scales.known_scales.assign(scales.begin(), scales.end());
   s->scales.known.assign(L, 0);
   for (int l = 0; l < L; ++l) s->scales.known[l] = flags[2 * l] != 0 && flags[2 * l + 1] != 0;
   s->scales.layer_settled = s->scales.known;

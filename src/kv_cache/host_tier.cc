@@ -66,17 +66,20 @@ absl::Status KVCacheState::EnqueueSwapCopy(const std::vector<int32_t>& pages,
     FP4KV_CUDA_RETURN_IF_ERROR(
         cudaEventRecord(host.copy_ready, reinterpret_cast<cudaStream_t>(stream)));
     FP4KV_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(host.copy_stream, host.copy_ready, 0));
-    const int M = options.max_pages_per_seq;
+    // [2, n] ids (device pages, then host pages) in the swap ids' room for
+    // [2, max_pages_per_seq]; the host copy sized by n, not the capacity.
     int32_t* d_ids = reinterpret_cast<int32_t*>(mem.d_step + mem.step_layout.swap_ids);
-    std::vector<int32_t> ids(2 * static_cast<size_t>(M));
+    internal::HostVector<int32_t> ids;
+    FP4KV_RETURN_IF_ERROR(internal::SizeHost(
+        &ids, 2 * n, int32_t{0}, to_host ? "SwapOut" : "SwapIn", "the swap's page ids"));
     std::copy(pages.begin(), pages.end(), ids.begin());
-    std::copy(host_ids.begin(), host_ids.end(), ids.begin() + M);
+    std::copy(host_ids.begin(), host_ids.end(), ids.begin() + n);
     // From pageable memory: staged before the call returns.
     FP4KV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(d_ids, ids.data(), ids.size() * sizeof(int32_t),
                                                cudaMemcpyHostToDevice, host.copy_stream));
     const Stream side = reinterpret_cast<Stream>(host.copy_stream);
     FP4KV_RETURN_IF_ERROR(LaunchPageCopy(
-        to_host ? PoolToHost(d_ids, d_ids + M, n) : HostToPool(d_ids + M, d_ids, n), side));
+        to_host ? PoolToHost(d_ids, d_ids + n, n) : HostToPool(d_ids + n, d_ids, n), side));
     FP4KV_CUDA_RETURN_IF_ERROR(cudaEventRecord(host.swap_events[e], host.copy_stream));
     return absl::OkStatus();
   }();
@@ -238,6 +241,8 @@ absl::Status KVCache::SwapOut(SequenceId seq, Stream stream) {
   }
   internal::ScopedDevice scoped;
   FP4KV_RETURN_IF_ERROR(scoped.Set(s.options.device));
+  // n: the sequence's pages, at most the host tier's free pages (checked
+  // above); becomes the sequence's host page list.
   std::vector<int32_t> host(static_cast<size_t>(n));
   for (int64_t i = 0; i < n; ++i) host[i] = s.host.free_pages[s.host.free_pages.size() - 1 - i];
   int event = -1;
@@ -289,7 +294,7 @@ absl::Status KVCache::SwapIn(SequenceId seq, Stream stream) {
   FP4KV_RETURN_IF_ERROR(s.MakeAvailable(n, "SwapIn"));
   internal::ScopedDevice scoped;
   FP4KV_RETURN_IF_ERROR(scoped.Set(s.options.device));
-  std::vector<int32_t> pages;
+  std::vector<int32_t> pages;  // n: at most the pool's free pages (MakeAvailable)
   pages.reserve(static_cast<size_t>(n));
   for (int64_t i = 0; i < n; ++i) pages.push_back(s.allocator.Allocate());
   int event = -1;

@@ -317,7 +317,7 @@ absl::StatusOr<ImportReservation> KVCache::ReserveImport(const SequenceImageHead
   FP4KV_RETURN_IF_ERROR(s.MakeAvailable(n, "ReserveImport"));
   internal::KVCacheState::Reservation r;
   r.header = h;
-  r.pages.reserve(static_cast<size_t>(n));
+  r.pages.reserve(static_cast<size_t>(n));  // n: pages MakeAvailable found in the pool
   for (int64_t i = 0; i < n; ++i) r.pages.push_back(s.allocator.Allocate());
   const uint64_t id = s.images.next_reservation++;
   s.images.reserved_pages += n;

@@ -43,8 +43,12 @@ absl::StatusOr<SequenceId> KVCache::ImportHalfPages(absl::Span<const HalfPagedCa
   o.input_dtype = L > 0 ? layers[0].k.dtype : DType::kBF16;
   o.recipe = s.options.recipe;
   o.device = s.options.device;
-  std::vector<internal::QuantizeCacheParams> params(L);
-  std::vector<int32_t> lists(2 * static_cast<size_t>(n));
+  std::vector<internal::QuantizeCacheParams> params(L);  // L: bounded by the pools
+  // Source and destination page ids; n is bounded by the caller's src_pages
+  // (and max_pages_per_seq), so its host copy goes through the helper.
+  internal::HostVector<int32_t> lists;
+  FP4KV_RETURN_IF_ERROR(
+      internal::SizeHost(&lists, 2 * n, int32_t{0}, "ImportHalfPages", "the page lists"));
   int32_t* const stand_in = reinterpret_cast<int32_t*>(s.mem.pools.get());
   for (int l = 0; l < L; ++l) {
     o.source_layout = layers[l].layout;

@@ -68,7 +68,7 @@ struct StepLayout {
   // ReadSequence's block table [max_pages_per_seq] i32 and length [1] i32.
   int64_t readback = 0;
   // Page ids of an export or import [max_pages_per_seq] i32 (the caller's
-  // stream), of a swap [2, max_pages_per_seq] i32 (the copy stream), and an
+  // stream), of a swap [2, n <= max_pages_per_seq] i32 (the copy stream), and an
   // image's scale table [L, 4] f32 + [L, 2] i32.
   int64_t xfer_ids = 0, swap_ids = 0, import_scales = 0, adopt_mask = 0;  // mask [L, 2] u8
   int64_t device_bytes = 0;
@@ -241,6 +241,7 @@ struct CapacityInput {
   int num_layers = 0;
   Device device;
   bool prefix_cache = false;
+  bool events = false;  // KV events kept (KVEventQueue::Reserve's bytes a page)
   int64_t max_seqs_per_step = 0, max_tokens_per_step = 0, max_pages_per_seq = 0;
   int64_t host_pages = 0;  // host tier
   int64_t budget = 0;      // memory_budget_bytes (0: num_pages was given)

@@ -52,11 +52,19 @@ class DeviceScope {
 // Slots start 256-byte aligned (images are written with 16-byte accesses).
 inline int64_t SlotStride(int64_t slot_bytes) { return (slot_bytes + 255) / 256 * 256; }
 
-// Device memory for the slots, pinned host memory for frames and headers.
+// Device memory for the slots, pinned host memory for frames and headers
+// (CPU device: both host memory).
 class Buffers {
  public:
-  absl::Status Allocate(Device device, int64_t slot_bytes, int num_slots, int64_t host_bytes);
+  // num_slots slots of SlotStride(slot_bytes) bytes and host_bytes of frames.
+  // The sizes are overflow-checked and compared with the memory available
+  // now (cudaMemGetInfo for the slots of a CUDA link, HostMemoryAvailable()
+  // for host memory) first: ResourceExhausted naming `call`, the buffer and
+  // the bytes asked and available, with nothing left allocated.
+  absl::Status Allocate(const char* call, Device device, int64_t slot_bytes, int num_slots,
+                        int64_t host_bytes);
   ~Buffers();
+  void Free();
   void* slots_ = nullptr;
   void* host_ = nullptr;
   std::vector<cudaEvent_t> events_;  // per slot (CUDA)

@@ -383,9 +383,13 @@ absl::StatusOr<SequenceReceiver> internal::CreateReceiver(std::unique_ptr<Transf
   impl->hdr = port->header_bytes();
   impl->frame_bytes = FrameBytes(options.num_slots, impl->hdr);
   impl->depth = options.pipeline_depth;
+  // Small and bounded: num_slots <= 256 and pipeline_depth <= 4
+  // (CheckOptions), hdr a constant of the image format; so are the per-slot
+  // and per-step vectors below. Allocate checks the sizes against what is
+  // available.
   const int64_t host_bytes = 2 * impl->frame_bytes + 2 * static_cast<int64_t>(sizeof(FrameHead));
-  FP4KV_RETURN_IF_ERROR(impl->buf.Allocate(port->device(), internal::SlotStride(options.slot_bytes),
-                                           options.num_slots, host_bytes));
+  FP4KV_RETURN_IF_ERROR(impl->buf.Allocate("SequenceReceiver::Create", port->device(),
+                                           options.slot_bytes, options.num_slots, host_bytes));
   auto* h = static_cast<unsigned char*>(impl->buf.host_);
   impl->out = h;
   impl->in = h + impl->frame_bytes;

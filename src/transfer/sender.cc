@@ -408,11 +408,15 @@ absl::StatusOr<SequenceSender> internal::CreateSender(std::unique_ptr<TransferCa
   impl->depth = options.pipeline_depth;
   impl->ring = options.pipeline_depth + 1;
   impl->max_offers = std::max(1, options.num_slots / (options.pipeline_depth + 2));
+  // Small and bounded: num_slots <= 256 and pipeline_depth <= 4
+  // (CheckOptions), hdr a constant of the image format; so are the per-slot
+  // and per-step vectors below. Allocate checks the sizes against what is
+  // available.
   const int64_t host_bytes = 2 * impl->ring * impl->frame_bytes +
                              2 * static_cast<int64_t>(sizeof(FrameHead)) +
                              options.num_slots * impl->hdr;
-  FP4KV_RETURN_IF_ERROR(impl->buf.Allocate(port->device(), internal::SlotStride(options.slot_bytes),
-                                           options.num_slots, host_bytes));
+  FP4KV_RETURN_IF_ERROR(impl->buf.Allocate("SequenceSender::Create", port->device(),
+                                           options.slot_bytes, options.num_slots, host_bytes));
   auto* h = static_cast<unsigned char*>(impl->buf.host_);
   for (int i = 0; i < impl->ring; ++i) {
     impl->out_frames.push_back(h);
