@@ -1,14 +1,17 @@
 // Decode attention over NVFP4 pages with NVFP4 or FP8 E4M3 keys
 // (kernels/attention.cuh documents the design; docs/attention.md the math
-// and the launch strategy).
+// and the launch strategy). This file holds the dispatch; the kernels of each
+// head dim are compiled in kernels/attention_d<D>.cu.
 #include <cuda_runtime.h>
 
 #include <cstdint>
 #include <climits>
+#include <cstdlib>
+#include <cstring>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
-#include "kernels/attention.cuh"
+#include "kernels/attention/schedule.cuh"
 #include "src/attention_params.h"
 #include "src/cuda_util.h"
 #include "src/status_macros.h"
@@ -16,99 +19,29 @@
 namespace fp4kv {
 namespace internal {
 
+// kernels/attention_d{64,128,256}.cu (kernels/attention/launch.cuh).
+template <int D>
+absl::Status PrepareDecodeAttentionDim(const DecodeAttention::Options& o,
+                                       AttentionKernelSetup* out);
+template <int D>
+absl::Status LaunchDecodeAttentionDim(const AttentionParams& p, Stream stream);
+
 namespace {
 
-template <int D, bool kBf16, bool kFp8K>
-absl::Status LaunchFor(const AttentionParams& p, Stream stream) {
-  using Cfg = kernels::AttnConfig<D, kFp8K>;
-  kernels::AttnLaunch a;
-  a.p = p;
-  a.num_ctas = p.num_sms * Cfg::kCtasPerSm;
-  a.rows_per_slot = kernels::AttnRowsPerSlot(p.group, p.max_q_len);
-  a.page_q16 = kernels::kAttnTile / p.page_size;
-  a.page_r16 = kernels::kAttnTile % p.page_size;
-  {
-    const auto al = [](const void* ptr, int64_t stride, int64_t m) {
-      return reinterpret_cast<uintptr_t>(ptr) % m == 0 && stride % m == 0;
-    };
-    const PoolPtrs* pools[2] = {&p.k, &p.v};
-    bool ok = p.page_size % kernels::kAttnTile == 0 && p.num_pages <= INT32_MAX;
-    for (const PoolPtrs* q : pools) {
-      // FP8 keys have no scale pool (null pointer, zero strides).
-      ok = ok && al(q->data, q->data_page, 16) && q->data_entry % 16 == 0 &&
-           q->data_head % 16 == 0 && al(q->scales, q->scale_page, Cfg::kScaleBytes) &&
-           q->scale_entry % Cfg::kScaleBytes == 0 && q->scale_head % Cfg::kScaleBytes == 0 &&
-           q->data_entry >= 0 && q->scale_entry >= 0 && q->data_page >= 0 &&
-           q->scale_page >= 0 && q->data_page <= UINT32_MAX && q->scale_page <= UINT32_MAX &&
-           (p.page_size - 1) * q->data_entry < INT32_MAX &&
-           (p.page_size - 1) * q->scale_entry < INT32_MAX;
-    }
-    a.fast_copy = ok;
+// FP4KV_ATTENTION_KERNEL: unset or "tokens_in_m" (the default choice),
+// "rows_in_m" (force the older family); anything else is an error.
+absl::Status ChooseFamily(AttentionFamily* family) {
+  *family = AttentionFamily::kTokensInM;
+  const char* env = std::getenv("FP4KV_ATTENTION_KERNEL");
+  if (env == nullptr || env[0] == '\0' || std::strcmp(env, "tokens_in_m") == 0) {
+    return absl::OkStatus();
   }
-  const int64_t slots = kernels::AttnSlots(a.num_ctas);
-  a.ws_o = static_cast<float*>(p.workspace);
-  a.ws_ml = a.ws_o + slots * a.rows_per_slot * D;
-  const int grid = a.num_ctas;
-  const size_t sched_bytes = kernels::AttnScheduleBytes(p.max_batch);
-  const size_t smem = static_cast<size_t>(kernels::kAttnWarps) * Cfg::kWarpBytes + sched_bytes;
-  auto* kernel = p.soft_cap > 0.0f ? &kernels::DecodeAttentionKernel<D, kBf16, true, kFp8K>
-                                    : &kernels::DecodeAttentionKernel<D, kBf16, false, kFp8K>;
-  // The dynamic shared memory limit was raised at Create() (PrepareFor).
-  kernel<<<grid, kernels::kAttnThreads, smem, stream>>>(a);
-  FP4KV_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-  // The merge kernel may launch while the attention kernel runs (it derives
-  // its schedule, then waits in griddepcontrol.wait): only when its loaded
-  // code was built for sm_90+, where that wait exists (found at Create()).
-  auto* merge = &kernels::MergeAttentionKernel<D, kBf16>;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(grid);
-  cfg.blockDim = dim3(kernels::kAttnThreads);
-  cfg.dynamicSmemBytes = sched_bytes;
-  cfg.stream = stream;
-  cfg.attrs = attr;
-  cfg.numAttrs = p.merge_overlaps ? 1 : 0;
-  return CudaStatus(cudaLaunchKernelEx(&cfg, merge, a), "MergeAttentionKernel launch");
-}
-
-// Create()-time setup of the one kernel instance `o` selects: raises its
-// dynamic shared memory limit to what max_batch needs and tells whether the
-// merge kernel's loaded code can overlap (PTX 9.0+). On the current device.
-template <int D, bool kBf16, bool kFp8K>
-absl::Status PrepareFor(const DecodeAttention::Options& o, AttentionKernelSetup* out) {
-  using Cfg = kernels::AttnConfig<D, kFp8K>;
-  const size_t smem = static_cast<size_t>(kernels::kAttnWarps) * Cfg::kWarpBytes +
-                      kernels::AttnScheduleBytes(o.max_batch);
-  auto* kernel = o.logits_soft_cap > 0.0f ? &kernels::DecodeAttentionKernel<D, kBf16, true, kFp8K>
-                                          : &kernels::DecodeAttentionKernel<D, kBf16, false, kFp8K>;
-  FP4KV_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
-      kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-  cudaFuncAttributes fa;
-  FP4KV_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&fa, &kernels::MergeAttentionKernel<D, kBf16>));
-  out->merge_overlaps = fa.ptxVersion >= 90;
-  return absl::OkStatus();
-}
-
-template <int D>
-absl::Status PrepareForDim(const DecodeAttention::Options& o, AttentionKernelSetup* out) {
-  const bool bf16 = o.dtype == DType::kBF16;
-  if (o.geometry.fp8_keys()) {
-    return bf16 ? PrepareFor<D, true, true>(o, out) : PrepareFor<D, false, true>(o, out);
+  if (std::strcmp(env, "rows_in_m") == 0) {
+    *family = AttentionFamily::kRowsInM;
+    return absl::OkStatus();
   }
-  return bf16 ? PrepareFor<D, true, false>(o, out) : PrepareFor<D, false, false>(o, out);
-}
-
-template <int D, bool kFp8K>
-absl::Status LaunchForKeys(const AttentionParams& p, Stream stream) {
-  return p.dtype == DType::kBF16 ? LaunchFor<D, true, kFp8K>(p, stream)
-                                 : LaunchFor<D, false, kFp8K>(p, stream);
-}
-
-template <int D>
-absl::Status LaunchForDim(const AttentionParams& p, Stream stream) {
-  return p.fp8_keys ? LaunchForKeys<D, true>(p, stream) : LaunchForKeys<D, false>(p, stream);
+  return absl::InvalidArgumentError(absl::StrCat(
+      "FP4KV_ATTENTION_KERNEL: expected tokens_in_m or rows_in_m, got \"", env, "\""));
 }
 
 }  // namespace
@@ -134,13 +67,14 @@ absl::Status PrepareDecodeAttention(const DecodeAttention::Options& o,
   if (previous != o.device.ordinal) FP4KV_CUDA_RETURN_IF_ERROR(cudaSetDevice(o.device.ordinal));
   // Initialized from a lambda: nvcc warns (#2810) on assigning to a Status.
   absl::Status st = [&]() -> absl::Status {
+    FP4KV_RETURN_IF_ERROR(ChooseFamily(&out->family));
     switch (o.geometry.head_dim_v) {
       case 64:
-        return PrepareForDim<64>(o, out);
+        return PrepareDecodeAttentionDim<64>(o, out);
       case 128:
-        return PrepareForDim<128>(o, out);
+        return PrepareDecodeAttentionDim<128>(o, out);
       case 256:
-        return PrepareForDim<256>(o, out);
+        return PrepareDecodeAttentionDim<256>(o, out);
       default:
         return absl::UnimplementedError(absl::StrCat("DecodeAttention on CUDA: head_dim ",
                                                      o.geometry.head_dim_v, " (64, 128, 256)"));
@@ -185,11 +119,11 @@ absl::Status LaunchDecodeAttention(const AttentionParams& p, Stream stream) {
   }
   switch (p.v.head_dim) {
     case 64:
-      return LaunchForDim<64>(p, stream);
+      return LaunchDecodeAttentionDim<64>(p, stream);
     case 128:
-      return LaunchForDim<128>(p, stream);
+      return LaunchDecodeAttentionDim<128>(p, stream);
     case 256:
-      return LaunchForDim<256>(p, stream);
+      return LaunchDecodeAttentionDim<256>(p, stream);
     default:
       return absl::UnimplementedError(
           absl::StrCat("DecodeAttention on CUDA: head_dim ", p.v.head_dim, " (64, 128, 256)"));

@@ -119,7 +119,8 @@ absl::StatusOr<DecodeAttention> DecodeAttention::Create(const Options& o) {
     }
     FP4KV_RETURN_IF_ERROR(internal::PrepareDecodeAttention(o, &setup));
   }
-  return DecodeAttention(o, num_sms, workspace_bytes, setup.merge_overlaps);
+  return DecodeAttention(o, num_sms, workspace_bytes, setup.merge_overlaps,
+                         static_cast<int>(setup.family));
 }
 
 namespace internal {
@@ -257,6 +258,7 @@ absl::Status DecodeAttentionRunner::Run(const DecodeAttention& op, const DecodeA
   if (!p.ok()) return p.status();
   if (p->total_q == 0) return absl::OkStatus();
   p->merge_overlaps = op.merge_overlaps_;
+  p->family = static_cast<AttentionFamily>(op.family_);
   if (!op.options_.device.is_cuda()) {
     ReferenceDecodeAttention(*p);
     return absl::OkStatus();

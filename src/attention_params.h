@@ -17,6 +17,13 @@
 namespace fp4kv {
 namespace internal {
 
+// The CUDA kernel families of decode attention (kernels/attention/): query
+// rows in the MMA's M dimension (rows_in_m.cuh) or the keys' tokens
+// (tokens_in_m.cuh). Create() picks tokens-in-M wherever it takes the shape;
+// the environment variable FP4KV_ATTENTION_KERNEL=rows_in_m (read at
+// Create()) forces the other family, for tests and comparisons.
+enum class AttentionFamily : int { kRowsInM = 0, kTokensInM = 1 };
+
 struct AttentionParams {
   PoolPtrs k, v;  // read only; k.head_dim = Dk, v.head_dim = Dv
   // Keys in FP8 E4M3 (geometry.key_format kFp8): k rows are Dk bytes,
@@ -59,6 +66,7 @@ struct AttentionParams {
   int max_batch = 0;
   int num_sms = 0;
   bool merge_overlaps = false;  // see AttentionKernelSetup
+  AttentionFamily family = AttentionFamily::kRowsInM;  // see AttentionKernelSetup
 
   // Reference only (tests): when set, the CPU reference also stores every
   // output element unrounded here, [total_q, Hq, Dv] with out's strides.
@@ -130,6 +138,7 @@ void ReferenceDecodeAttention(const AttentionParams& p);
 // What Create() settles once for the CUDA launch (kernels/attention.cu).
 struct AttentionKernelSetup {
   bool merge_overlaps = false;  // the merge kernel's code waits in griddepcontrol (PTX 9.0+)
+  AttentionFamily family = AttentionFamily::kRowsInM;  // the kernel family Run() launches
 };
 
 // Create()-time setup on options.device: raises the selected kernel's dynamic

@@ -9,6 +9,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -48,7 +49,49 @@ std::string Compare(const AttentionCase& c, const std::vector<uint8_t>& got) {
   return testing::CompareAttentionOutputs(c, w.blob, got, RelTol(c.spec), kLseTol, &w.exact);
 }
 
+// Sets FP4KV_ATTENTION_KERNEL (read by DecodeAttention::Create) for its
+// lifetime; "" leaves it unset.
+class ScopedKernelFamily {
+ public:
+  explicit ScopedKernelFamily(const char* family) {
+    const char* old = std::getenv("FP4KV_ATTENTION_KERNEL");
+    had_ = old != nullptr;
+    if (had_) old_ = old;
+    if (family[0] != '\0') {
+      setenv("FP4KV_ATTENTION_KERNEL", family, 1);
+    } else {
+      unsetenv("FP4KV_ATTENTION_KERNEL");
+    }
+  }
+  ~ScopedKernelFamily() {
+    if (had_) {
+      setenv("FP4KV_ATTENTION_KERNEL", old_.c_str(), 1);
+    } else {
+      unsetenv("FP4KV_ATTENTION_KERNEL");
+    }
+  }
+
+ private:
+  bool had_ = false;
+  std::string old_;
+};
+
+// Both kernel families: the default choice (tokens in M wherever it takes
+// the shape) and rows in M, forced.
+constexpr const char* kFamilies[] = {"", "rows_in_m"};
+
+void ExpectFamilyMatchesReference(AttentionCase& c, const std::string& name);
+
 void ExpectGpuMatchesReference(AttentionCase& c, const std::string& name) {
+  for (const char* family : kFamilies) {
+    ScopedKernelFamily scoped(family);
+    ExpectFamilyMatchesReference(c, name + (family[0] != '\0' ? std::string(" [") + family + "]"
+                                                                : std::string(" [default]")));
+    if (::testing::Test::HasFatalFailure()) return;
+  }
+}
+
+void ExpectFamilyMatchesReference(AttentionCase& c, const std::string& name) {
   const Device cuda = Device::Cuda(0);
   auto op = DecodeAttention::Create(c.Options(cuda));
   ASSERT_TRUE(op.ok()) << name << ": " << op.status();
@@ -102,6 +145,18 @@ void ExpectGpuMatchesReference(AttentionCase& c, const std::string& name) {
 }
 
 class GpuAttentionTest : public ::testing::TestWithParam<AttentionSpec> {};
+
+TEST(GpuAttentionFamily, UnknownFamilyIsRejectedAtCreate) {
+  FP4KV_SKIP_WITHOUT_GPU();
+  AttentionSpec spec;
+  AttentionCase c = testing::MakeAttentionCase(spec, 5);
+  ScopedKernelFamily scoped("fastest");
+  auto op = DecodeAttention::Create(c.Options(Device::Cuda(0)));
+  ASSERT_FALSE(op.ok());
+  EXPECT_EQ(op.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(op.status().message().find("FP4KV_ATTENTION_KERNEL"), std::string::npos)
+      << op.status();
+}
 
 TEST_P(GpuAttentionTest, MatchesReferenceEagerAndInGraphs) {
   FP4KV_SKIP_WITHOUT_GPU();

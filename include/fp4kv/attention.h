@@ -112,15 +112,18 @@ class DecodeAttention {
 
  private:
   friend struct internal::DecodeAttentionRunner;
-  DecodeAttention(const Options& o, int num_sms, int64_t workspace_bytes, bool merge_overlaps)
+  DecodeAttention(const Options& o, int num_sms, int64_t workspace_bytes, bool merge_overlaps,
+                  int family)
       : options_(o),
         num_sms_(num_sms),
         workspace_bytes_(workspace_bytes),
-        merge_overlaps_(merge_overlaps) {}
+        merge_overlaps_(merge_overlaps),
+        family_(family) {}
   Options options_;
   int num_sms_ = 0;
   int64_t workspace_bytes_ = 0;
   bool merge_overlaps_ = false;  // found at Create() (CUDA)
+  int family_ = 0;               // kernel family chosen at Create() (CUDA; src/attention_params.h)
 };
 
 // Create + Run with a caller-given workspace (WorkspaceBytes() of the same

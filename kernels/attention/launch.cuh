@@ -1,0 +1,150 @@
+// Internal: launch and Create()-time setup of decode attention for one head
+// dim (device-side templates; kernels/attention_d{64,128,256}.cu instantiate
+// them, kernels/attention.cu dispatches).
+#ifndef FP4KV_KERNELS_ATTENTION_LAUNCH_CUH_
+#define FP4KV_KERNELS_ATTENTION_LAUNCH_CUH_
+
+#include <cuda_runtime.h>
+
+#include <climits>
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "kernels/attention/merge.cuh"
+#include "kernels/attention/rows_in_m.cuh"
+#include "kernels/attention/schedule.cuh"
+#include "kernels/attention/tokens_in_m.cuh"
+#include "src/attention_params.h"
+#include "src/cuda_util.h"
+#include "src/status_macros.h"
+
+namespace fp4kv {
+namespace internal {
+
+using AttnKernelFn = void (*)(kernels::AttnLaunch);
+
+struct AttnKernelChoice {
+  AttnKernelFn fn;
+  int ctas_per_sm;  // its persistent grid is num_sms * ctas_per_sm
+  int warp_bytes;   // dynamic shared memory per warp (the schedule's arrays follow)
+};
+
+// The attention kernel of one configuration. `rows`: query rows per item
+// (AttnRowsPerSlot), which sets the tokens-in-M kernel's n-tiles.
+template <int D, bool kBf16, bool kFp8K>
+AttnKernelChoice SelectAttentionKernel(AttentionFamily family, bool soft_cap, int rows) {
+  if (family == AttentionFamily::kTokensInM && kernels::TokensInMTakes(D, rows)) {
+    return {soft_cap ? &kernels::DecodeTokensInMKernel<D, 1, kBf16, true, kFp8K>
+                     : &kernels::DecodeTokensInMKernel<D, 1, kBf16, false, kFp8K>,
+            kernels::kTokensInMCtasPerSm<D, 1, kFp8K>, kernels::kTokensInMWarpBytes<D, kFp8K>};
+  }
+  return {soft_cap ? &kernels::DecodeRowsInMKernel<D, kBf16, true, kFp8K>
+                   : &kernels::DecodeRowsInMKernel<D, kBf16, false, kFp8K>,
+          kernels::AttnConfig<D, kFp8K>::kCtasPerSm, kernels::AttnConfig<D, kFp8K>::kWarpBytes};
+}
+
+template <int D, bool kBf16, bool kFp8K>
+absl::Status LaunchFor(const AttentionParams& p, Stream stream) {
+  using Cfg = kernels::AttnConfig<D, kFp8K>;
+  kernels::AttnLaunch a;
+  a.p = p;
+  a.rows_per_slot = kernels::AttnRowsPerSlot(p.group, p.max_q_len);
+  const AttnKernelChoice kernel =
+      SelectAttentionKernel<D, kBf16, kFp8K>(p.family, p.soft_cap > 0.0f, a.rows_per_slot);
+  // At most AttnConfig<D>::kCtasPerSm per SM, which sized the workspace.
+  a.num_ctas = p.num_sms * kernel.ctas_per_sm;
+  a.page_q16 = kernels::kAttnTile / p.page_size;
+  a.page_r16 = kernels::kAttnTile % p.page_size;
+  {
+    const auto al = [](const void* ptr, int64_t stride, int64_t m) {
+      return reinterpret_cast<uintptr_t>(ptr) % m == 0 && stride % m == 0;
+    };
+    const PoolPtrs* pools[2] = {&p.k, &p.v};
+    bool ok = p.page_size % kernels::kAttnTile == 0 && p.num_pages <= INT32_MAX;
+    for (const PoolPtrs* q : pools) {
+      // FP8 keys have no scale pool (null pointer, zero strides).
+      ok = ok && al(q->data, q->data_page, 16) && q->data_entry % 16 == 0 &&
+           q->data_head % 16 == 0 && al(q->scales, q->scale_page, Cfg::kScaleBytes) &&
+           q->scale_entry % Cfg::kScaleBytes == 0 && q->scale_head % Cfg::kScaleBytes == 0 &&
+           q->data_entry >= 0 && q->scale_entry >= 0 && q->data_page >= 0 && q->scale_page >= 0 &&
+           q->data_page <= UINT32_MAX && q->scale_page <= UINT32_MAX &&
+           (p.page_size - 1) * q->data_entry < INT32_MAX &&
+           (p.page_size - 1) * q->scale_entry < INT32_MAX;
+    }
+    a.fast_copy = ok;
+  }
+  const int64_t slots = kernels::AttnSlots(a.num_ctas);
+  a.ws_o = static_cast<float*>(p.workspace);
+  a.ws_ml = a.ws_o + slots * a.rows_per_slot * D;
+  const int grid = a.num_ctas;
+  const size_t sched_bytes = kernels::AttnScheduleBytes(p.max_batch);
+  const size_t smem = static_cast<size_t>(kernels::kAttnWarps) * kernel.warp_bytes + sched_bytes;
+  // The dynamic shared memory limit was raised at Create() (PrepareFor).
+  kernel.fn<<<grid, kernels::kAttnThreads, smem, stream>>>(a);
+  FP4KV_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  // The merge kernel may launch while the attention kernel runs (it derives
+  // its schedule, then waits in griddepcontrol.wait): only when its loaded
+  // code was built for sm_90+, where that wait exists (found at Create()).
+  auto* merge = &kernels::MergeAttentionKernel<D, kBf16>;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(grid);
+  cfg.blockDim = dim3(kernels::kAttnThreads);
+  cfg.dynamicSmemBytes = sched_bytes;
+  cfg.stream = stream;
+  cfg.attrs = attr;
+  cfg.numAttrs = p.merge_overlaps ? 1 : 0;
+  return CudaStatus(cudaLaunchKernelEx(&cfg, merge, a), "MergeAttentionKernel launch");
+}
+
+// Create()-time setup of the one kernel instance `o` and `out->family`
+// select: raises its dynamic shared memory limit to what max_batch needs and
+// tells whether the merge kernel's loaded code can overlap (PTX 9.0+). On
+// the current device.
+template <int D, bool kBf16, bool kFp8K>
+absl::Status PrepareFor(const DecodeAttention::Options& o, AttentionKernelSetup* out) {
+  const int group = o.num_qo_heads / o.geometry.num_kv_heads;
+  const AttnKernelChoice kernel = SelectAttentionKernel<D, kBf16, kFp8K>(
+      out->family, o.logits_soft_cap > 0.0f, kernels::AttnRowsPerSlot(group, o.max_q_len));
+  const size_t smem = static_cast<size_t>(kernels::kAttnWarps) * kernel.warp_bytes +
+                      kernels::AttnScheduleBytes(o.max_batch);
+  FP4KV_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
+      kernel.fn, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  cudaFuncAttributes fa;
+  FP4KV_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&fa, &kernels::MergeAttentionKernel<D, kBf16>));
+  out->merge_overlaps = fa.ptxVersion >= 90;
+  return absl::OkStatus();
+}
+
+// The two entry points of one head dim (kernels/attention_d<D>.cu).
+template <int D>
+absl::Status PrepareDecodeAttentionDim(const DecodeAttention::Options& o,
+                                       AttentionKernelSetup* out) {
+  const bool bf16 = o.dtype == DType::kBF16;
+  if (o.geometry.fp8_keys()) {
+    return bf16 ? PrepareFor<D, true, true>(o, out) : PrepareFor<D, false, true>(o, out);
+  }
+  return bf16 ? PrepareFor<D, true, false>(o, out) : PrepareFor<D, false, false>(o, out);
+}
+
+template <int D>
+absl::Status LaunchDecodeAttentionDim(const AttentionParams& p, Stream stream) {
+  if (p.fp8_keys) {
+    return p.dtype == DType::kBF16 ? LaunchFor<D, true, true>(p, stream)
+                                   : LaunchFor<D, false, true>(p, stream);
+  }
+  return p.dtype == DType::kBF16 ? LaunchFor<D, true, false>(p, stream)
+                                 : LaunchFor<D, false, false>(p, stream);
+}
+
+#define FP4KV_INSTANTIATE_ATTENTION_DIM(D)                                            \
+  template absl::Status PrepareDecodeAttentionDim<D>(const DecodeAttention::Options&, \
+                                                     AttentionKernelSetup*);          \
+  template absl::Status LaunchDecodeAttentionDim<D>(const AttentionParams&, Stream);
+
+}  // namespace internal
+}  // namespace fp4kv
+
+#endif  // FP4KV_KERNELS_ATTENTION_LAUNCH_CUH_

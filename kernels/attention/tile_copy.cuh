@@ -1,0 +1,295 @@
+// Internal: the per-warp tile copy of decode attention (device code),
+// shared by both kernel families (rows_in_m.cuh, tokens_in_m.cuh).
+//
+// A warp copies its 16-token tiles of K and V (codes and block scales) into
+// a ring of kStages shared-memory stages with cp.async, one tile per Issue():
+// lane 2t + h copies half h of token t (one page-table entry per tile when
+// AttnLaunch::fast_copy holds and the warp's range starts 16-aligned, else
+// one lookup per lane and tile; FP8 keys on the fast path copy token-major,
+// whole K and V rows per instruction). Each stage also holds the ballot of
+// the lanes whose token was valid (bit 2t: token t of the tile).
+//
+// Stage layout (AttnConfig): K codes [16][kKRowStride] token-major; V codes
+// [16][D/2] in VSlot order (tokens 2c, 2c+1, 2c+8, 2c+9 of a quad are
+// adjacent rows); K scales [16][D/16]; V scales [16][D/16] in VSlot order;
+// the 32-bit valid mask.
+#ifndef FP4KV_KERNELS_ATTENTION_TILE_COPY_CUH_
+#define FP4KV_KERNELS_ATTENTION_TILE_COPY_CUH_
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/attention/ptx.cuh"
+#include "kernels/attention/schedule.cuh"
+#include "src/attention_params.h"
+
+namespace fp4kv {
+namespace kernels {
+
+// Shared-memory row of token t of a tile in the V regions.
+__device__ __forceinline__ int VSlot(int t) { return (t & 1) * 4 + ((t >> 1) & 3) + (t >> 3) * 8; }
+
+// Copy sources of one item for the lanes of one half (fast copy path), kept
+// in shared memory and read back every tile: cheaper than the registers to
+// keep them or the instructions to recompute them.
+struct AttnCopyBase {
+  const uint8_t* k;          // K codes at (page 0, entry 0, the item's head) + the half's bytes
+  const uint8_t* v;          // V codes, likewise
+  const uint8_t* s;          // block scales: K for half 0, V for half 1
+  uint32_t s_page, s_entry;  // that scale pool's strides (bytes)
+};
+
+// Reloads an AttnCopyBase at a shared address on every call (volatile: the
+// compiler may neither keep it in registers nor hoist it out of a loop).
+__device__ __forceinline__ AttnCopyBase LoadCopyBase(uint32_t addr) {
+  unsigned long long k, v, s;
+  uint32_t sp, se;
+  asm volatile("ld.shared.v2.u64 {%0, %1}, [%2];\n" : "=l"(k), "=l"(v) : "r"(addr));
+  asm volatile("ld.shared.u64 %0, [%3 + 16];\n ld.shared.v2.u32 {%1, %2}, [%3 + 24];\n"
+               : "=l"(s), "=r"(sp), "=r"(se)
+               : "r"(addr));
+  AttnCopyBase b;
+  b.k = reinterpret_cast<const uint8_t*>(k);
+  b.v = reinterpret_cast<const uint8_t*>(v);
+  b.s = reinterpret_cast<const uint8_t*>(s);
+  b.s_page = sp;
+  b.s_entry = se;
+  return b;
+}
+
+// The copy state of one lane for one warp's range [w_t0, w_t1) of an item.
+// Cfg: the stage layout (AttnConfig, or TokensInMConfig in tokens_in_m.cuh).
+template <int D, bool kFp8K, class Cfg>
+struct AttnTileCopier {
+  // Few registers live across the caller's loop: everything else (lane
+  // roles, source pointers and strides) is recomputed per tile from these,
+  // the launch parameters and threadIdx (cheap next to the copy, and the
+  // fast path reloads its bases from shared memory anyway).
+  uint8_t* stages;
+  int pj, pe;  // page-table column and entry of token tau of the next tile
+  int w_t1;
+  int b, head;  // the item's request and KV head
+  bool fast;
+  uint32_t copy_base_addr;
+
+  // Lane roles: lane 2 tau + hf copies half hf of token tau; the scale row
+  // it copies is K's for half 0 and V's for half 1 (FP8 keys have no K
+  // scales: half 0 copies none).
+  __device__ __forceinline__ static int Lane() { return threadIdx.x & 31; }
+  __device__ __forceinline__ static int Tau() { return Lane() >> 1; }
+  __device__ __forceinline__ static int Half() { return Lane() & 1; }
+  __device__ __forceinline__ static bool KHalf() { return Half() == 0 && !kFp8K; }
+  __device__ __forceinline__ static bool CopiesScales() { return !kFp8K || Half() == 1; }
+
+  // This lane's sources at (page 0, entry 0) of the item's head.
+  struct Sources {
+    const uint8_t* kd;
+    const uint8_t* vd;
+    const uint8_t* sd;
+    int64_t s_page, s_entry;
+  };
+  __device__ __forceinline__ static Sources LaneSources(const internal::AttentionParams& p,
+                                                        int head) {
+    const int hf = Half();
+    const bool k_half = KHalf();
+    Sources s;
+    s.kd = p.k.data + head * p.k.data_head + hf * (Cfg::kKRowBytes / 2);
+    s.vd = p.v.data + head * p.v.data_head + hf * (D / 4);
+    s.sd = (k_half ? p.k.scales : p.v.scales) + head * (k_half ? p.k.scale_head : p.v.scale_head);
+    s.s_page = k_half ? p.k.scale_page : p.v.scale_page;
+    s.s_entry = k_half ? p.k.scale_entry : p.v.scale_entry;
+    return s;
+  }
+
+  // Every thread of the CTA calls Init for the same item (it synchronizes the
+  // CTA: threads 0 and 1 publish the item's copy bases in `copy_base`).
+  __device__ __forceinline__ void Init(const AttnLaunch& a, const AttnItem& it,
+                                       uint8_t* warp_stages, int w_t0, int w_t1_,
+                                       AttnCopyBase* copy_base) {
+    const internal::AttentionParams& p = a.p;
+    stages = warp_stages;
+    w_t1 = w_t1_;
+    b = it.b;
+    head = it.head;
+    pj = (w_t0 + Tau()) / p.page_size;
+    pe = (w_t0 + Tau()) - pj * p.page_size;
+    // Fast path (a.fast_copy, tiles aligned to 16): one table entry per tile
+    // (all lanes' tokens lie in page pj), 32-bit page index and entry offsets.
+    fast = a.fast_copy && (w_t0 % kAttnTile) == 0;
+    if (threadIdx.x < 2) {
+      const Sources s = LaneSources(p, head);
+      copy_base[threadIdx.x] = AttnCopyBase{s.kd, s.vd, s.sd, static_cast<uint32_t>(s.s_page),
+                                            static_cast<uint32_t>(s.s_entry)};
+    }
+    __syncthreads();
+    copy_base_addr = SmemAddr(&copy_base[Half()]);
+  }
+
+  // Copies the tile starting at token tile_start into `stage` (one
+  // cp.async group is committed by the caller).
+  __device__ __forceinline__ void Issue(const AttnLaunch& a, int stage, int tile_start) {
+    if (fast) {
+      IssueFast(a, stage, tile_start);
+    } else {
+      IssueAny(a, stage, tile_start);
+    }
+  }
+
+  __device__ __forceinline__ void IssueFast(const AttnLaunch& a, int stage, int tile_start) {
+    const internal::AttentionParams& p = a.p;
+    const int lane = Lane(), tau = Tau(), hf = Half();
+    const bool k_half = KHalf(), copies_scales = CopiesScales();
+    const int64_t table_row = static_cast<int64_t>(b) * p.table_row_stride;
+    // 32-bit page strides (a.fast_copy guarantees that they fit): one wide
+    // multiply-add per pool and tile.
+    const uint32_t k_entry = static_cast<uint32_t>(p.k.data_entry);
+    const uint32_t v_entry = static_cast<uint32_t>(p.v.data_entry);
+    const uint32_t k_page32 = static_cast<uint32_t>(p.k.data_page);
+    const uint32_t v_page32 = static_cast<uint32_t>(p.v.data_page);
+    uint8_t* st = stages + stage * Cfg::kStageBytes;
+    const AttnCopyBase cb = LoadCopyBase(copy_base_addr);
+    const int64_t pg = internal::TableEntry(p.block_tables, p.tables_i64, table_row + pj);
+    const bool valid = tile_start + tau < w_t1 && pg >= 0 && pg < p.num_pages;
+    const uint32_t page = valid ? static_cast<uint32_t>(pg) : 0u;
+    const uint32_t e = static_cast<uint32_t>(pe);
+    const uint8_t* ksrc = cb.k + (static_cast<uint64_t>(page) * k_page32 + e * k_entry);
+    const uint8_t* vsrc = cb.v + (static_cast<uint64_t>(page) * v_page32 + e * v_entry);
+    const uint8_t* ssrc = cb.s + (static_cast<uint64_t>(page) * cb.s_page + e * cb.s_entry);
+    const uint32_t kdst =
+        SmemAddr(st + Cfg::kKcOff + tau * Cfg::kKRowStride + hf * (Cfg::kKRowBytes / 2));
+    const uint32_t vdst = SmemAddr(st + Cfg::kVcOff + VSlot(tau) * Cfg::kRowBytes + hf * (D / 4));
+    if constexpr (kFp8K) {
+      // Token-major: kKP lanes copy one whole K row (kVP lanes one V row)
+      // per instruction, so that each instruction covers whole sectors and
+      // lines. All tokens of the tile lie in page pg (fast path).
+      constexpr int kKP = Cfg::kKRowBytes / 16;
+      constexpr int kVP = D / 32;
+      const bool page_ok = pg >= 0 && pg < p.num_pages;
+      const uint32_t pgk = page_ok ? static_cast<uint32_t>(pg) : 0u;
+      const uint32_t e0 = e - static_cast<uint32_t>(tau);
+      const uint8_t* kb = cb.k - hf * (Cfg::kKRowBytes / 2) +
+                          static_cast<uint64_t>(pgk) * k_page32 + (lane % kKP) * 16;
+      const uint8_t* vb =
+          cb.v - hf * (D / 4) + static_cast<uint64_t>(pgk) * v_page32 + (lane % kVP) * 16;
+#pragma unroll
+      for (int i = 0; i < kKP / 2; ++i) {
+        const int t = i * (32 / kKP) + lane / kKP;
+        const bool ok = page_ok && tile_start + t < w_t1;
+        CpAsync<16>(
+            SmemAddr(st + Cfg::kKcOff + t * Cfg::kKRowStride + Cfg::KChunk(t, lane % kKP) * 16),
+            kb + (e0 + t) * k_entry, ok);
+      }
+#pragma unroll
+      for (int i = 0; i < kVP / 2; ++i) {
+        const int t = i * (32 / kVP) + lane / kVP;
+        const bool ok = page_ok && tile_start + t < w_t1;
+        CpAsync<16>(SmemAddr(st + Cfg::kVcOff + VSlot(t) * Cfg::kRowBytes + (lane % kVP) * 16),
+                    vb + (e0 + t) * v_entry, ok);
+      }
+      (void)ksrc;
+      (void)vsrc;
+      (void)kdst;
+      (void)vdst;
+    } else {
+#pragma unroll
+      for (int i = 0; i < D / 64; ++i) {
+        CpAsync<16>(kdst + 16 * i, ksrc + 16 * i, valid);
+        CpAsync<16>(vdst + 16 * i, vsrc + 16 * i, valid);
+      }
+    }
+    uint8_t* sdst = st + (k_half ? Cfg::kKsOff + tau * Cfg::kScaleBytes
+                                 : Cfg::kVsOff + VSlot(tau) * Cfg::kScaleBytes);
+    if (copies_scales) CpAsync<Cfg::kScaleBytes>(SmemAddr(sdst), ssrc, valid);
+    const uint32_t ballot = __ballot_sync(0xffffffffu, valid);
+    if (lane == 0) *reinterpret_cast<uint32_t*>(st + Cfg::kMaskOff) = ballot;
+    pe += kAttnTile;
+    if (pe >= p.page_size) {
+      pe -= p.page_size;
+      ++pj;
+    }
+  }
+
+  __device__ __forceinline__ void IssueAny(const AttnLaunch& a, int stage, int tile_start) {
+    const internal::AttentionParams& p = a.p;
+    const int lane = Lane(), tau = Tau(), hf = Half();
+    const bool k_half = KHalf(), copies_scales = CopiesScales();
+    const int64_t table_row = static_cast<int64_t>(b) * p.table_row_stride;
+    const Sources src = LaneSources(p, head);
+    const uint8_t* kd = src.kd;
+    const uint8_t* vd = src.vd;
+    const uint8_t* sd = src.sd;
+    const int64_t s_page = src.s_page, s_entry = src.s_entry;
+    uint8_t* st = stages + stage * Cfg::kStageBytes;
+    const int t = tile_start + tau;
+    bool valid = t < w_t1;
+    int64_t page = 0;
+    if (valid) {
+      page = internal::TableEntry(p.block_tables, p.tables_i64, table_row + pj);
+      valid = page >= 0 && page < p.num_pages;
+    }
+    if (!valid) page = 0;
+    const int e = valid ? pe : 0;
+    const uint8_t* ksrc = kd + page * p.k.data_page + e * p.k.data_entry;
+    const uint8_t* vsrc = vd + page * p.v.data_page + e * p.v.data_entry;
+    const uint32_t kdst =
+        SmemAddr(st + Cfg::kKcOff + tau * Cfg::kKRowStride + hf * (Cfg::kKRowBytes / 2));
+    const uint32_t vdst = SmemAddr(st + Cfg::kVcOff + VSlot(tau) * Cfg::kRowBytes + hf * (D / 4));
+    const bool a16 =
+        ((reinterpret_cast<uintptr_t>(ksrc) | reinterpret_cast<uintptr_t>(vsrc)) & 15u) == 0;
+    // FP8 key rows: 16-byte chunk k of token tau at Cfg::KChunk(tau, k).
+    const uint32_t krow = SmemAddr(st + Cfg::kKcOff + tau * Cfg::kKRowStride);
+    const int kc0 = hf * (Cfg::kKRowBytes / 32);
+    if (a16 && kFp8K) {
+#pragma unroll
+      for (int i = 0; i < Cfg::kKRowBytes / 32; ++i) {
+        CpAsync<16>(krow + Cfg::KChunk(tau, kc0 + i) * 16, ksrc + 16 * i, valid);
+      }
+#pragma unroll
+      for (int i = 0; i < D / 64; ++i) CpAsync<16>(vdst + 16 * i, vsrc + 16 * i, valid);
+    } else if (kFp8K) {
+#pragma unroll
+      for (int i = 0; i < Cfg::kKRowBytes / 16; ++i) {
+        CpAsync<8>(krow + Cfg::KChunk(tau, kc0 + i / 2) * 16 + (i % 2) * 8, ksrc + 8 * i, valid);
+      }
+#pragma unroll
+      for (int i = 0; i < D / 32; ++i) CpAsync<8>(vdst + 8 * i, vsrc + 8 * i, valid);
+    } else if (a16) {
+#pragma unroll
+      for (int i = 0; i < D / 64; ++i) {
+        CpAsync<16>(kdst + 16 * i, ksrc + 16 * i, valid);
+        CpAsync<16>(vdst + 16 * i, vsrc + 16 * i, valid);
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < D / 32; ++i) {
+        CpAsync<8>(kdst + 8 * i, ksrc + 8 * i, valid);
+        CpAsync<8>(vdst + 8 * i, vsrc + 8 * i, valid);
+      }
+    }
+    const uint8_t* ssrc = sd + page * s_page + e * s_entry;
+    uint8_t* sdst = st + (k_half ? Cfg::kKsOff + tau * Cfg::kScaleBytes
+                                 : Cfg::kVsOff + VSlot(tau) * Cfg::kScaleBytes);
+    if (!copies_scales) {
+      // FP8 keys: half 0 has no scales to copy.
+    } else if ((reinterpret_cast<uintptr_t>(ssrc) & (Cfg::kScaleBytes - 1)) == 0) {
+      CpAsync<Cfg::kScaleBytes>(SmemAddr(sdst), ssrc, valid);
+    } else {
+#pragma unroll
+      for (int i = 0; i < Cfg::kScaleBytes; ++i) sdst[i] = valid ? __ldg(ssrc + i) : 0;
+    }
+    const uint32_t ballot = __ballot_sync(0xffffffffu, valid);
+    if (lane == 0) *reinterpret_cast<uint32_t*>(st + Cfg::kMaskOff) = ballot;
+    pe += a.page_r16;
+    pj += a.page_q16;
+    if (pe >= p.page_size) {
+      pe -= p.page_size;
+      ++pj;
+    }
+  }
+};
+
+}  // namespace kernels
+}  // namespace fp4kv
+
+#endif  // FP4KV_KERNELS_ATTENTION_TILE_COPY_CUH_

@@ -1,0 +1,595 @@
+// Internal: the "tokens in M" decode attention kernel (device code), the
+// family chosen on sm_80 and newer when a work item has at most 16 query
+// rows (group * q_len) and its accumulators fit (see attention.cu).
+//
+// Decode has few query rows per KV head (group x q_len, often 4), so the
+// rows-in-M kernel pads its 16-row MMA tile with idle rows. Here the
+// operands are swapped: the keys' tokens fill M and the query rows fill N
+// (kN n-tiles of 8 rows: rows 8 nt + n), so
+//   S^T = K Q^T : A = the decoded K tile (16 tokens x 16 dims per k-step),
+//     B = Q, loaded once per item into registers (no shared-memory Q and
+//     no per-tile Q loads). Lane (g, c) decodes bytes [c D/8, (c+1) D/8)
+//     of tokens g and g + 8 (NVFP4: one code word is the A fragment of two
+//     k-steps; FP8 keys: one word per k-step), and Q's B fragments are
+//     permuted to the same dims.
+//   online softmax on S^T: a lane holds 2 tokens x 2 rows per n-tile; a
+//     row's max and sum run over the 8 lanes of the same c.
+//   O^T += V^T P^T : A = the decoded V tile (16 output dims x 16 tokens),
+//     B = P^T, which movmatrix transposes out of the S^T accumulator. Lane
+//     (g, c) decodes dims [g D/8, (g+1) D/8) ("segment" g) of tokens 2c,
+//     2c+1, 2c+8, 2c+9 (the V layout of tile_copy.cuh); code word w of the
+//     segment (dims 8w..8w+7) feeds m-tiles 4w..4w+3: m-tile 4w + d has row
+//     g = dim 8w + d and row g + 8 = dim 8w + d + 4.
+// Per value this halves the MMAs of both products and the softmax work of
+// the rows-in-M kernel and drops its Q reloads. Tile copy, work schedule,
+// CTA combine and split merge are shared with it (tile_copy.cuh,
+// schedule.cuh, merge.cuh); the scaling conventions are the same: the
+// dequantized tile is e2m1 * e4m3 * 2^-7 (NVFP4), the 2^7, g_k and sm_scale
+// enter the logit scale once, g_v * 2^7 the output once.
+#ifndef FP4KV_KERNELS_ATTENTION_TOKENS_IN_M_CUH_
+#define FP4KV_KERNELS_ATTENTION_TOKENS_IN_M_CUH_
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "fp4kv/device/page_reader.cuh"
+#include "kernels/attention/merge.cuh"
+#include "kernels/attention/ptx.cuh"
+#include "kernels/attention/schedule.cuh"
+#include "kernels/attention/tile_copy.cuh"
+#include "src/attention_params.h"
+
+namespace fp4kv {
+namespace kernels {
+
+// Whether the tokens-in-M kernel takes items of `rows` query rows
+// (group * max_q_len, capped at 16) at head dim d: one n-tile (rows <= 8).
+// The kernel is written for kN = 2 n-tiles too, but measured on the H200 it
+// loses to the rows-in-M kernel there (twice the Q and O registers: three
+// CTAs an SM with spills; 64 x 4096 at q_len 4, 187 us against 150 us), so
+// launch.cuh never instantiates it.
+inline bool TokensInMTakes(int /*d*/, int rows) { return rows <= 8; }
+
+// The warp's shared memory: a ring of kStages 16-token stages laid out as
+// AttnConfig's (tile_copy.cuh), consumed two at a time (a pair: 32 tokens per
+// softmax step, while the next pair is in flight), and no Q region. FP8 key
+// rows are unpadded, their 16-byte chunks swizzled instead (chunk k of token
+// t at k ^ (t & 1)): the fragment loads of tokens g and g + 1 then hit
+// different banks.
+template <int D, bool kFp8K>
+struct TokensInMConfig {
+  static constexpr int kStages = 4;
+  static constexpr int kRowBytes = D / 2;
+  static constexpr int kKRowBytes = kFp8K ? D : D / 2;
+  static constexpr int kKRowStride = kKRowBytes;
+  static constexpr int kScaleBytes = D / 16;
+  static constexpr int kKScaleBytes = kFp8K ? 0 : kScaleBytes;
+  static constexpr int kKcOff = 0;
+  static constexpr int kVcOff = kAttnTile * kKRowStride;
+  static constexpr int kKsOff = kVcOff + kAttnTile * kRowBytes;
+  static constexpr int kVsOff = kKsOff + kAttnTile * kKScaleBytes;
+  static constexpr int kMaskOff = kVsOff + kAttnTile * kScaleBytes;
+  static constexpr int kStageBytes = kMaskOff + 16;
+  static constexpr int kRedStride = D + 4;
+  static constexpr int kRingBytes = kStages * kStageBytes;
+  static constexpr int kRedBytes = kAttnTile * kRedStride * 4;
+  static constexpr int kWarpBytes = kRingBytes > kRedBytes ? kRingBytes : kRedBytes;
+  static_assert(kWarpBytes % 16 == 0 && kStageBytes % 16 == 0 && kVsOff % 8 == 0, "alignment");
+  __host__ __device__ static constexpr int KChunk(int t, int k) { return kFp8K ? k ^ (t & 1) : k; }
+};
+
+// Dynamic shared memory of the tokens-in-M kernel (the schedule's arrays
+// follow the warps' regions).
+template <int D, bool kFp8K>
+inline constexpr int kTokensInMWarpBytes = TokensInMConfig<D, kFp8K>::kWarpBytes;
+
+// CTAs per SM (the persistent grid and the register bound): two n-tiles at
+// d = 128 hold twice the Q and O registers and run three CTAs an SM.
+template <int D, int kN, bool kFp8K>
+inline constexpr int kTokensInMCtasPerSm =
+    kN == 2 && D == 128 ? 3 : AttnConfig<D, kFp8K>::kCtasPerSm;
+
+// Two f16 of each of a and b: {a.lo, b.lo} and {a.hi, b.hi}.
+__device__ __forceinline__ uint32_t PairLow(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("prmt.b32 %0, %1, %2, 0x5410;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+__device__ __forceinline__ uint32_t PairHigh(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("prmt.b32 %0, %1, %2, 0x7632;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
+// The 8x8 f16 matrix whose row r, columns 2c, 2c+1 lane 4r + c holds, as
+// the same fragment of its transpose.
+__device__ __forceinline__ uint32_t MovMatrixTrans(uint32_t x) {
+  uint32_t d;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(d) : "r"(x));
+  return d;
+}
+
+template <int D, int kN, bool kBf16, bool kSoftCap, bool kFp8K>
+__global__ void __launch_bounds__(kAttnThreads, (kTokensInMCtasPerSm<D, kN, kFp8K>))
+    DecodeTokensInMKernel(const AttnLaunch a) {
+  static_assert(kN == 1 || kN == 2, "one or two n-tiles of 8 query rows");
+  using Cfg = TokensInMConfig<D, kFp8K>;
+  static_assert(Cfg::kStages == 4, "two pairs of stages");
+  constexpr int kKSteps = D / 16;  // k-steps of S^T (and m-tiles of O^T)
+  constexpr int kMT = D / 16;
+  constexpr int kKWords = D / 32;  // NVFP4 code words per lane and K token
+  constexpr int kVWords = D / 64;  // code words per lane and V token
+  constexpr int kSeg = D / 8;      // output dims per lane segment
+  constexpr int kQDims = D / 4;    // Q dims per lane
+  extern __shared__ __align__(16) uint8_t smem[];
+  const internal::AttentionParams& p = a.p;
+  LaunchDependentGrids();
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  int* item_prefix = reinterpret_cast<int*>(smem + kAttnWarps * Cfg::kWarpBytes);
+  int* slot_prefix = item_prefix + p.max_batch + 1;
+  const int chunk_bound = BuildAttnSchedule(a, item_prefix, slot_prefix);
+  const int total_items = item_prefix[p.batch_size];
+
+  uint8_t* wsm = smem + warp * Cfg::kWarpBytes;
+  uint8_t* stages = wsm;
+  const int g = lane >> 2, c = lane & 3;
+  const float gk = p.k_scale.Get();
+
+  __shared__ float2 ml_sm[kAttnWarps][kAttnTile];
+  __shared__ AttnCopyBase copy_base[2];  // per item, lanes of half 0 and 1
+  for (int item = blockIdx.x; item < total_items; item += gridDim.x) {
+    const AttnItem it = ResolveAttnItem(a, item, chunk_bound, item_prefix, slot_prefix);
+    // This warp's tiles: a quarter of the item's, contiguous.
+    const int item_tiles = (it.t1 - it.t0 + kAttnTile - 1) / kAttnTile;
+    const int warp_tiles = (item_tiles + kAttnWarps - 1) / kAttnWarps;
+    const int w_t0 = it.t0 + warp * warp_tiles * kAttnTile;
+    const int w_t1 = min(it.t1, w_t0 + warp_tiles * kAttnTile);
+    const int n_tiles = w_t0 < w_t1 ? (w_t1 - w_t0 + kAttnTile - 1) / kAttnTile : 0;
+
+    // ---- Q: lane (g, c) loads dims [c D/4, (c+1) D/4) of row 8 nt + g
+    // (bf16 rows scaled by 2^kq into f16 range) and keeps the B fragments of
+    // every k-step in registers.
+    uint32_t qb[kN][kKSteps][2];
+    int kq[kN];
+#pragma unroll
+    for (int nt = 0; nt < kN; ++nt) {
+      const AttnRow row = GetAttnRow(p, it, 8 * nt + g);
+      uint32_t w[kQDims / 2];  // natural pairs: w[i] = dims 2i, 2i + 1
+#pragma unroll
+      for (int i = 0; i < kQDims / 2; ++i) w[i] = 0;
+      if (row.valid) {
+        const uint16_t* src =
+            static_cast<const uint16_t*>(p.q) + (it.r.q_begin + row.qi) * p.q_row_stride +
+            static_cast<int64_t>(it.head * p.group + row.gi) * p.q_head_stride + c * kQDims;
+#pragma unroll
+        for (int i = 0; i < kQDims / 8; ++i) {
+          const uint4 v = *reinterpret_cast<const uint4*>(src + 8 * i);
+          w[4 * i + 0] = v.x;
+          w[4 * i + 1] = v.y;
+          w[4 * i + 2] = v.z;
+          w[4 * i + 3] = v.w;
+        }
+      }
+      kq[nt] = 0;
+      if constexpr (kBf16) {
+        uint32_t amax = 0;
+#pragma unroll
+        for (int i = 0; i < kQDims / 2; ++i) {
+          const uint32_t lo = (w[i] << 16) & 0x7fff0000u, hi = w[i] & 0x7fff0000u;
+          amax = max(amax, max(lo, hi));
+        }
+        amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+        amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+        float mul = 1.0f;
+        if (amax != 0 && amax < 0x7f800000u) {
+          const int e = static_cast<int>(amax >> 23) - 127;
+          int k = 14 - e;
+          k = k < -126 ? -126 : (k > 127 ? 127 : k);
+          kq[nt] = k;
+          mul = __uint_as_float(static_cast<uint32_t>(k + 127) << 23);
+        }
+#pragma unroll
+        for (int i = 0; i < kQDims / 2; ++i) {
+          w[i] = PackHalf2(__uint_as_float(w[i] << 16) * mul,
+                           __uint_as_float(w[i] & 0xffff0000u) * mul);
+        }
+      }
+      if constexpr (kFp8K) {
+        // k-step j: dims 4j, 4j+1 (k = 2c, 2c+1) and 4j+2, 4j+3 (2c+8, 2c+9).
+#pragma unroll
+        for (int j = 0; j < kKSteps; ++j) {
+          qb[nt][j][0] = w[2 * j];
+          qb[nt][j][1] = w[2 * j + 1];
+        }
+      } else {
+        // Code word u (dims 8u..8u+7) decodes to {v0,v2}, {v4,v6}, {v1,v3},
+        // {v5,v7}: k-step 2u takes dims 0, 2 | 4, 6, k-step 2u+1 dims 1, 3 | 5, 7.
+#pragma unroll
+        for (int u = 0; u < kKWords; ++u) {
+          qb[nt][2 * u][0] = PairLow(w[4 * u], w[4 * u + 1]);
+          qb[nt][2 * u][1] = PairLow(w[4 * u + 2], w[4 * u + 3]);
+          qb[nt][2 * u + 1][0] = PairHigh(w[4 * u], w[4 * u + 1]);
+          qb[nt][2 * u + 1][1] = PairHigh(w[4 * u + 2], w[4 * u + 3]);
+        }
+      }
+    }
+
+    // ---- This lane's S^T columns: rows 8 nt + 2c + i.
+    float lf[kN][2];  // logit factor: to log2 units, or to x / cap with a soft cap
+    // Keys [*lo, *hi] that row 8 nt + 2c + i may attend (recomputed on the
+    // rare tiles that need a mask rather than kept in registers).
+    const auto row_bounds = [&](int nt, int i, int* lo, int* hi) {
+      const AttnRow row = GetAttnRow(p, it, 8 * nt + 2 * c + i);
+      *lo = -(1 << 30);
+      *hi = 1 << 30;
+      if (row.stored) {
+        *hi = row.pos;
+        if (p.window_left >= 0) *lo = row.pos - p.window_left;
+      }
+    };
+    int lo_max = -(1 << 30), hi_min = 1 << 30;
+#pragma unroll
+    for (int nt = 0; nt < kN; ++nt) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const int k = __shfl_sync(0xffffffffu, kq[nt], 4 * (2 * c + i));
+        // The K tile's own factor: 2^7 (NVFP4), 1 or 2^8 (FP8, by arch).
+        const float tile_scale = kFp8K ? device::Fp8KeyHalfScale() : device::kHalfTileScale;
+        const float f =
+            p.sm_scale * gk * tile_scale * __uint_as_float(static_cast<uint32_t>(127 - k) << 23);
+        lf[nt][i] = kSoftCap ? f / p.soft_cap : f * kLog2e;
+        int lo, hi;
+        row_bounds(nt, i, &lo, &hi);
+        lo_max = max(lo_max, lo);
+        hi_min = min(hi_min, hi);
+      }
+    }
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      lo_max = max(lo_max, __shfl_xor_sync(0xffffffffu, lo_max, o));
+      hi_min = min(hi_min, __shfl_xor_sync(0xffffffffu, hi_min, o));
+    }
+
+    // ---- Copy pipeline of this warp.
+    AttnTileCopier<D, kFp8K, Cfg> copier;
+    copier.Init(a, it, stages, w_t0, w_t1, copy_base);
+
+    // O^T: o[nt][j] = m-tile j (see the header), columns 2c, 2c+1 of n-tile nt.
+    float o[kN][kMT][4];
+#pragma unroll
+    for (int nt = 0; nt < kN; ++nt) {
+#pragma unroll
+      for (int j = 0; j < kMT; ++j) o[nt][j][0] = o[nt][j][1] = o[nt][j][2] = o[nt][j][3] = 0.0f;
+    }
+    float m_run[kN][2], l_run[kN][2];
+#pragma unroll
+    for (int nt = 0; nt < kN; ++nt) {
+      m_run[nt][0] = m_run[nt][1] = -INFINITY;
+      l_run[nt][0] = l_run[nt][1] = 0.0f;
+    }
+
+    // Pairs of tiles: stages 0, 1 hold pair 0, stages 2, 3 pair 1, ...; the
+    // tiles of pair p + 2 are issued once pair p has been consumed, so a pair
+    // is in flight while another is computed. One cp.async group per tile
+    // (empty past the range): the pair's first tile is computed while its
+    // second may still arrive.
+#pragma unroll
+    for (int s = 0; s < Cfg::kStages; ++s) {
+      if (s < n_tiles) copier.Issue(a, s, w_t0 + kAttnTile * s);
+      CpAsyncCommit();
+    }
+
+    // S^T of the tile in stage st: s[nt] = tokens g (0, 1) and g + 8 (2, 3),
+    // rows 8 nt + 2c (0, 2) and 8 nt + 2c + 1 (1, 3).
+    const auto tile_scores = [&](const uint8_t* st, float(&s)[kN][4]) {
+    // ---- S^T = K Q^T: s[nt] = tokens g (0, 1) and g + 8 (2, 3), rows
+    // 8 nt + 2c (0, 2) and 8 nt + 2c + 1 (1, 3).
+#pragma unroll
+      for (int nt = 0; nt < kN; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+      if constexpr (kFp8K) {
+        const uint8_t* krow = st + Cfg::kKcOff + g * Cfg::kKRowStride;
+#pragma unroll
+        for (int w4 = 0; w4 < D / 64; ++w4) {
+          uint32_t kw[2][4];
+#pragma unroll
+          for (int t = 0; t < 2; ++t) {
+            const uint4 v = *reinterpret_cast<const uint4*>(krow + 8 * t * Cfg::kKRowStride +
+                                                            Cfg::KChunk(g, (D / 64) * c + w4) * 16);
+            kw[t][0] = v.x;
+            kw[t][1] = v.y;
+            kw[t][2] = v.z;
+            kw[t][3] = v.w;
+          }
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            uint32_t ka[4];
+            device::Fp8KeyWordToHalf2(kw[0][j], &ka[0], &ka[2]);
+            device::Fp8KeyWordToHalf2(kw[1][j], &ka[1], &ka[3]);
+#pragma unroll
+            for (int nt = 0; nt < kN; ++nt) {
+              Mma16816(s[nt], ka, qb[nt][4 * w4 + j][0], qb[nt][4 * w4 + j][1]);
+            }
+          }
+        }
+      } else {
+        uint32_t kw[2][kKWords];
+        uint32_t ksb[2];
+#pragma unroll
+        for (int t = 0; t < 2; ++t) {
+          const uint8_t* row = st + Cfg::kKcOff + (g + 8 * t) * Cfg::kKRowStride + c * (D / 8);
+#pragma unroll
+          for (int w = 0; w < kKWords; w += 2) {
+            const uint2 v = *reinterpret_cast<const uint2*>(row + 4 * w);
+            kw[t][w] = v.x;
+            kw[t][w + 1] = v.y;
+          }
+          const uint8_t* srow = st + Cfg::kKsOff + (g + 8 * t) * Cfg::kScaleBytes + c * (D / 64);
+          if constexpr (D == 64) {
+            ksb[t] = srow[0];
+          } else if constexpr (D == 128) {
+            ksb[t] = *reinterpret_cast<const uint16_t*>(srow);
+          } else {
+            ksb[t] = *reinterpret_cast<const uint32_t*>(srow);
+          }
+        }
+        // Block scale multipliers, two blocks per conversion: kmul[t][q]
+        // holds blocks 2q and 2q + 1 (one block for D = 64: twice).
+        constexpr int kScalePairs = D >= 128 ? D / 128 : 1;
+        uint32_t kmul[2][kScalePairs];
+#pragma unroll
+        for (int t = 0; t < 2; ++t) {
+#pragma unroll
+          for (int q = 0; q < kScalePairs; ++q) {
+            const uint32_t two = D >= 128 ? (ksb[t] >> (16 * q)) & 0xffffu : ksb[t] * 0x0101u;
+            kmul[t][q] = device::ScalePairMultiplier(two);
+          }
+        }
+#pragma unroll
+        for (int w = 0; w < kKWords; ++w) {
+          uint32_t dec[2][4];
+#pragma unroll
+          for (int t = 0; t < 2; ++t) {
+            const uint32_t pair = kmul[t][w / 4 < kScalePairs ? w / 4 : 0];
+            const uint32_t mul = (w / 2) % 2 == 0 ? DupLowHalf(pair) : DupHighHalf(pair);
+            device::DecodeWordHalf2(kw[t][w], mul, dec[t]);
+          }
+          const uint32_t a0[4] = {dec[0][0], dec[1][0], dec[0][1], dec[1][1]};
+          const uint32_t a1[4] = {dec[0][2], dec[1][2], dec[0][3], dec[1][3]};
+#pragma unroll
+          for (int nt = 0; nt < kN; ++nt) {
+            Mma16816(s[nt], a0, qb[nt][2 * w][0], qb[nt][2 * w][1]);
+            Mma16816(s[nt], a1, qb[nt][2 * w + 1][0], qb[nt][2 * w + 1][1]);
+          }
+        }
+      }
+    };
+    // O^T += V^T P^T of the tile in stage st (pb: its P^T B fragments).
+    const auto tile_values = [&](const uint8_t* st, const uint32_t(&pb)[kN][2]) {
+      uint32_t vw[4][kVWords];  // tokens 2c, 2c+1, 2c+8, 2c+9
+      uint32_t vsb[2][kVWords > 1 ? 2 : 1];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const int tt = 2 * c + (k & 1) + 8 * (k >> 1);
+        const uint8_t* row = st + Cfg::kVcOff + VSlot(tt) * Cfg::kRowBytes + g * (D / 16);
+        if constexpr (kVWords == 1) {
+          vw[k][0] = *reinterpret_cast<const uint32_t*>(row);
+        } else {
+#pragma unroll
+          for (int w = 0; w < kVWords; w += 2) {
+            const uint2 v = *reinterpret_cast<const uint2*>(row + 4 * w);
+            vw[k][w] = v.x;
+            vw[k][w + 1] = v.y;
+          }
+        }
+      }
+#pragma unroll
+      for (int pr = 0; pr < 2; ++pr) {
+        const int t0 = 2 * c + 8 * pr;
+        const uint8_t* s0 = st + Cfg::kVsOff + VSlot(t0) * Cfg::kScaleBytes;
+        const uint8_t* s1 = st + Cfg::kVsOff + VSlot(t0 + 1) * Cfg::kScaleBytes;
+        constexpr int kBlocksPerSeg = kVWords > 1 ? kVWords / 2 : 1;
+#pragma unroll
+        for (int q = 0; q < kBlocksPerSeg; ++q) {
+          const int blk = (g * kSeg) / 16 + q;
+          vsb[pr][q] = device::ScalePairMultiplier(static_cast<uint32_t>(s0[blk]) |
+                                                   (static_cast<uint32_t>(s1[blk]) << 8));
+        }
+      }
+#pragma unroll
+      for (int w = 0; w < kVWords; ++w) {
+        uint32_t b0[8], b1[8];  // dims 8w + d of tokens {2c, 2c+1}, {2c+8, 2c+9}
+        const int q = kVWords > 1 ? w / 2 : 0;
+        device::DecodeWordPairHalf2(vw[0][w], vw[1][w], vsb[0][q], b0);
+        device::DecodeWordPairHalf2(vw[2][w], vw[3][w], vsb[1][q], b1);
+#pragma unroll
+        for (int d = 0; d < 4; ++d) {
+          const uint32_t va[4] = {b0[d], b0[d + 4], b1[d], b1[d + 4]};
+#pragma unroll
+          for (int nt = 0; nt < kN; ++nt) Mma16816(o[nt][4 * w + d], va, pb[nt][0], pb[nt][1]);
+        }
+      }
+    };
+
+    for (int i = 0; i < n_tiles; i += 2) {
+      uint8_t* st0 = stages + (i % Cfg::kStages) * Cfg::kStageBytes;
+      uint8_t* st1 = st0 + Cfg::kStageBytes;
+      const int tile_start = w_t0 + kAttnTile * i;
+      uint32_t ballot[2];
+      float s[2][kN][4];
+      CpAsyncWait<Cfg::kStages - 1>();  // tile i
+      __syncwarp();
+      ballot[0] = *reinterpret_cast<const uint32_t*>(st0 + Cfg::kMaskOff);
+      tile_scores(st0, s[0]);
+      CpAsyncWait<Cfg::kStages - 2>();  // tile i + 1
+      if (i + 1 >= n_tiles) {
+        // An odd last tile: the pair's second stage (no copy in flight)
+        // reads as fully masked (ballot 0) with zero V scales, so its P V
+        // adds exact zeros.
+        for (int k = lane; k < kAttnTile * Cfg::kScaleBytes / 4; k += 32) {
+          reinterpret_cast<uint32_t*>(st1 + Cfg::kVsOff)[k] = 0u;
+        }
+        if (lane == 0) *reinterpret_cast<uint32_t*>(st1 + Cfg::kMaskOff) = 0u;
+      }
+      __syncwarp();
+      ballot[1] = *reinterpret_cast<const uint32_t*>(st1 + Cfg::kMaskOff);
+      tile_scores(st1, s[1]);
+
+      // ---- Online softmax (log2 units) over the pair, per column (row
+      // 8 nt + 2c + i).
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+#pragma unroll
+        for (int nt = 0; nt < kN; ++nt) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            float x = s[h][nt][e] * lf[nt][e & 1];
+            if constexpr (kSoftCap) x = tanhf(x) * p.soft_cap * kLog2e;
+            s[h][nt][e] = x;
+          }
+        }
+      }
+      const bool full = (ballot[0] & ballot[1]) == 0xffffffffu && tile_start >= lo_max &&
+                        tile_start + 2 * kAttnTile - 1 <= hi_min;
+      if (!full) {
+#pragma unroll
+        for (int nt = 0; nt < kN; ++nt) {
+          int row_lo[2], row_hi[2];
+          row_bounds(nt, 0, &row_lo[0], &row_hi[0]);
+          row_bounds(nt, 1, &row_lo[1], &row_hi[1]);
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int tt = g + 8 * (e >> 1);
+              const int t = tile_start + kAttnTile * h + tt;
+              const bool ok =
+                  ((ballot[h] >> (2 * tt)) & 1u) && t >= row_lo[e & 1] && t <= row_hi[e & 1];
+              if (!ok) s[h][nt][e] = -INFINITY;
+            }
+          }
+        }
+      }
+      float alpha[kN][2];
+      bool rescale = false;
+#pragma unroll
+      for (int nt = 0; nt < kN; ++nt) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          float mx =
+              fmaxf(fmaxf(s[0][nt][r], s[0][nt][2 + r]), fmaxf(s[1][nt][r], s[1][nt][2 + r]));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
+          // Lazy rescale as in the rows-in-M kernel: P stays below
+          // 2^kAttnRescaleSlack, O is rescaled on few steps.
+          const float m_new =
+              mx - m_run[nt][r] > kAttnRescaleSlack ? fmaxf(m_run[nt][r], mx) : m_run[nt][r];
+          const float m_use = m_new == -INFINITY ? 0.0f : m_new;
+          alpha[nt][r] = m_new == m_run[nt][r] ? 1.0f : Ex2(m_run[nt][r] - m_use);
+          rescale = rescale || alpha[nt][r] != 1.0f;
+          m_run[nt][r] = m_new;
+          float sum = 0.0f;
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            s[h][nt][r] = Ex2(s[h][nt][r] - m_use);
+            s[h][nt][2 + r] = Ex2(s[h][nt][2 + r] - m_use);
+            sum += s[h][nt][r] + s[h][nt][2 + r];
+          }
+          l_run[nt][r] = l_run[nt][r] * alpha[nt][r] + sum;
+        }
+      }
+      if (__any_sync(0xffffffffu, rescale)) {
+#pragma unroll
+        for (int nt = 0; nt < kN; ++nt) {
+#pragma unroll
+          for (int j = 0; j < kMT; ++j) {
+            o[nt][j][0] *= alpha[nt][0];
+            o[nt][j][1] *= alpha[nt][1];
+            o[nt][j][2] *= alpha[nt][0];
+            o[nt][j][3] *= alpha[nt][1];
+          }
+        }
+      }
+      // P^T as the B fragments of O^T += V^T P^T: lane (g, c) gets row
+      // 8 nt + g, tokens 2c, 2c+1 (pb[h][nt][0]) and 2c+8, 2c+9 (pb[h][nt][1]).
+      uint32_t pb[2][kN][2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+#pragma unroll
+        for (int nt = 0; nt < kN; ++nt) {
+          pb[h][nt][0] = MovMatrixTrans(PackHalf2(s[h][nt][0], s[h][nt][1]));
+          pb[h][nt][1] = MovMatrixTrans(PackHalf2(s[h][nt][2], s[h][nt][3]));
+        }
+      }
+      tile_values(st0, pb[0]);
+      tile_values(st1, pb[1]);
+      __syncwarp();
+      {
+        const int nx = i + Cfg::kStages;
+        if (nx < n_tiles) copier.Issue(a, nx % Cfg::kStages, w_t0 + kAttnTile * nx);
+        CpAsyncCommit();
+        if (nx + 1 < n_tiles) copier.Issue(a, (nx + 1) % Cfg::kStages, w_t0 + kAttnTile * (nx + 1));
+        CpAsyncCommit();
+      }
+    }
+    CpAsyncWait<0>();
+    __syncwarp();
+
+    // ---- Row sums across the 8 lanes of a column.
+#pragma unroll
+    for (int nt = 0; nt < kN; ++nt) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        l_run[nt][r] += __shfl_xor_sync(0xffffffffu, l_run[nt][r], 4);
+        l_run[nt][r] += __shfl_xor_sync(0xffffffffu, l_run[nt][r], 8);
+        l_run[nt][r] += __shfl_xor_sync(0xffffffffu, l_run[nt][r], 16);
+      }
+    }
+
+    // ---- Combine the warps (merge.cuh's StoreItemRows): each stores its O
+    // rescaled to the CTA's row max into its own (now idle) shared memory.
+    if (g == 0) {
+#pragma unroll
+      for (int nt = 0; nt < kN; ++nt) {
+        ml_sm[warp][8 * nt + 2 * c] = make_float2(m_run[nt][0], l_run[nt][0]);
+        ml_sm[warp][8 * nt + 2 * c + 1] = make_float2(m_run[nt][1], l_run[nt][1]);
+      }
+    }
+    if (kN == 1 && g == 1) {  // rows 8..15 hold nothing
+      ml_sm[warp][8 + 2 * c] = make_float2(-INFINITY, 0.0f);
+      ml_sm[warp][8 + 2 * c + 1] = make_float2(-INFINITY, 0.0f);
+    }
+    __syncthreads();
+    float* red = reinterpret_cast<float*>(wsm);
+#pragma unroll
+    for (int nt = 0; nt < kN; ++nt) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int row = 8 * nt + 2 * c + r;
+        float mx = -INFINITY;
+#pragma unroll
+        for (int w = 0; w < kAttnWarps; ++w) mx = fmaxf(mx, ml_sm[w][row].x);
+        const float f = Ex2(m_run[nt][r] - (mx == -INFINITY ? 0.0f : mx));
+        float* seg = red + row * Cfg::kRedStride + g * kSeg;
+        // Dims 8u + d (d < 4) are m-tile 4u + d's row g, dims 8u + 4 + d its
+        // row g + 8.
+#pragma unroll
+        for (int k = 0; k < kSeg / 4; ++k) {
+          const int j0 = 4 * (k / 2), reg = (k % 2) * 2 + r;
+          *reinterpret_cast<float4*>(seg + 4 * k) =
+              make_float4(o[nt][j0][reg] * f, o[nt][j0 + 1][reg] * f, o[nt][j0 + 2][reg] * f,
+                          o[nt][j0 + 3][reg] * f);
+        }
+      }
+    }
+    __syncthreads();
+    StoreItemRows<D, kBf16>(a, it, smem, Cfg::kWarpBytes, Cfg::kRedStride, ml_sm);
+    __syncthreads();
+  }
+}
+
+}  // namespace kernels
+}  // namespace fp4kv
+
+#endif  // FP4KV_KERNELS_ATTENTION_TOKENS_IN_M_CUH_
