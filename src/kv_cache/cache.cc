@@ -286,6 +286,10 @@ absl::StatusOr<KVCache> KVCache::Create(const KVCacheOptions& o) {
     }
   }
   const int N = o.step_slots;
+  if (N > 1) {
+    FP4KV_RETURN_IF_ERROR(internal::SizeHost(&s->host.retire_ready, g.num_pages, uint64_t{0},
+                                             kCall, "the retire serial of every page"));
+  }
   s->step.slots.resize(N);
   s->mem.slot_device.resize(N);
   s->mem.slot_staging.resize(N);

@@ -109,34 +109,51 @@ void KVCacheState::DropPages(const int32_t* pages, size_t n) {
   const int slots = options.step_slots;
   RetireEntry* e = nullptr;
   // Last page first: of pages that become cached, the deepest is evicted first.
+  const uint64_t ready = step.step_serial + static_cast<uint64_t>(slots);
   for (size_t j = n; j-- > 0;) {
     const int32_t page = pages[j];
+    if (slots > 1) host.retire_ready[page] = ready;  // extends an entry that holds it
     if (slots == 1 || allocator.RefCount(page) > 1) {
       allocator.Release(page);
       continue;
     }
     if (e == nullptr) {
-      if (host.outs.empty() || !host.outs.back().step_pages() ||
-          host.outs.back().serial != step.step_serial) {
-        RetireEntry r;
-        r.serial = step.step_serial;
-        r.ready = step.step_serial + static_cast<uint64_t>(slots);
-        host.outs.push_back(std::move(r));
-      }
-      e = &host.outs.back();
+      e = &HoldEntry(ready);
     }
     e->orphan.push_back(page);
   }
 }
 
+RetireEntry& KVCacheState::HoldEntry(uint64_t ready) {
+  if (host.outs.empty() || !host.outs.back().step_pages() || host.outs.back().ready != ready) {
+    RetireEntry r;
+    r.serial = step.step_serial;
+    r.ready = ready;
+    host.outs.push_back(std::move(r));
+  }
+  return host.outs.back();
+}
+
 void KVCacheState::PollSwaps(bool in_prepare) {
   size_t kept = 0;
+  std::vector<int32_t> later;  // pages dropped again since their entry was made
   for (size_t k = 0; k < host.outs.size(); ++k) {
     SwapOutCopy& c = host.outs[k];
     const uint64_t now = step.step_serial + (in_prepare && c.step_pages() ? 1 : 0);
     if (c.ready <= now) {
       if (c.event >= 0 && cudaEventSynchronize(host.swap_events[c.event]) != cudaSuccess)
         (void)cudaGetLastError();
+      if (c.step_pages()) {
+        size_t w = 0;
+        for (int32_t page : c.orphan) {
+          if (host.retire_ready[page] > now) {
+            later.push_back(page);
+          } else {
+            c.orphan[w++] = page;
+          }
+        }
+        c.orphan.resize(w);
+      }
       FinishOut(c);
     } else {
       if (kept != k) host.outs[kept] = std::move(c);
@@ -144,6 +161,7 @@ void KVCacheState::PollSwaps(bool in_prepare) {
     }
   }
   host.outs.resize(kept);
+  for (int32_t page : later) HoldEntry(host.retire_ready[page]).orphan.push_back(page);
 }
 
 absl::Status KVCacheState::WaitSwapOuts() {
@@ -203,8 +221,10 @@ void KVCacheState::RetiringReleases(bool due_only, int64_t* to_free, int64_t* to
   std::unordered_map<int32_t, int32_t> held;
   for (const SwapOutCopy& c : host.outs) {
     if (!c.step_pages()) continue;
-    const bool due = c.ready <= step.step_serial + 1;
-    for (int32_t page : c.orphan) held[page] += (!due_only || due) ? 1 : 0x10000;
+    for (int32_t page : c.orphan) {
+      const bool due = host.retire_ready[page] <= step.step_serial + 1;
+      held[page] += (!due_only || due) ? 1 : 0x10000;
+    }
   }
   for (const auto& [page, n] : held) {
     if (n >= 0x10000 || allocator.RefCount(page) != n) continue;
@@ -281,8 +301,16 @@ int64_t KVCacheState::SwappedTokens(SequenceId* any) const {
   return n;
 }
 
+bool KVCacheState::WouldBecomeAvailable(int64_t n) const {
+  if (n <= allocator.available_count()) return true;
+  int64_t swap_free = 0, swap_cached = 0, retire_free = 0, retire_cached = 0;
+  PendingReleases(&swap_free, &swap_cached);
+  RetiringReleases(false, &retire_free, &retire_cached);
+  return n <= allocator.available_count() + swap_free + swap_cached + retire_free + retire_cached;
+}
+
 absl::Status KVCacheState::MakeAvailable(int64_t n, const char* what) {
-  if (n > allocator.available_count() && !host.outs.empty()) {
+  if (n > allocator.available_count() && !host.outs.empty() && WouldBecomeAvailable(n)) {
     FP4KV_RETURN_IF_ERROR(WaitSwapOuts());
     if (n > allocator.available_count()) FP4KV_RETURN_IF_ERROR(WaitRetiring());
   }

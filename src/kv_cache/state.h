@@ -259,6 +259,10 @@ struct HostTierState {
   std::vector<int> free_events;
   std::vector<int> event_refs;  // sequences waiting on a SwapIn event
   std::vector<SwapOutCopy> outs;
+  // Two or more step slots: per page, the step_serial from which no step in
+  // flight can use it any more (step_serial + step_slots at its latest
+  // drop); an entry's page whose time moved on is held by a later entry.
+  HostVector<uint64_t> retire_ready;
   int64_t bytes_swapped_out = 0, bytes_swapped_in = 0;
 };
 // The whole state of a KVCache; heap-allocated so that its address (held by
@@ -362,6 +366,8 @@ class KVCacheState {
   // a retire entry of the current step (ready at PrepareStep step_serial +
   // step_slots), so that no step in flight sees its page reused.
   void DropPages(const int32_t* pages, size_t n);
+  // The released-page entry (the newest) that goes at step_serial `ready`.
+  RetireEntry& HoldEntry(uint64_t ready);
 
   void FinishOut(SwapOutCopy& c);
 
@@ -417,6 +423,9 @@ class KVCacheState {
   // their pages are needed (the caller polled the finished ones at its
   // start); ResourceExhausted when n pages are not there.
   absl::Status MakeAvailable(int64_t n, const char* what);
+  // Whether n pages are available now or once the SwapOut copies and the
+  // retiring pages are waited for.
+  bool WouldBecomeAvailable(int64_t n) const;
 
   // XXH3-64 of every layer's scales when the host knows them all.
   bool ScaleFingerprint(uint64_t* out) const;
