@@ -22,6 +22,17 @@
 // waits for the previous step's upload (an event recorded right after it,
 // normally long done), then rewrites it.
 //
+// Two steps in flight (KVCacheOptions::step_slots = 2; docs/kv_cache.md):
+// the host prepares step N+1 while the device runs step N. Each step slot
+// has its own step buffers and staging; PrepareStep fills them round robin
+// (StepInfo::slot), waits only for the step that last used the slot it
+// fills, orders its stream after the previous step's, and reuses a released
+// page only at PrepareStep N + step_slots (N: the latest step when it was
+// released), or after waiting for the steps in flight when the pool would
+// otherwise run out. Bound ops run on a slot with ForSlot(slot), one
+// captured graph per slot. Token ids of appended tokens may come later
+// (SetTokenIds, also from device memory without a sync).
+//
 // Graph capture: the step buffers have fixed addresses and capacity-sized
 // shapes (max_seqs_per_step rows, max_tokens_per_step slots; unused slots are
 // -1 and unused rows have seq_len 0 and a repeated kv_page_indptr), so the
