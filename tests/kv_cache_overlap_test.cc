@@ -171,6 +171,7 @@ TEST(KVCacheOverlap, ReleasedPagesRetireAtPrepareStepPlusSlots) {
     const std::vector<int32_t> a_pages = Pages(cache, a);
     ASSERT_TRUE(cache.ReleaseSequence(a).ok());
     EXPECT_EQ(cache.Stats().pages_retiring, 3);
+    EXPECT_EQ(cache.Stats().tokens_resident, 0);  // retiring pages hold nobody's tokens
     EXPECT_EQ(cache.Stats().pages_free, 29);
     EXPECT_EQ(cache.Stats().pages_used, 3);
     ASSERT_TRUE(cache.CheckInvariants().ok()) << cache.CheckInvariants();

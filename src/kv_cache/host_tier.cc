@@ -202,11 +202,14 @@ absl::Status KVCacheState::WaitRetiring() {
   if (host.outs.empty()) return absl::OkStatus();
   if (cuda) {
     // Steps run in stream order: the latest one done means all of them.
+    // Recorded now, but not marked: the next PrepareStep records it again
+    // after the rest of the latest step's work.
     ScopedDevice d;
     FP4KV_RETURN_IF_ERROR(d.Set(options.device));
-    FP4KV_RETURN_IF_ERROR(RecordStepDone());
-    const StepSlot& last = step.cur();
-    if (last.done != nullptr && last.done_recorded) {
+    StepSlot& last = step.cur();
+    if (step.step_serial > 0 && last.done != nullptr) {
+      FP4KV_CUDA_RETURN_IF_ERROR(
+          cudaEventRecord(last.done, reinterpret_cast<cudaStream_t>(last.stream)));
       FP4KV_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(last.done));
     }
   }

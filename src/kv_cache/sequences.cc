@@ -69,8 +69,10 @@ int64_t KVCacheState::TokensResident() const {
     ++p.owners;
     p.fill = std::max<int64_t>(p.fill, q.length % ps);
   }
-  int64_t n =
-      (allocator.used_count() - images.reserved_pages - static_cast<int64_t>(partial.size())) * ps;
+  // Retiring pages (two or more step slots) hold no tokens of anyone.
+  int64_t n = (allocator.used_count() - images.reserved_pages - PagesRetiring() -
+               static_cast<int64_t>(partial.size())) *
+              ps;
   for (const auto& [page, p] : partial) n += p.owners < allocator.RefCount(page) ? ps : p.fill;
   return n;
 }
