@@ -123,8 +123,9 @@ struct StepViews {
 struct KVCacheStats {
   int64_t pages_total = 0;
   int64_t pages_free = 0;    // on the free list
-  int64_t pages_used = 0;    // referenced by a sequence, an import reservation or an
-                             // unfinished SwapOut: pages_total - pages_free - pages_cached
+  int64_t pages_used = 0;    // referenced by a sequence, an import reservation, an
+                             // unfinished SwapOut or retiring (pages_retiring):
+                             // pages_total - pages_free - pages_cached
   int64_t pages_shared = 0;  // used pages referenced by more than one sequence
   int64_t num_sequences = 0;
   int64_t tokens_stored = 0;    // sum of sequence lengths (shared prefixes counted per sequence)
@@ -276,8 +277,10 @@ struct StepPlan {
   bool fits = false;            // PrepareStep would succeed (barring CUDA errors)
   int64_t pages_needed = 0;     // new pages, copies included
   int64_t pages_copied = 0;     // shared partial pages it would copy
-  int64_t pages_free = 0;       // free now
-  int64_t pages_evictable = 0;  // cached now
+  // Free and cached now, with the retiring pages that PrepareStep would
+  // retire before its check (two or more step slots).
+  int64_t pages_free = 0;
+  int64_t pages_evictable = 0;
   int64_t pages_evicted = 0;    // cached pages it would evict
   // Device pages of unfinished SwapOut copies that become free or cached
   // once the copies are done (PrepareStep waits for them when it needs them).
