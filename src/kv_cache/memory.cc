@@ -108,6 +108,10 @@ absl::StatusOr<Capacity> PlanCapacity(const CapacityInput& in) {
                                      SatMul(S, sizeof(void*) + 8)),
                               SatMul(L, 64));
   if (cuda) host_fixed = SatAdd(host_fixed, SatMul(in.step_slots, sl.staging_bytes + kHostAlign));
+  // The pinned ring of late token ids (prefix caching on CUDA).
+  if (cuda && in.prefix_cache) {
+    host_fixed = SatAdd(host_fixed, SatMul(8 * (in.step_slots + 1), in.max_tokens_per_step));
+  }
   if (in.host_pages > 0) {
     host_fixed = SatAdd(host_fixed, SatAdd(SatMul(in.host_pages, SatAdd(pool_per_page, 4)),
                                            SatMul(4 * kRegionAlign, L)));
