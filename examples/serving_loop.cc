@@ -1213,7 +1213,7 @@ int main(int argc, char** argv) {
               static_cast<long long>(copies), static_cast<long long>(st.pages_used),
               st.pages_retiring > 0
                   ? absl::StrCat(" (", st.pages_retiring,
-                                 " retiring: released after the last step, free at the next two)")
+                                 " retiring: released during the last two steps, free two steps after their release)")
                         .c_str()
                   : "");
   if (f.prefix_cache != 0) {
