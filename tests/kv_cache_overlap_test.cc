@@ -646,6 +646,7 @@ class OverlapFuzzer {
     std::set<int32_t> pages;  // every page it reads or writes
     bool launched = false;
     std::unique_ptr<Buffer> k, v;
+    cudaEvent_t done = nullptr;  // GPU: after its kernels
   };
 
   int Uniform(int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng_); }
@@ -819,8 +820,11 @@ class OverlapFuzzer {
       InFlight& f = inflight_.front();
       if (!f.launched) Launch(f);
       if (::testing::Test::HasFatalFailure()) return;
-      if (gpu_) {
-        ASSERT_EQ(cudaStreamSynchronize(stream_), cudaSuccess);  // a test-side wait
+      if (gpu_ && f.done != nullptr) {
+        // A test-side wait for this step only (not for the steps after it).
+        ASSERT_EQ(cudaEventSynchronize(f.done), cudaSuccess);
+        ASSERT_EQ(cudaEventDestroy(f.done), cudaSuccess);
+        f.done = nullptr;
       }
       if (f.num_seqs > 0 && f.max_len > 0) {
         const CacheGeometry& g = cache_->geometry();
@@ -866,6 +870,10 @@ class OverlapFuzzer {
         f.layer, f.k->View(DType::kBF16, {f.num_seqs, f.max_len, g.num_kv_heads, g.head_dim_k}),
         f.v->View(DType::kBF16, {f.num_seqs, f.max_len, g.num_kv_heads, g.head_dim_v}), s_);
     ASSERT_TRUE(d.ok()) << d;
+    if (gpu_) {
+      ASSERT_EQ(cudaEventCreateWithFlags(&f.done, cudaEventDisableTiming), cudaSuccess);
+      ASSERT_EQ(cudaEventRecord(f.done, stream_), cudaSuccess);
+    }
   }
 
   // Poisons the data bytes of `pages` in every layer: at once on the CPU, on
@@ -1164,7 +1172,7 @@ TEST(KVCacheOverlapGpu, GpuPageReuseNeverRacesTheStepInFlight) {
     ASSERT_TRUE(cache.ReleaseSequence(a).ok());
     // Step 2 (slot 0) takes as many pages as the pool has.
     const SequenceId b = *cache.CreateSequence();
-    const std::vector<StepEntry> e2 = {Entry(b, static_cast<int>(pages) * kPageSize / 2)};
+    const std::vector<StepEntry> e2 = {Entry(b, 24)};  // 6 pages: 28 free, or 4 free + 4 retiring
     absl::StatusOr<StepInfo> info = cache.PrepareStep(e2, s);
     ASSERT_TRUE(info.ok()) << info.status();
     const std::vector<int32_t> b_pages = Pages(cache, b);
