@@ -34,6 +34,24 @@
 //     kernels launched eagerly, the sum of their event-timed durations
 //     (median of 10 steps). k8 1: the cache keeps FP8 keys (K8V4, NVFP4
 //     values); skipped with the status when the attention op refuses them.
+//   BM_OverlapDecodeLoop/<cuda>/<seqs>/<host_us>/<slots>: a decode loop (1
+//     new token per sequence and step, append + decode attention in every
+//     layer) with host_us of busy host work per step standing for the
+//     scheduler. slots 1: the serial loop (host work, PrepareStep, launch,
+//     wait for the step: the sampled ids are needed). slots 2
+//     (KVCacheOptions::step_slots): the host work and PrepareStep of step
+//     N+1 run while step N runs, each slot with its own captured graph; the
+//     loop waits for step N only after launching N+1. CUDA: the model shape
+//     of BM_DecodeStepGraph (32 layers, 8 KV heads, head_dim 128, 32 query
+//     heads), contexts 2k-8k, given global scales, pages left as zeros (the
+//     bytes do not change the time), one input set. CPU (cuda 0): 2 layers,
+//     2 KV heads, head_dim 64, contexts 16-64, the ops running inside their
+//     calls (nothing can overlap; the case checks the loop). Counters:
+//     step_us (mean wall time of a step), device_us (mean event-timed
+//     device time of a step's graph; CPU: the ops' time), prepare_us
+//     (median host time of PrepareStep), hidden_frac: the fraction of the
+//     injected host work hidden, (host_us + prepare_us + device_us -
+//     step_us) / host_us clamped to [0, 1] (host_us 0: hidden_us instead).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -75,6 +93,12 @@ bool HaveGpu() {
 using bench::Median;
 using bench::Percentile;
 
+#define FP4KV_BENCH_RETURN_IF_ERROR(expr)   \
+  do {                                      \
+    const absl::Status st_ = (expr);        \
+    if (!st_.ok()) return st_;              \
+  } while (0)
+
 // Appends the rows of one prefill step in every layer (GPU cases); null:
 // nothing is appended (host cases, where the pool bytes do not matter).
 using PrefillAppend = std::function<absl::Status(KVCache&, const StepInfo&, int step)>;
@@ -88,12 +112,18 @@ struct DecodeSetup {
   std::vector<StepEntry> entries;
 };
 
+// Options the caller adjusts before Create (step slots, scales); contexts
+// in [min_context, max_context].
+using OptionsTweak = std::function<void(KVCacheOptions&)>;
+
 DecodeSetup MakeDecodeSetup(const CacheGeometry& shape, int layers, int seqs, int growth,
                             int step_tokens, Device device, Stream stream,
-                            const PrefillAppend& append = nullptr) {
+                            const PrefillAppend& append = nullptr,
+                            const OptionsTweak& tweak = nullptr, int min_context = kMinContext,
+                            int max_context = kMaxContext) {
   DecodeSetup s;
   std::mt19937 rng(42);
-  std::uniform_int_distribution<int> ctx(kMinContext, kMaxContext);
+  std::uniform_int_distribution<int> ctx(min_context, max_context);
   std::vector<int> contexts(seqs);
   int64_t pages = 0;
   for (int& c : contexts) {
@@ -105,10 +135,11 @@ DecodeSetup MakeDecodeSetup(const CacheGeometry& shape, int layers, int seqs, in
   o.geometry = shape;
   o.geometry.page_size = kPageSize;
   o.geometry.num_pages = pages;
-  o.max_pages_per_seq = (kMaxContext + growth + kPageSize - 1) / kPageSize;
+  o.max_pages_per_seq = (max_context + growth + kPageSize - 1) / kPageSize;
   o.device = device;
   o.max_seqs_per_step = seqs;
   o.max_tokens_per_step = step_tokens;
+  if (tweak) tweak(o);
   s.cache = KVCache::Create(o);
   if (!s.cache.ok()) return s;
   if (absl::Status st = bench::ScatterFreePages(*s.cache, 1234, stream); !st.ok()) {
@@ -602,6 +633,231 @@ BENCHMARK(BM_DecodeStepGraph)
     ->Args({256, 1, 1})
     ->Iterations(200)
     ->UseManualTime()
+    ->Unit(benchmark::kMicrosecond);
+
+// Busy host work of `us` microseconds (the scheduler of a serving loop).
+void BusyHostWork(int us) {
+  if (us <= 0) return;
+  const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(us);
+  volatile uint64_t x = 0;
+  while (std::chrono::steady_clock::now() < until) x = x + 1;
+}
+
+void BM_OverlapDecodeLoop(benchmark::State& state) {
+  const bool cuda = state.range(0) == 1;
+  const int seqs = static_cast<int>(state.range(1));
+  const int host_us = static_cast<int>(state.range(2));
+  const int slots = static_cast<int>(state.range(3));
+  if (cuda && !HaveGpu()) {
+    state.SkipWithError("no CUDA GPU");
+    return;
+  }
+  const int layers = cuda ? 32 : 2, heads = cuda ? 8 : 2, dim = cuda ? 128 : 64;
+  const int qo_heads = 4 * heads;
+  const Device dev = cuda ? Device::Cuda(0) : Device::Cpu();
+  cudaStream_t cs = nullptr;
+  if (cuda && cudaStreamCreateWithFlags(&cs, cudaStreamNonBlocking) != cudaSuccess) {
+    state.SkipWithError("cudaStreamCreate failed");
+    return;
+  }
+  const Stream stream = reinterpret_cast<Stream>(cs);
+  CacheGeometry g;
+  g.num_kv_heads = heads;
+  g.head_dim_k = g.head_dim_v = dim;
+  const int warmup = 4;
+  const int growth = static_cast<int>(state.max_iterations) + warmup + 4;
+  const OptionsTweak tweak = [&](KVCacheOptions& o) {
+    o.step_slots = slots;
+    o.k_global_scales.assign(layers, 0.05f);
+    o.v_global_scales.assign(layers, 0.05f);
+  };
+  DecodeSetup s = MakeDecodeSetup(g, layers, seqs, growth, std::max(seqs, 64), dev, stream,
+                                  nullptr, tweak, cuda ? kMinContext : 16,
+                                  cuda ? kMaxContext : 64);
+  if (!s.cache.ok()) {
+    state.SkipWithError(s.cache.status().ToString().c_str());
+    if (cs != nullptr) (void)cudaStreamDestroy(cs);
+    return;
+  }
+  KVCache& c = *s.cache;
+  std::string error;
+  auto check = [&error](bool ok, const std::string& what) {
+    if (!ok && error.empty()) error = what;
+    return error.empty();
+  };
+#define LOOP_CUDA(call) check(!cuda || (call) == cudaSuccess, #call " failed")
+  absl::StatusOr<CacheAppender> app = c.appender(DType::kBF16);
+  CacheAttentionOptions ao;
+  ao.num_qo_heads = qo_heads;
+  absl::StatusOr<CacheAttention> att = c.attention(ao);
+  check(app.ok(), app.status().ToString());
+  check(att.ok(), att.status().ToString());
+  // Inputs: per layer K, V [seqs, H, D] and q [seqs, Hq, D]; one output.
+  const int64_t kv_halves = int64_t{seqs} * heads * dim;
+  const int64_t q_halves = int64_t{seqs} * qo_heads * dim;
+  const int64_t in_halves = layers * (2 * kv_halves + q_halves);
+  const int64_t ws_bytes = att.ok() ? att->WorkspaceBytes() : 0;
+  DeviceBuffers mem;
+  std::vector<uint16_t> host_in, host_out;
+  std::vector<uint8_t> host_ws;
+  void *d_in = nullptr, *d_out = nullptr, *d_ws = nullptr;
+  if (error.empty()) {
+    if (cuda) {
+      d_in = mem.Alloc(in_halves * 2);
+      d_out = mem.Alloc(q_halves * 2);
+      d_ws = mem.Alloc(ws_bytes);
+      check(d_in != nullptr && d_out != nullptr && d_ws != nullptr, "allocation failed");
+      if (error.empty()) check(UploadRandomBf16(d_in, in_halves, 5), "input upload failed");
+    } else {
+      const std::vector<uint16_t>& pool = RandomBf16Pool();
+      host_in.resize(static_cast<size_t>(in_halves));
+      for (size_t i = 0; i < host_in.size(); ++i) host_in[i] = pool[i % pool.size()];
+      host_out.resize(static_cast<size_t>(q_halves));
+      host_ws.resize(static_cast<size_t>(std::max<int64_t>(ws_bytes, 256)));
+      d_in = host_in.data();
+      d_out = host_out.data();
+      d_ws = host_ws.data();
+    }
+  }
+  auto input = [&](int l, int which) {
+    uint16_t* base = static_cast<uint16_t*>(d_in) + l * (2 * kv_halves + q_halves);
+    if (which < 2) {
+      return TensorView::Contiguous(base + which * kv_halves, DType::kBF16, {seqs, heads, dim}, dev);
+    }
+    return TensorView::Contiguous(base + 2 * kv_halves, DType::kBF16, {seqs, qo_heads, dim}, dev);
+  };
+  const TensorView out = TensorView::Contiguous(d_out, DType::kBF16, {seqs, qo_heads, dim}, dev);
+  // The ops of every layer on step slot `slot`.
+  std::vector<CacheAppender> apps;
+  std::vector<CacheAttention> atts;
+  for (int k = 0; k < slots && error.empty(); ++k) {
+    absl::StatusOr<CacheAppender> a = app->ForSlot(k);
+    absl::StatusOr<CacheAttention> t = att->ForSlot(k);
+    if (check(a.ok(), a.status().ToString()) && check(t.ok(), t.status().ToString())) {
+      apps.push_back(*a);
+      atts.push_back(*t);
+    }
+  }
+  auto layers_on = [&](int slot) -> absl::Status {
+    for (int l = 0; l < layers; ++l) {
+      FP4KV_BENCH_RETURN_IF_ERROR(apps[slot].Run(l, input(l, 0), input(l, 1), stream));
+      FP4KV_BENCH_RETURN_IF_ERROR(
+          atts[slot].Run(l, input(l, 2), out, d_ws, ws_bytes, stream));
+    }
+    return absl::OkStatus();
+  };
+  // CUDA: one graph per slot, captured at the slot's first step.
+  std::vector<cudaGraphExec_t> execs(slots, nullptr);
+  std::vector<cudaEvent_t> start(slots, nullptr), stop(slots, nullptr);
+  for (int k = 0; k < slots; ++k) {
+    LOOP_CUDA(cudaEventCreate(&start[k]));
+    LOOP_CUDA(cudaEventCreate(&stop[k]));
+  }
+  std::vector<double> device_ms_per_slot(slots, 0.0);
+  auto launch = [&](int slot) {
+    if (!cuda) {
+      const auto t0 = std::chrono::steady_clock::now();
+      const absl::Status st = layers_on(slot);
+      device_ms_per_slot[slot] =
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+      return check(st.ok(), st.ToString());
+    }
+    if (execs[slot] == nullptr) {
+      cudaGraph_t graph = nullptr;
+      if (!LOOP_CUDA(cudaStreamBeginCapture(cs, cudaStreamCaptureModeThreadLocal))) return false;
+      const absl::Status st = layers_on(slot);
+      const bool ended = LOOP_CUDA(cudaStreamEndCapture(cs, &graph));
+      if (!ended || !check(st.ok(), st.ToString())) return false;
+      LOOP_CUDA(cudaGraphInstantiate(&execs[slot], graph, 0));
+      (void)cudaGraphDestroy(graph);
+      if (!error.empty()) return false;
+    }
+    return LOOP_CUDA(cudaEventRecord(start[slot], cs)) &&
+           LOOP_CUDA(cudaGraphLaunch(execs[slot], cs)) && LOOP_CUDA(cudaEventRecord(stop[slot], cs));
+  };
+  // Waits for the step last launched on `slot` and returns its device time.
+  auto finish = [&](int slot) -> double {
+    if (!cuda) return device_ms_per_slot[slot];
+    float ms = 0;
+    if (!LOOP_CUDA(cudaEventSynchronize(stop[slot])) ||
+        !LOOP_CUDA(cudaEventElapsedTime(&ms, start[slot], stop[slot]))) {
+      return 0;
+    }
+    return ms;
+  };
+  std::vector<double> step_us, device_us, prep_us;
+  int in_flight = -1;  // the slot of the step still running (two slots)
+  auto one_step = [&](bool timed) {
+    const auto t0 = std::chrono::steady_clock::now();
+    BusyHostWork(host_us);
+    const auto p0 = std::chrono::steady_clock::now();
+    absl::StatusOr<StepInfo> info = c.PrepareStep(s.entries, stream);
+    const auto p1 = std::chrono::steady_clock::now();
+    if (!check(info.ok(), info.status().ToString())) return;
+    if (!launch(info->slot)) return;
+    double dev_ms = -1;
+    if (slots == 1) {
+      dev_ms = finish(info->slot);  // the serial loop waits for its step
+    } else {
+      if (in_flight >= 0) dev_ms = finish(in_flight);  // at most two steps in flight
+      in_flight = info->slot;
+    }
+    const auto t1 = std::chrono::steady_clock::now();
+    if (!timed) return;
+    step_us.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
+    prep_us.push_back(std::chrono::duration<double, std::micro>(p1 - p0).count());
+    if (dev_ms >= 0) device_us.push_back(1e3 * dev_ms);
+  };
+  for (int i = 0; i < warmup && error.empty(); ++i) one_step(false);
+  for (auto _ : state) {
+    if (!error.empty()) break;
+    one_step(true);
+  }
+  if (in_flight >= 0) (void)finish(in_flight);
+#undef LOOP_CUDA
+  if (!error.empty()) state.SkipWithError(error.c_str());
+  if (cuda) (void)cudaStreamSynchronize(cs);
+  auto mean = [](const std::vector<double>& v) {
+    double sum = 0;
+    for (double x : v) sum += x;
+    return v.empty() ? 0.0 : sum / static_cast<double>(v.size());
+  };
+  const double step = mean(step_us), device = mean(device_us), prep = Median(prep_us);
+  const double hidden = host_us + prep + device - step;
+  state.counters["step_us"] = step;
+  state.counters["device_us"] = device;
+  state.counters["prepare_us"] = prep;
+  state.counters["host_us"] = host_us;
+  state.counters["slots"] = slots;
+  state.counters["seqs"] = seqs;
+  if (host_us > 0) {
+    state.counters["hidden_frac"] = std::min(1.0, std::max(0.0, hidden / host_us));
+  } else {
+    state.counters["hidden_us"] = hidden;
+  }
+  for (cudaGraphExec_t e : execs) {
+    if (e != nullptr) (void)cudaGraphExecDestroy(e);
+  }
+  for (int k = 0; k < slots; ++k) {
+    if (start[k] != nullptr) (void)cudaEventDestroy(start[k]);
+    if (stop[k] != nullptr) (void)cudaEventDestroy(stop[k]);
+  }
+  if (cs != nullptr) (void)cudaStreamDestroy(cs);
+}
+void OverlapArgs(benchmark::internal::Benchmark* b) {
+  b->ArgNames({"cuda", "seqs", "host_us", "slots"});
+  for (int cuda : {0, 1}) {
+    for (int seqs : {64, 256}) {
+      for (int host : {0, 50, 200, 1000}) {
+        for (int slots : {1, 2}) b->Args({cuda, seqs, host, slots});
+      }
+    }
+  }
+}
+BENCHMARK(BM_OverlapDecodeLoop)
+    ->Apply(OverlapArgs)
+    ->Iterations(100)
+    ->UseRealTime()
     ->Unit(benchmark::kMicrosecond);
 
 }  // namespace

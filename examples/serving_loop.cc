@@ -37,6 +37,17 @@
 // SequencePages, prefix matches, KV events, Stats counts) are compared; the
 // loop aborts naming the step and the call where they differ.
 //
+// Two steps in flight (--overlap=1, docs/kv_cache.md "Two steps in
+// flight"): a cache of two step slots; step N+1 is scheduled and prepared
+// (admission, PrepareStep, its K/V rows) while step N runs, each slot with
+// its own captured graphs on a GPU, and the ids of decode tokens are not
+// passed to PrepareStep but delivered after the step was launched
+// (SetTokenIds; on a GPU from device memory, as a sampler's output would be).
+// The end prints the host time between two launches, the device time of a
+// step, and how much of the host time the device work hid. On the CPU every
+// op runs synchronously inside its call, so nothing can be hidden there; the
+// mode still checks the slots and late ids.
+//
 // Flags (--name=value): device (auto|cpu|cuda), read (attention|materialize),
 // layers, kv_heads, qo_heads (0: 4 * kv_heads), head_dim, page_size,
 // requests, max_batch, prompt_min, prompt_max, decode_min, decode_max, chunk
@@ -44,7 +55,7 @@
 // max_batch + samples full-length sequences), error_seqs (finished sequences
 // whose error is measured), prefix_cache (0|1), system_prompts (distinct
 // shared system prompts), follow_ups (percent of requests that continue an
-// earlier conversation), tp (ranks), seed.
+// earlier conversation), tp (ranks), overlap (0|1), seed.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -103,6 +114,7 @@ struct Flags {
   int error_seqs = 8;
   int prefix_cache = 1, system_prompts = 3, follow_ups = 40;
   int tp = 1;
+  int overlap = 0;
   uint64_t seed = 1;
 
   bool Parse(int argc, char** argv) {
@@ -120,6 +132,8 @@ struct Flags {
             "  --prefix_cache=0|1, --system_prompts, --follow_ups (percent)\n"
             "  --tp=N   N ranks of kv_heads / N heads each (N divides kv_heads and qo_heads),\n"
             "           driven by the same calls; checks that their host decisions agree\n"
+            "  --overlap=0|1   two step slots: step N+1 prepared while step N runs, decode\n"
+            "           token ids delivered late (SetTokenIds); prints the host time hidden\n"
             "Unset sizes get GPU- or CPU-sized defaults.\n");
         std::exit(0);
       }
@@ -144,7 +158,7 @@ struct Flags {
           {"decode_max", &decode_max}, {"chunk", &chunk},           {"samples", &samples},
           {"error_seqs", &error_seqs}, {"prefix_cache", &prefix_cache},
           {"system_prompts", &system_prompts}, {"follow_ups", &follow_ups},
-          {"tp", &tp}};
+          {"tp", &tp},                 {"overlap", &overlap}};
       bool known = false;
       for (const auto& f : ints) {
         if (k == f.name) {
@@ -281,6 +295,19 @@ struct Rank {
   int64_t attn_ws_bytes = 0;
   cudaGraphExec_t graph_append = nullptr, graph_read = nullptr;
   cudaEvent_t ev[3] = {nullptr, nullptr, nullptr};
+  // --overlap: the ops bound to each step slot, a graph pair and events per
+  // slot, pinned K/V rows and token ids per slot (rewritten once the slot's
+  // previous copies are done: in_done), and the "sampled" ids on the device.
+  std::vector<fp4kv::CacheAppender> slot_appender;
+  std::vector<fp4kv::CacheAttention> slot_attention;
+  std::vector<fp4kv::CacheMaterializer> slot_materializer;
+  cudaGraphExec_t slot_graph_append[2] = {nullptr, nullptr}, slot_graph_read[2] = {nullptr, nullptr};
+  cudaEvent_t slot_ev[2][3] = {{nullptr, nullptr, nullptr}, {nullptr, nullptr, nullptr}};
+  cudaEvent_t in_done[2] = {nullptr, nullptr};
+  bool in_pending[2] = {false, false};
+  uint16_t* pinned_in[2] = {nullptr, nullptr};
+  int32_t* pinned_ids[2] = {nullptr, nullptr};
+  int32_t* d_ids[2] = {nullptr, nullptr};
 };
 
 // Host decisions as text: with --tp, every rank's text must be equal.
@@ -432,6 +459,8 @@ int main(int argc, char** argv) {
   o.max_tokens_per_step = T;
   o.max_pages_per_seq = M;
   o.prefix_cache.enabled = f.prefix_cache != 0;
+  const bool overlap = f.overlap != 0;
+  o.step_slots = overlap ? 2 : 1;
   // With --tp the KV events are compared across ranks every step.
   if (TP > 1) o.prefix_cache.max_pending_events = 1 << 14;
   // Ranks: the same options (num_pages explicit), kv_heads / tp heads each.
@@ -481,6 +510,26 @@ int main(int argc, char** argv) {
       k.materializer = k.cache->materializer();
       CHECK_OK(k.materializer.status());
     }
+    for (int slot = 0; overlap && slot < 2; ++slot) {
+      absl::StatusOr<fp4kv::CacheAppender> a = k.appender->ForSlot(slot);
+      CHECK_OK(a.status());
+      k.slot_appender.push_back(*a);
+      if (attend) {
+        absl::StatusOr<fp4kv::CacheAttention> at = k.attention->ForSlot(slot);
+        CHECK_OK(at.status());
+        k.slot_attention.push_back(*at);
+      } else {
+        absl::StatusOr<fp4kv::CacheMaterializer> m = k.materializer->ForSlot(slot);
+        CHECK_OK(m.status());
+        k.slot_materializer.push_back(*m);
+      }
+    }
+  }
+  if (overlap) {
+    std::printf(
+        "overlap: two step slots; step N+1 prepared while step N runs, decode token ids "
+        "given late (SetTokenIds%s)\n",
+        gpu ? " from device memory" : "");
   }
   if (attend) {
     std::printf("reads: decode attention from the NVFP4 pages, %d query heads (group %d)\n", HQ,
@@ -516,6 +565,19 @@ int main(int argc, char** argv) {
         CHECK_CUDA(cudaMalloc(&k.in_ptr[i], in_elems * 2));
       } else {
         k.in_ptr[i] = k.host_in[i].data();
+      }
+    }
+    if (gpu && overlap) {
+      for (int slot = 0; slot < 2; ++slot) {
+        void *in = nullptr, *ids = nullptr, *d_ids = nullptr;
+        CHECK_CUDA(cudaMallocHost(&in, 2 * L * in_elems * 2));
+        CHECK_CUDA(cudaMallocHost(&ids, static_cast<size_t>(S) * 4));
+        CHECK_CUDA(cudaMalloc(&d_ids, static_cast<size_t>(S) * 4));
+        k.pinned_in[slot] = static_cast<uint16_t*>(in);
+        k.pinned_ids[slot] = static_cast<int32_t*>(ids);
+        k.d_ids[slot] = static_cast<int32_t*>(d_ids);
+        CHECK_CUDA(cudaEventCreateWithFlags(&k.in_done[slot], cudaEventDisableTiming));
+        for (cudaEvent_t& e : k.slot_ev[slot]) CHECK_CUDA(cudaEventCreate(&e));
       }
     }
     k.W = k.cache->Fp8WorkspacePagesAtCapacity();
@@ -556,20 +618,26 @@ int main(int argc, char** argv) {
   auto qview = [&](const Rank& k, void* p) {
     return TensorView::Contiguous(p, DType::kBF16, {S, HQR, D}, k.device);
   };
+  // The step's ops: with --overlap those bound to the step's slot (so that
+  // a graph captured for a slot replays on that slot's step buffers).
+  int cur_slot = 0;
   auto append_layers = [&](Rank& k) {
+    const fp4kv::CacheAppender& app = overlap ? k.slot_appender[cur_slot] : *k.appender;
     for (int l = 0; l < L; ++l) {
-      CHECK_OK(
-          k.appender->Run(l, view(k, k.in_ptr[2 * l]), view(k, k.in_ptr[2 * l + 1]), k.stream));
+      CHECK_OK(app.Run(l, view(k, k.in_ptr[2 * l]), view(k, k.in_ptr[2 * l + 1]), k.stream));
     }
   };
   auto read_layers = [&](Rank& k) {
     for (int l = 0; l < L; ++l) {
       if (attend) {
-        CHECK_OK(k.attention->Run(l, qview(k, k.q_ptr[l]), qview(k, k.o_ptr[l]), k.attn_ws,
-                                  k.attn_ws_bytes, k.stream));
+        const fp4kv::CacheAttention& at = overlap ? k.slot_attention[cur_slot] : *k.attention;
+        CHECK_OK(at.Run(l, qview(k, k.q_ptr[l]), qview(k, k.o_ptr[l]), k.attn_ws, k.attn_ws_bytes,
+                        k.stream));
       } else {
+        const fp4kv::CacheMaterializer& m =
+            overlap ? k.slot_materializer[cur_slot] : *k.materializer;
         const std::vector<int64_t> s = k.cache->Fp8WorkspaceShape(k.W);
-        CHECK_OK(k.materializer->Run(
+        CHECK_OK(m.Run(
             l, TensorView::Contiguous(k.ws, DType::kE4M3, {s[0], s[1], s[2], s[3], s[4]}, k.device),
             k.stream));
       }
@@ -634,6 +702,13 @@ int main(int argc, char** argv) {
     }
   }
   double decode_append_ms = 0, decode_read_ms = 0;  // summed over replayed steps (rank 0)
+  // --overlap: host time between one step's launch and the next one's, the
+  // device time of the steps, and the part of the host time they hid.
+  bool have_prev = false, prev_replay = false;
+  int prev_slot = 0;
+  std::chrono::steady_clock::time_point prev_launched;
+  double host_between_s = 0, device_step_s = 0, hidden_s = 0;
+  int64_t overlapped_steps = 0;
   // Every cache call goes to every rank in rank order; with --tp the answers
   // (as text) must agree. Returns rank 0's answer.
   const auto text = [](const KVCache&, const auto& x) { return Text(x); };
@@ -772,7 +847,12 @@ int main(int argc, char** argv) {
     bool decode_only = true;
     for (int id : active) {
       if (reqs[id].state == Request::kDecode) {
-        entries.push_back({reqs[id].seq, 1, {reqs[id].ids.data() + reqs[id].stored, 1}});
+        // --overlap: the id of the token sampled by the step in flight is
+        // not known yet; it is given after the launch (SetTokenIds).
+        entries.push_back({reqs[id].seq, 1,
+                           overlap ? absl::Span<const int32_t>()
+                                   : absl::Span<const int32_t>(
+                                         reqs[id].ids.data() + reqs[id].stored, 1)});
         --budget;
       }
     }
@@ -809,6 +889,7 @@ int main(int argc, char** argv) {
     }
     CHECK_OK(info.status());
     copies += info->pages_copied;
+    cur_slot = info->slot;
     // New K/V rows of every layer, in the step's token order; each rank
     // gets the columns of its heads.
     std::vector<int> entry_req;
@@ -820,9 +901,16 @@ int main(int argc, char** argv) {
     for (int rank = 0; rank < TP; ++rank) {
       Rank& k = ranks[rank];
       use(k);
+      if (gpu && overlap && k.in_pending[cur_slot]) {
+        // The slot's previous rows were copied before its step ran: long done.
+        CHECK_CUDA(cudaEventSynchronize(k.in_done[cur_slot]));
+        k.in_pending[cur_slot] = false;
+      }
       for (int l = 0; l < L; ++l) {
         for (int kv = 0; kv < 2; ++kv) {
-          uint16_t* dst = gpu ? k.host_in[0].data() : k.host_in[2 * l + kv].data();
+          uint16_t* dst = !gpu      ? k.host_in[2 * l + kv].data()
+                          : overlap ? k.pinned_in[cur_slot] + (2 * l + kv) * in_elems
+                                    : k.host_in[0].data();
           int64_t row = 0;
           for (size_t j = 0; j < entries.size(); ++j) {
             for (int i = 0; i < entries[j].num_new_tokens; ++i) {
@@ -837,16 +925,21 @@ int main(int argc, char** argv) {
           if (gpu) {
             CHECK_CUDA(cudaMemcpyAsync(k.in_ptr[2 * l + kv], dst, row * HR * D * 2,
                                        cudaMemcpyHostToDevice, k.cs));
-            CHECK_CUDA(cudaStreamSynchronize(k.cs));  // the host row buffer is reused
+            // The host row buffer is reused (--overlap: one per slot and row).
+            if (!overlap) CHECK_CUDA(cudaStreamSynchronize(k.cs));
           }
         }
       }
     }
     const auto t1 = std::chrono::steady_clock::now();
+    if (overlap && have_prev) host_between_s += std::chrono::duration<double>(t1 - prev_launched).count();
     if (gpu && decode_only) {
       for (Rank& k : ranks) {
         use(k);
-        if (k.graph_append == nullptr) {
+        cudaGraphExec_t& ga = overlap ? k.slot_graph_append[cur_slot] : k.graph_append;
+        cudaGraphExec_t& gr = overlap ? k.slot_graph_read[cur_slot] : k.graph_read;
+        cudaEvent_t* ev = overlap ? k.slot_ev[cur_slot] : k.ev;
+        if (ga == nullptr) {
           for (int part = 0; part < 2; ++part) {
             cudaGraph_t g;
             CHECK_CUDA(cudaStreamBeginCapture(k.cs, cudaStreamCaptureModeThreadLocal));
@@ -856,35 +949,123 @@ int main(int argc, char** argv) {
               read_layers(k);
             }
             CHECK_CUDA(cudaStreamEndCapture(k.cs, &g));
-            CHECK_CUDA(cudaGraphInstantiate(part == 0 ? &k.graph_append : &k.graph_read, g, 0));
+            CHECK_CUDA(cudaGraphInstantiate(part == 0 ? &ga : &gr, g, 0));
             CHECK_CUDA(cudaGraphDestroy(g));
           }
         }
-        CHECK_CUDA(cudaEventRecord(k.ev[0], k.cs));
-        CHECK_CUDA(cudaGraphLaunch(k.graph_append, k.cs));
-        CHECK_CUDA(cudaEventRecord(k.ev[1], k.cs));
-        CHECK_CUDA(cudaGraphLaunch(k.graph_read, k.cs));
-        CHECK_CUDA(cudaEventRecord(k.ev[2], k.cs));
+        CHECK_CUDA(cudaEventRecord(ev[0], k.cs));
+        CHECK_CUDA(cudaGraphLaunch(ga, k.cs));
+        CHECK_CUDA(cudaEventRecord(ev[1], k.cs));
+        CHECK_CUDA(cudaGraphLaunch(gr, k.cs));
+        CHECK_CUDA(cudaEventRecord(ev[2], k.cs));
       }
-      for (Rank& k : ranks) {
-        use(k);
-        CHECK_CUDA(cudaEventSynchronize(k.ev[2]));
+      if (!overlap) {
+        for (Rank& k : ranks) {
+          use(k);
+          CHECK_CUDA(cudaEventSynchronize(k.ev[2]));
+        }
+        float a_ms = 0, r_ms = 0;
+        use(ranks[0]);
+        CHECK_CUDA(cudaEventElapsedTime(&a_ms, ranks[0].ev[0], ranks[0].ev[1]));
+        CHECK_CUDA(cudaEventElapsedTime(&r_ms, ranks[0].ev[1], ranks[0].ev[2]));
+        decode_append_ms += a_ms;
+        decode_read_ms += r_ms;
       }
-      float a_ms = 0, r_ms = 0;
-      use(ranks[0]);
-      CHECK_CUDA(cudaEventElapsedTime(&a_ms, ranks[0].ev[0], ranks[0].ev[1]));
-      CHECK_CUDA(cudaEventElapsedTime(&r_ms, ranks[0].ev[1], ranks[0].ev[2]));
-      decode_append_ms += a_ms;
-      decode_read_ms += r_ms;
       ++replays;
     } else {
       for (Rank& k : ranks) {
         use(k);
+        if (gpu && overlap) CHECK_CUDA(cudaEventRecord(k.slot_ev[cur_slot][0], k.cs));
         run_layers(k);
+        if (gpu && overlap) {
+          CHECK_CUDA(cudaEventRecord(k.slot_ev[cur_slot][1], k.cs));
+          CHECK_CUDA(cudaEventRecord(k.slot_ev[cur_slot][2], k.cs));
+        }
       }
     }
-    sync_all();
-    layers_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count();
+    if (overlap) {
+      // The ids "sampled" by this step's decode tokens arrive now, while it
+      // runs: from device memory on a GPU (copied back without a sync and
+      // applied two PrepareSteps later), from the host on the CPU.
+      std::vector<std::pair<size_t, int>> late;  // entry, position
+      for (size_t j = 0; j < entries.size(); ++j) {
+        if (entries[j].num_new_tokens == 1 && entries[j].token_ids.empty()) {
+          for (int id : active) {
+            if (reqs[id].seq == entries[j].seq) late.emplace_back(j, reqs[id].stored);
+          }
+        }
+      }
+      std::vector<int32_t> late_ids;
+      for (const auto& [j, pos] : late) {
+        for (int id : active) {
+          if (reqs[id].seq == entries[j].seq) late_ids.push_back(reqs[id].ids[pos]);
+        }
+      }
+      if (gpu && !late.empty()) {
+        for (Rank& k : ranks) {
+          use(k);
+          std::memcpy(k.pinned_ids[cur_slot], late_ids.data(), late_ids.size() * 4);
+          CHECK_CUDA(cudaMemcpyAsync(k.d_ids[cur_slot], k.pinned_ids[cur_slot],
+                                     late_ids.size() * 4, cudaMemcpyHostToDevice, k.cs));
+        }
+      }
+      for (size_t i = 0; i < late.size(); ++i) {
+        CHECK_OK(on_all(
+            "SetTokenIds",
+            [&](Rank& k) {
+              if (!gpu) {
+                return k.cache->SetTokenIds(entries[late[i].first].seq, late[i].second,
+                                            absl::Span<const int32_t>(&late_ids[i], 1));
+              }
+              return k.cache->SetTokenIds(
+                  entries[late[i].first].seq, late[i].second,
+                  TensorView::Contiguous(k.d_ids[cur_slot] + i, DType::kI32, {1}, k.device),
+                  k.stream);
+            },
+            text));
+      }
+      for (Rank& k : ranks) {
+        if (!gpu) break;
+        use(k);
+        CHECK_CUDA(cudaEventRecord(k.in_done[cur_slot], k.cs));
+        k.in_pending[cur_slot] = true;
+      }
+      // Step N-1 (the other slot) must be done before PrepareStep N+1 reuses
+      // its slot: wait for it here and count how much of the host time
+      // since its launch it hid.
+      if (have_prev) {
+        double device_ms = 0;
+        if (gpu) {
+          for (Rank& k : ranks) {
+            use(k);
+            CHECK_CUDA(cudaEventSynchronize(k.slot_ev[prev_slot][2]));
+          }
+          use(ranks[0]);
+          float a_ms = 0, r_ms = 0;
+          CHECK_CUDA(cudaEventElapsedTime(&a_ms, ranks[0].slot_ev[prev_slot][0],
+                                          ranks[0].slot_ev[prev_slot][1]));
+          CHECK_CUDA(cudaEventElapsedTime(&r_ms, ranks[0].slot_ev[prev_slot][1],
+                                          ranks[0].slot_ev[prev_slot][2]));
+          device_ms = a_ms + r_ms;
+          if (prev_replay) {
+            decode_append_ms += a_ms;
+            decode_read_ms += r_ms;
+          }
+        }
+        const double host_ms =
+            1000.0 * std::chrono::duration<double>(t1 - prev_launched).count();
+        device_step_s += device_ms / 1000.0;
+        hidden_s += std::min(host_ms, device_ms) / 1000.0;
+        ++overlapped_steps;
+      }
+      have_prev = true;
+      prev_slot = cur_slot;
+      prev_replay = gpu && decode_only;
+    } else {
+      sync_all();
+    }
+    prev_launched = std::chrono::steady_clock::now();
+    layers_s += std::chrono::duration<double>(prev_launched - t1).count();
     ++steps;
     peak_pages = std::max(peak_pages, ranks[0].cache->Stats().pages_used);
     // Advance the requests.
@@ -927,7 +1108,7 @@ int main(int argc, char** argv) {
       }
       forked = true;
     }
-    sync_all();
+    if (!overlap) sync_all();
     for (int id : finished) {
       if (err.seqs < f.error_seqs) measure(reqs[id]);
       CHECK_OK(on_all(
@@ -996,6 +1177,16 @@ int main(int argc, char** argv) {
         1000.0 * decode_append_ms / replays, attend ? "attention" : "materialize",
         1000.0 * decode_read_ms / replays);
   }
+  if (overlap) {
+    const double n = static_cast<double>(std::max<int64_t>(1, overlapped_steps));
+    std::printf(
+        "overlap: %lld steps prepared while the previous one ran: host time between launches "
+        "%.1f us/step, device step %.1f us/step, host time hidden %.1f us/step (%.0f%%)%s\n",
+        static_cast<long long>(overlapped_steps), 1e6 * host_between_s / n,
+        1e6 * device_step_s / n, 1e6 * hidden_s / n,
+        host_between_s > 0 ? 100.0 * hidden_s / host_between_s : 0.0,
+        gpu ? "" : " [CPU device: every op runs inside its call, nothing can be hidden]");
+  }
   uint64_t events[4] = {0, 0, 0, 0};
   for (Rank& k : ranks) {  // all ranks' blocks
     use(k);
@@ -1017,9 +1208,14 @@ int main(int argc, char** argv) {
       TP > 1 ? "rank 0, " : "", sc0->k, sc0->v, static_cast<unsigned long long>(events[0]),
       static_cast<unsigned long long>(events[2]), static_cast<unsigned long long>(events[1]),
       static_cast<unsigned long long>(events[3]));
-  std::printf("pages: peak %lld of %lld in use, %lld copied on write; now %lld in use\n",
+  std::printf("pages: peak %lld of %lld in use, %lld copied on write; now %lld in use%s\n",
               static_cast<long long>(peak_pages), static_cast<long long>(st.pages_total),
-              static_cast<long long>(copies), static_cast<long long>(st.pages_used));
+              static_cast<long long>(copies), static_cast<long long>(st.pages_used),
+              st.pages_retiring > 0
+                  ? absl::StrCat(" (", st.pages_retiring,
+                                 " retiring: released during the last two steps, free two steps after their release)")
+                        .c_str()
+                  : "");
   if (f.prefix_cache != 0) {
     std::printf(
         "prefix cache: %lld admissions (%lld follow-up turns, %d system prompts), hit rate "

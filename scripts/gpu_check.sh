@@ -187,6 +187,18 @@ if [ "${SKIP_EXAMPLES:-0}" != 1 ] && [ -x "$BUILD_DIR/serving_loop" ]; then
   rc=$?
   tail -n 2 "$OUT_DIR/serving_loop_tp2.log" | tee -a "$SUMMARY"
   [ "$rc" -ne 0 ] && { note "serving_loop --tp=2: exit $rc"; status=1; }
+  # Two step slots: step N+1 prepared while step N runs, decode ids given
+  # late; prints the host time the device work hid.
+  note "== serving_loop --overlap=1"
+  "$BUILD_DIR/serving_loop" --overlap=1 > "$OUT_DIR/serving_loop_overlap.log" 2>&1
+  rc=$?
+  grep -E "^(overlap|done|time|prefix cache|dequantized)" "$OUT_DIR/serving_loop_overlap.log" | tee -a "$SUMMARY"
+  [ "$rc" -ne 0 ] && { note "serving_loop --overlap=1: exit $rc"; status=1; }
+  note "== serving_loop --overlap=1 --tp=2"
+  "$BUILD_DIR/serving_loop" --overlap=1 --tp=2 > "$OUT_DIR/serving_loop_overlap_tp2.log" 2>&1
+  rc=$?
+  tail -n 2 "$OUT_DIR/serving_loop_overlap_tp2.log" | tee -a "$SUMMARY"
+  [ "$rc" -ne 0 ] && { note "serving_loop --overlap=1 --tp=2: exit $rc"; status=1; }
 fi
 
 note "== overall: $([ $status -eq 0 ] && echo OK || echo FAILED) (logs in $OUT_DIR)"

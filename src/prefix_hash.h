@@ -45,6 +45,9 @@ struct TokenChain {
   // next append takes it out of the index first. Kept when untracked.
   bool tail_maybe_indexed = false;
   size_t index_from = 0;  // pages below were filled before calibration: never indexed
+  // Positions [0, ids_known) have known token ids (given with their append
+  // or later); only pages inside it are hashed and indexed.
+  int64_t ids_known = 0;
   std::string extra_key;
   std::vector<BlockHash> hashes;
 
@@ -54,18 +57,20 @@ struct TokenChain {
     queued = false;
     tail_maybe_indexed = false;
     index_from = 0;
+    ids_known = 0;
     extra_key.assign(key.data(), key.size());
     hashes.clear();
   }
-  // Stops tracking (a step came without token ids): later pages are never
-  // hashed.
+  // Stops tracking (a swap-out): later pages are never hashed.
   void Untrack() {
     tracked = false;
     hashes.clear();
+    ids_known = 0;
   }
   // Keeps the hashes of the pages the first `len` tokens fill.
   void Truncate(int64_t len, int page_size) {
     if (len % page_size != 0) tail_maybe_indexed = true;
+    if (ids_known > len) ids_known = len;
     if (tracked && hashes.size() > static_cast<size_t>(len / page_size)) {
       hashes.resize(static_cast<size_t>(len / page_size));
     }

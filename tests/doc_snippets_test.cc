@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -130,6 +131,25 @@ absl::Status KvCachePrefix(fp4kv::KVCache& cache, const std::vector<int32_t>& pr
   fp4kv::KVEventBatch events = cache.TakeEvents();  // for a KV-aware router
   // end snippet
   *events_out = std::move(events);
+  return absl::OkStatus();
+}
+
+// docs/kv_cache.md, "Two steps in flight" (compiled only).
+absl::Status KvCacheOverlap(fp4kv::KVCache& cache, const std::vector<fp4kv::StepEntry>& entries,
+                            const std::function<absl::Status(int)>& launch_graph,
+                            fp4kv::SequenceId seq, int64_t first_position,
+                            const fp4kv::TensorView& sampled_ids, fp4kv::Stream stream) {
+  // snippet: docs/kv_cache.md
+  // At Create: o.step_slots = 2. Per slot: appender.ForSlot(slot), attention.ForSlot(slot),
+  // captured once as the slot's graph.
+  absl::StatusOr<fp4kv::StepInfo> next = cache.PrepareStep(entries, stream);  // while step N runs
+  if (!next.ok()) return next.status();
+  absl::Status launched = launch_graph(next->slot);  // step N+1 queues behind step N
+  if (!launched.ok()) return launched;
+  // The ids step N sampled, still on the device ([n] i32): copied back, no sync.
+  absl::Status ids = cache.SetTokenIds(seq, first_position, sampled_ids, stream);
+  if (!ids.ok()) return ids;
+  // end snippet
   return absl::OkStatus();
 }
 

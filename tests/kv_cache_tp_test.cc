@@ -49,8 +49,9 @@ constexpr int kMaxSeqs = 4;
 constexpr int kMaxTokens = 24;
 constexpr int kMaxPagesPerSeq = 10;
 
-KVCacheOptions RankOptions(int tp, const Device& device) {
+KVCacheOptions RankOptions(int tp, const Device& device, int step_slots = 1) {
   KVCacheOptions o;
+  o.step_slots = step_slots;
   o.num_layers = kLayers;
   o.geometry.num_kv_heads = kHeads / tp;
   o.geometry.head_dim_k = o.geometry.head_dim_v = kDim;
@@ -78,7 +79,8 @@ std::string Decisions(const KVCache& c, const std::vector<SequenceId>& ids) {
       "; events ", s.events_pending, "/", s.events_dropped, "; reserved ", s.pages_reserved,
       "/", s.reservations, "; host ", s.host_pages_total, "/", s.host_pages_free, "/",
       s.host_pages_used, "; swapped ", s.sequences_swapped, " in flight ", s.swaps_in_flight,
-      "/", s.pages_swap_pending, "; clamped ", s.memory_budget_clamped, "\n");
+      "/", s.pages_swap_pending, "; retiring ", s.pages_retiring, "; late ids ",
+      s.token_ids_pending, "/", s.token_ids_dropped, "; clamped ", s.memory_budget_clamped, "\n");
   for (const auto& [id, len] : s.sequence_lengths) absl::StrAppend(&out, id, ":", len, " ");
   out += "\n";
   for (SequenceId id : ids) {
@@ -138,8 +140,15 @@ void SleepFor(void* micros) {
 // One random call sequence on `tp` ranks.
 class TpDriver {
  public:
-  TpDriver(int tp, const Device& device, bool delays, uint64_t seed)
-      : tp_(tp), device_(device), delays_(delays), rng_(seed), delay_rng_(seed ^ 0x5eed) {
+  // slots > 1: two (or more) step slots, and decode tokens whose ids come
+  // after their step (SetTokenIds; from device memory on a GPU).
+  TpDriver(int tp, const Device& device, bool delays, uint64_t seed, int slots = 1)
+      : tp_(tp),
+        device_(device),
+        delays_(delays),
+        slots_(slots),
+        rng_(seed),
+        delay_rng_(seed ^ 0x5eed) {
     for (int len : {5, 9, 14}) {
       std::vector<int32_t> p(len);
       for (int32_t& t : p) t = Uniform(0, 3);
@@ -161,7 +170,7 @@ class TpDriver {
       if (device_.is_cuda()) {
         FP4KV_ASSERT_CUDA(cudaStreamCreateWithFlags(&rank.stream, cudaStreamNonBlocking));
       }
-      absl::StatusOr<KVCache> c = KVCache::Create(RankOptions(tp_, device_));
+      absl::StatusOr<KVCache> c = KVCache::Create(RankOptions(tp_, device_, slots_));
       ASSERT_TRUE(c.ok()) << c.status();
       rank.cache = std::make_unique<KVCache>(std::move(*c));
       absl::StatusOr<CacheAppender> app = rank.cache->appender(DType::kBF16);
@@ -281,6 +290,12 @@ class TpDriver {
     std::vector<std::vector<int32_t>> ids;
     ids.reserve(kMaxSeqs);
     std::vector<size_t> which;
+    struct Late {
+      SequenceId seq;
+      int64_t position;
+      int32_t id;
+    };
+    std::vector<Late> late;
     int64_t tokens = 0;
     for (size_t i : order) {
       Seq& q = seqs_[i];
@@ -294,6 +309,10 @@ class TpDriver {
         t.push_back(q.pending.empty() ? Uniform(0, 3) : q.pending[static_cast<size_t>(k)]);
       ids.push_back(std::move(t));
       entries.push_back(StepEntry{q.id, static_cast<int32_t>(n), ids.back()});
+      if (slots_ > 1 && q.pending.empty() && Uniform(0, 2) > 0) {
+        late.push_back(Late{q.id, q.length, ids.back()[0]});
+        entries.back().token_ids = {};
+      }
       which.push_back(i);
       tokens += n;
     }
@@ -340,6 +359,28 @@ class TpDriver {
                               rank.v.View(DType::kBF16, {tokens, heads, kDim}), StreamOf(rank));
         ASSERT_TRUE(st.ok()) << st;
       }
+    }
+    // The ids of the decode tokens appended without them, given now.
+    for (const Late& x : late) {
+      std::vector<std::string> got;
+      for (Rank& rank : ranks_) {
+        absl::Status st;
+        if (rank.stream == nullptr) {
+          st = rank.cache->SetTokenIds(x.seq, x.position, {x.id});
+        } else {
+          id_buffers_.push_back(std::make_unique<Buffer>(device_, sizeof(int32_t)));
+          Buffer& b = *id_buffers_.back();
+          ASSERT_EQ(cudaMemcpyAsync(b.get(), &x.id, sizeof(int32_t), cudaMemcpyHostToDevice,
+                                    rank.stream),
+                    cudaSuccess);
+          ASSERT_EQ(cudaStreamSynchronize(rank.stream), cudaSuccess);  // &x.id is on the stack
+          Delay(rank);
+          st = rank.cache->SetTokenIds(x.seq, x.position, b.View(DType::kI32, {1}),
+                                       StreamOf(rank));
+        }
+        got.push_back(Describe(st));
+      }
+      Same(got, "SetTokenIds");
     }
   }
 
@@ -424,6 +465,8 @@ class TpDriver {
   const int tp_;
   const Device device_;
   const bool delays_;
+  const int slots_;
+  std::vector<std::unique_ptr<Buffer>> id_buffers_;  // late ids in device memory
   std::mt19937_64 rng_;
   std::mt19937_64 delay_rng_;  // differs between ranks' draws: not part of the calls
   std::vector<std::vector<int32_t>> system_;
@@ -444,6 +487,29 @@ TEST_P(KVCacheTpTest, RanksMakeTheSameDecisionsOnTheCpu) {
     if (HasFatalFailure()) return;
     EXPECT_GT(d.prefix_hits(), 0);
     EXPECT_GT(d.evictions(), 0);
+  }
+}
+
+// Two step slots (retiring pages, one retire list with the swaps) and ids
+// given after their step: still a function of the calls.
+TEST_P(KVCacheTpTest, RanksMakeTheSameDecisionsWithTwoStepSlotsOnTheCpu) {
+  for (uint64_t seed : {4u, 5u}) {
+    SCOPED_TRACE(absl::StrCat("seed ", seed));
+    TpDriver d(GetParam(), Device::Cpu(), /*delays=*/false, seed, /*slots=*/2);
+    d.Run(testing::FuzzOps(400));
+    if (HasFatalFailure()) return;
+    EXPECT_GT(d.prefix_hits(), 0);
+  }
+}
+
+TEST_P(KVCacheTpTest, GpuRanksMakeTheSameDecisionsWithTwoStepSlotsUnderDeviceDelays) {
+  FP4KV_SKIP_WITHOUT_GPU();
+  for (uint64_t seed : {4u, 5u}) {
+    SCOPED_TRACE(absl::StrCat("seed ", seed));
+    TpDriver d(GetParam(), Device::Cuda(0), /*delays=*/true, seed, /*slots=*/2);
+    d.Run(testing::FuzzOps(250));
+    if (HasFatalFailure()) return;
+    EXPECT_GT(d.prefix_hits(), 0);
   }
 }
 

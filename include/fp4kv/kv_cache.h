@@ -22,6 +22,17 @@
 // waits for the previous step's upload (an event recorded right after it,
 // normally long done), then rewrites it.
 //
+// Two steps in flight (KVCacheOptions::step_slots = 2; docs/kv_cache.md):
+// the host prepares step N+1 while the device runs step N. Each step slot
+// has its own step buffers and staging; PrepareStep fills them round robin
+// (StepInfo::slot), waits only for the step that last used the slot it
+// fills, orders its stream after the previous step's, and reuses a released
+// page only at PrepareStep N + step_slots (N: the latest step when it was
+// released), or after waiting for the steps in flight when the pool would
+// otherwise run out. Bound ops run on a slot with ForSlot(slot), one
+// captured graph per slot. Token ids of appended tokens may come later
+// (SetTokenIds, also from device memory without a sync).
+//
 // Graph capture: the step buffers have fixed addresses and capacity-sized
 // shapes (max_seqs_per_step rows, max_tokens_per_step slots; unused slots are
 // -1 and unused rows have seq_len 0 and a repeated kv_page_indptr), so the
@@ -75,14 +86,17 @@ struct StepEntry {
   // indexed by the next call that reads the index (CreateSequenceFromPrefix,
   // MatchPrefix, Release, Truncate, Fork, TakeEvents, Stats, ...); a sequence
   // sharing them must run its kernels after this step's appends, which stream
-  // order gives. Empty for a sequence that appends tokens:
-  // the sequence stops being tracked and its later pages are never cached.
-  // Ignored without prefix caching.
+  // order gives. Empty: the ids are not known yet (a sampled token still on
+  // the device); KVCache::SetTokenIds gives them later, and a page is hashed
+  // and shared only once the ids of all its tokens (and of every earlier
+  // one) are known. A sequence whose ids never come is never cached, but
+  // stays tracked. Ignored without prefix caching.
   absl::Span<const int32_t> token_ids = {};
 };
 
 // What PrepareStep did; host values, valid until the next PrepareStep.
 struct StepInfo {
+  int slot = 0;                     // the step slot it filled (KVCacheOptions::step_slots)
   int num_seqs = 0;                 // rows used in the step buffers
   int64_t num_tokens = 0;           // new K/V rows the appender reads
   int32_t max_seq_len = 0;          // longest sequence after the append
@@ -109,8 +123,9 @@ struct StepViews {
 struct KVCacheStats {
   int64_t pages_total = 0;
   int64_t pages_free = 0;    // on the free list
-  int64_t pages_used = 0;    // referenced by a sequence, an import reservation or an
-                             // unfinished SwapOut: pages_total - pages_free - pages_cached
+  int64_t pages_used = 0;    // referenced by a sequence, an import reservation, an
+                             // unfinished SwapOut or retiring (pages_retiring):
+                             // pages_total - pages_free - pages_cached
   int64_t pages_shared = 0;  // used pages referenced by more than one sequence
   int64_t num_sequences = 0;
   int64_t tokens_stored = 0;    // sum of sequence lengths (shared prefixes counted per sequence)
@@ -148,6 +163,12 @@ struct KVCacheStats {
   int64_t host_bytes = 0;           // of the pinned host pool
   int64_t sequences_swapped = 0;    // swapped out (also while the copy is in flight)
   int64_t swaps_in_flight = 0;      // SwapOut copies not yet retired (see SwapOut)
+  // Two or more step slots: used pages that only released references hold
+  // until the steps that may still use them are done (PrepareStep, "Page
+  // reuse"); 0 with one slot.
+  int64_t pages_retiring = 0;
+  int64_t token_ids_pending = 0;    // ids given as device views, not yet applied
+  int64_t token_ids_dropped = 0;    // of those, ids that could not apply, ever (SetTokenIds)
   int64_t pages_swap_pending = 0;   // device pages those copies still hold
   int64_t bytes_swapped_out = 0;    // device -> host, ever
   int64_t bytes_swapped_in = 0;     // host -> device, ever
@@ -224,6 +245,15 @@ struct KVCacheOptions {
   // (options() reports the value chosen). It sizes the step block tables
   // (max_seqs_per_step * max_pages_per_seq i32) and the FP8 workspace.
   int max_pages_per_seq = 0;
+  // Step slots, 1 .. 8 (docs/kv_cache.md, "Two steps in flight"). 1 (the
+  // default): one set of step buffers, rewritten by every PrepareStep (the
+  // previous step's kernels must have been enqueued). 2: the host prepares
+  // step N+1 while the device runs step N; each slot has its own
+  // fixed-address step buffers and staging (a graph captured per slot
+  // replays while the other slot is prepared), PrepareStep fills the slots
+  // round robin, and released pages are reused only once no step in flight
+  // can use them (PrepareStep, "Page reuse").
+  int step_slots = 1;
   PrefixCacheOptions prefix_cache;  // off by default
   HostTierOptions host_tier;        // off by default
 };
@@ -247,12 +277,18 @@ struct StepPlan {
   bool fits = false;            // PrepareStep would succeed (barring CUDA errors)
   int64_t pages_needed = 0;     // new pages, copies included
   int64_t pages_copied = 0;     // shared partial pages it would copy
-  int64_t pages_free = 0;       // free now
-  int64_t pages_evictable = 0;  // cached now
+  // Free and cached now, with the retiring pages that PrepareStep would
+  // retire before its check (two or more step slots).
+  int64_t pages_free = 0;
+  int64_t pages_evictable = 0;
   int64_t pages_evicted = 0;    // cached pages it would evict
   // Device pages of unfinished SwapOut copies that become free or cached
   // once the copies are done (PrepareStep waits for them when it needs them).
   int64_t pages_swap_pending = 0;
+  // Two or more step slots: released pages that become free or cached at a
+  // later PrepareStep (this one waits for the steps in flight when it needs
+  // them; pages it retires before its check count as free or cached above).
+  int64_t pages_retiring = 0;
   // Pages, and tokens in whole pages, still available after the step (0
   // when it does not fit): what further admissions can count on.
   int64_t pages_left = 0;
@@ -285,6 +321,14 @@ class CacheAppender {
   absl::Status Run(int layer, const TensorView& key, const TensorView& value,
                    Stream stream = nullptr) const;
   const Appender& op() const { return op_; }
+  // The same op bound to step slot `slot` (KVCacheOptions::step_slots):
+  // Run() reads that slot's step buffers and checks its arguments against
+  // the step that last filled the slot, whichever step is the latest (for a
+  // graph captured per slot). The op of an accessor (slot -1) runs on the
+  // latest step's slot. InvalidArgument outside [0, step_slots);
+  // FailedPrecondition for an op not bound to a live cache.
+  absl::StatusOr<CacheAppender> ForSlot(int slot) const;
+  int slot() const { return slot_; }
 
  private:
   friend class KVCache;
@@ -292,6 +336,7 @@ class CacheAppender {
       : state_(std::move(state)), bound_(true), op_(std::move(op)) {}
   std::weak_ptr<const internal::KVCacheState> state_;  // expires with the cache
   bool bound_ = false;
+  int slot_ = -1;  // -1: the latest step's slot
   Appender op_;
 };
 
@@ -311,6 +356,14 @@ class CacheMaterializer {
   // W (the op's defined behaviour), so capture with the capacity.
   absl::Status Run(int layer, const TensorView& out, Stream stream = nullptr) const;
   const Materializer& op() const { return op_; }
+  // The same op bound to step slot `slot` (KVCacheOptions::step_slots):
+  // Run() reads that slot's step buffers and checks its arguments against
+  // the step that last filled the slot, whichever step is the latest (for a
+  // graph captured per slot). The op of an accessor (slot -1) runs on the
+  // latest step's slot. InvalidArgument outside [0, step_slots);
+  // FailedPrecondition for an op not bound to a live cache.
+  absl::StatusOr<CacheMaterializer> ForSlot(int slot) const;
+  int slot() const { return slot_; }
 
  private:
   friend class KVCache;
@@ -318,6 +371,7 @@ class CacheMaterializer {
       : state_(std::move(state)), bound_(true), op_(std::move(op)) {}
   std::weak_ptr<const internal::KVCacheState> state_;  // expires with the cache
   bool bound_ = false;
+  int slot_ = -1;  // -1: the latest step's slot
   Materializer op_;
 };
 
@@ -336,6 +390,14 @@ class CacheDequantizer {
   absl::Status Run(int layer, const TensorView& k_out, const TensorView& v_out,
                    Stream stream = nullptr) const;
   const Dequantizer& op() const { return op_; }
+  // The same op bound to step slot `slot` (KVCacheOptions::step_slots):
+  // Run() reads that slot's step buffers and checks its arguments against
+  // the step that last filled the slot, whichever step is the latest (for a
+  // graph captured per slot). The op of an accessor (slot -1) runs on the
+  // latest step's slot. InvalidArgument outside [0, step_slots);
+  // FailedPrecondition for an op not bound to a live cache.
+  absl::StatusOr<CacheDequantizer> ForSlot(int slot) const;
+  int slot() const { return slot_; }
 
  private:
   friend class KVCache;
@@ -343,6 +405,7 @@ class CacheDequantizer {
       : state_(std::move(state)), bound_(true), op_(std::move(op)) {}
   std::weak_ptr<const internal::KVCacheState> state_;  // expires with the cache
   bool bound_ = false;
+  int slot_ = -1;  // -1: the latest step's slot
   Dequantizer op_;
 };
 
@@ -401,6 +464,14 @@ class CacheAttention {
                    const TensorView& lse = TensorView(), const TensorView& sinks = TensorView()) const;
   int64_t WorkspaceBytes() const { return op_.WorkspaceBytes(); }
   const DecodeAttention& op() const { return op_; }
+  // The same op bound to step slot `slot` (KVCacheOptions::step_slots):
+  // Run() reads that slot's step buffers and checks its arguments against
+  // the step that last filled the slot, whichever step is the latest (for a
+  // graph captured per slot). The op of an accessor (slot -1) runs on the
+  // latest step's slot. InvalidArgument outside [0, step_slots);
+  // FailedPrecondition for an op not bound to a live cache.
+  absl::StatusOr<CacheAttention> ForSlot(int slot) const;
+  int slot() const { return slot_; }
 
  private:
   friend class KVCache;
@@ -408,6 +479,7 @@ class CacheAttention {
       : state_(std::move(state)), bound_(true), op_(std::move(op)) {}
   std::weak_ptr<const internal::KVCacheState> state_;  // expires with the cache
   bool bound_ = false;
+  int slot_ = -1;  // -1: the latest step's slot
   DecodeAttention op_;
 };
 
@@ -614,6 +686,33 @@ class KVCache {
   // (ResourceExhausted), nothing changes. A CUDA error while enqueueing the
   // upload is returned as Internal after the host state was committed (the
   // stream is then unusable anyway).
+  //
+  // Step slots (KVCacheOptions::step_slots = N): step s (counting from 1)
+  // fills slot (s - 1) % N, reported in StepInfo::slot; the step buffers of
+  // the other slots, which steps still in flight read, are not touched.
+  // Ordering rules (docs/kv_cache.md, "Two steps in flight"):
+  // - Stream order: the Run() calls (or the graph launch) of step s are
+  //   enqueued before PrepareStep s+1 is called. Steps may use different
+  //   streams with two or more slots: PrepareStep s+1 records an event on
+  //   step s's stream and makes its own stream wait for it, so the appends
+  //   of step s precede the reads of step s+1 (with one slot every step
+  //   uses the same stream, as before).
+  // - Host waits: with one slot, PrepareStep waits for the previous step's
+  //   upload (normally long done). With N >= 2 it waits only for the step
+  //   that last used the slot it fills (step s - N, through the event that
+  //   PrepareStep s-N+1 recorded after it): never for the step in flight
+  //   before it. Nothing else on the hot path waits.
+  // - Page reuse: with N >= 2, a page whose last reference a call drops
+  //   (ReleaseSequence, Truncate, a SwapOut on the CPU) while the latest
+  //   step is s is "retiring" (Stats().pages_retiring): it becomes free or
+  //   cached at PrepareStep s + N, after that call's wait for step s. Only
+  //   when the free and evictable pages do not suffice does a call (a step,
+  //   SwapIn, imports) wait for the latest step to complete and take the
+  //   retiring pages at once. The rule depends only on the calls, never on
+  //   device timing (tensor-parallel ranks agree). Copy-on-write sources and
+  //   pages shared with a live sequence are never reused while referenced.
+  //   With one slot, a released page is reusable at once (stream order
+  //   protects the step that used it).
   absl::StatusOr<StepInfo> PrepareStep(absl::Span<const StepEntry> entries,
                                        Stream stream = nullptr);
   // What PrepareStep(entries) would do, changing nothing: the same argument
@@ -621,9 +720,14 @@ class KVCache {
   // whether the free and evictable pages cover the step (copies included).
   absl::StatusOr<StepPlan> PlanStep(absl::Span<const StepEntry> entries) const;
   const StepInfo& step() const;
-  // Fixed-address device views of the step buffers (see StepViews).
+  // Fixed-address device views of the step buffers (see StepViews) of the
+  // latest step's slot.
   const StepViews& step_views() const;
-  // Host copies of the current step's staging (the same memory as the
+  // The same for step slot `slot` (the step that last filled it; empty
+  // outside [0, step_slots)).
+  const StepInfo& step(int slot) const;
+  const StepViews& step_views(int slot) const;
+  // Host copies of the latest step's staging (the same memory as the
   // device views on the CPU device): valid until the next PrepareStep.
   absl::Span<const int64_t> host_slot_mapping() const;    // [num_tokens]
   absl::Span<const int32_t> host_seq_lens() const;        // [num_seqs]
@@ -653,6 +757,34 @@ class KVCache {
   std::vector<int64_t> Fp8WorkspaceShape(int64_t pages) const;
 
   // ------------------------------------------------------- prefix cache
+  // Late token ids: the ids of tokens of `seq` appended without them
+  // (StepEntry::token_ids empty), at positions first_position ..
+  // first_position + ids.size() - 1, all below the sequence's length. Once
+  // the ids of a whole page (and of every earlier position) are known, the
+  // page is hashed and indexed like one whose ids came with the append.
+  // Giving a known id again is allowed; a different one is refused. Errors
+  // (nothing changed): NotFound (unknown seq); InvalidArgument (positions
+  // outside the appended tokens, naming first_position; an id that differs
+  // from the known one, naming ids[k] and the position). Ids of a sequence
+  // that is not tracked (prefix caching off, a swapped-out sequence, one
+  // made by ImportHalfPages) are checked and ignored.
+  absl::Status SetTokenIds(SequenceId seq, int64_t first_position,
+                           absl::Span<const int32_t> ids);
+  // The same with ids in device memory (a contiguous [n] i32 view on the
+  // cache's device, e.g. the sampler's output): on CUDA one async copy into
+  // pinned memory on `stream` (after the work enqueued there, no host sync)
+  // and an event; the ids apply at PrepareStep step_serial + max(2,
+  // step_slots) (counted from this call; a fixed point of the calls, never
+  // of when the copy finishes), which waits for the copy (normally long
+  // done). Ids whose positions were truncated, released or swapped out by
+  // then, or that conflict, are dropped (Stats().token_ids_dropped). On the
+  // CPU device the ids apply at once, as the span overload. The view need
+  // not stay valid once the stream got past the copy. Errors as above, and
+  // InvalidArgument naming ids (dtype, rank, stride, device),
+  // ResourceExhausted when more than 2 * max_tokens_per_step * (step_slots +
+  // 1) ids wait.
+  absl::Status SetTokenIds(SequenceId seq, int64_t first_position, const TensorView& ids,
+                           Stream stream = nullptr);
   // The queued KV events, oldest first, and how many were dropped since the
   // previous call (PrefixCacheOptions::max_pending_events).
   KVEventBatch TakeEvents();

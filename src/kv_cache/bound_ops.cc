@@ -53,6 +53,24 @@ internal::CachePools LayerPools(const KVCacheState& s, int layer) {
   return {side(false), side(true)};
 }
 
+// The step slot a bound op runs on (-1: the latest step's).
+const internal::StepSlot& SlotOf(const KVCacheState& s, int slot) {
+  return slot < 0 ? s.step.cur() : s.step.slots[slot];
+}
+
+// Whether `slot` is a step slot of the op's live cache.
+absl::Status CheckSlot(const std::weak_ptr<const KVCacheState>& state, bool bound, int slot,
+                       const char* what) {
+  const std::shared_ptr<const KVCacheState> live = state.lock();
+  if (live == nullptr) return NotBound(what, bound);
+  const int n = static_cast<int>(live->step.slots.size());
+  if (slot < 0 || slot >= n) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        what, "::ForSlot: slot: expected in [0, ", n, ") (step_slots), got ", slot));
+  }
+  return absl::OkStatus();
+}
+
 bool SamePools(const internal::PoolPtrs& a, const internal::PoolPtrs& b) {
   return a.data == b.data && a.scales == b.scales && a.data_page == b.data_page &&
          a.data_entry == b.data_entry && a.data_head == b.data_head &&
@@ -156,12 +174,13 @@ absl::Status CacheAppender::Run(int layer, const TensorView& key, const TensorVi
   const std::shared_ptr<const KVCacheState> live = state_.lock();
   if (live == nullptr) return NotBound("CacheAppender", bound_);
   const KVCacheState& s = *live;
+  const internal::StepSlot& st = SlotOf(s, slot_);
   FP4KV_RETURN_IF_ERROR(s.CheckLayer(layer));
   int64_t rows = s.options.max_tokens_per_step;
   if (key.ndim >= 1) {
-    if (key.shape[0] < s.step.info.num_tokens) {
+    if (key.shape[0] < st.info.num_tokens) {
       return absl::InvalidArgumentError(
-          absl::StrCat("append_key: expected at least ", s.step.info.num_tokens,
+          absl::StrCat("append_key: expected at least ", st.info.num_tokens,
                        " rows (the step's new tokens), got shape ", key.ShapeString()));
     }
     rows = std::min<int64_t>(rows, key.shape[0]);
@@ -169,7 +188,7 @@ absl::Status CacheAppender::Run(int layer, const TensorView& key, const TensorVi
   AppendArgs a;
   a.key = key;
   a.value = value;
-  a.slot_mapping = s.step.views.slot_mapping;
+  a.slot_mapping = st.views.slot_mapping;
   a.slot_mapping.shape[0] = rows;
   a.k_scale = GlobalScale::Pointer(s.scales.d_scales + 4 * layer + 0);
   a.v_scale = GlobalScale::Pointer(s.scales.d_scales + 4 * layer + 1);
@@ -185,8 +204,8 @@ absl::Status CacheAppender::Run(int layer, const TensorView& key, const TensorVi
         cudaStreamIsCapturing(reinterpret_cast<cudaStream_t>(stream), &capture));
     if (capture != cudaStreamCaptureStatusNone) s.scales.layer_captured[layer] = 1;
   }
-  if (s.step.info.num_tokens > 0) {
-    s.scales.layer_append_serial[layer] = s.step.step_serial;
+  if (st.info.num_tokens > 0) {
+    s.scales.layer_append_serial[layer] = st.serial;
     s.SettleLayers(layer, 1);  // its calibration (if any) is enqueued before the append
   }
   if (p->nnz == 0) return absl::OkStatus();
@@ -224,18 +243,19 @@ absl::Status CacheMaterializer::Run(int layer, const TensorView& out, Stream str
   const std::shared_ptr<const KVCacheState> live = state_.lock();
   if (live == nullptr) return NotBound("CacheMaterializer", bound_);
   const KVCacheState& s = *live;
+  const internal::StepSlot& st = SlotOf(s, slot_);
   FP4KV_RETURN_IF_ERROR(s.CheckLayer(layer));
-  if (out.ndim >= 1 && out.shape[0] < s.step.info.fp8_workspace_pages) {
+  if (out.ndim >= 1 && out.shape[0] < st.info.fp8_workspace_pages) {
     return absl::InvalidArgumentError(
-        absl::StrCat("out: expected at least ", s.step.info.fp8_workspace_pages,
+        absl::StrCat("out: expected at least ", st.info.fp8_workspace_pages,
                      " pages (the step's fp8_workspace_pages), got shape ", out.ShapeString()));
   }
   MaterializeArgs a;
-  a.block_tables = s.step.views.block_tables;
-  a.seq_lens = s.step.views.seq_lens;
-  a.kv_page_indptr = s.step.views.kv_page_indptr;
+  a.block_tables = st.views.block_tables;
+  a.seq_lens = st.views.seq_lens;
+  a.kv_page_indptr = st.views.kv_page_indptr;
   a.out = out;
-  a.fp8_block_tables = s.step.views.fp8_block_tables;
+  a.fp8_block_tables = st.views.fp8_block_tables;
   a.k_scale = GlobalScale::Pointer(s.scales.d_scales + 4 * layer + 0);
   a.v_scale = GlobalScale::Pointer(s.scales.d_scales + 4 * layer + 1);
   a.k_fp8_scale = GlobalScale::Pointer(s.scales.d_scales + 4 * layer + 2);
@@ -251,26 +271,27 @@ absl::Status CacheDequantizer::Run(int layer, const TensorView& k_out, const Ten
   const std::shared_ptr<const KVCacheState> live = state_.lock();
   if (live == nullptr) return NotBound("CacheDequantizer", bound_);
   const KVCacheState& s = *live;
+  const internal::StepSlot& st = SlotOf(s, slot_);
   FP4KV_RETURN_IF_ERROR(s.CheckLayer(layer));
   const int S = s.options.max_seqs_per_step;
   int64_t batch = S;
   if (k_out.ndim >= 2) {
     batch = k_out.shape[0];
-    if (batch < s.step.info.num_seqs || batch > S) {
+    if (batch < st.info.num_seqs || batch > S) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "k_out: expected dimension 0 in [", s.step.info.num_seqs, ", ", S,
+          "k_out: expected dimension 0 in [", st.info.num_seqs, ", ", S,
           "] (the step's sequences .. max_seqs_per_step), got shape ", k_out.ShapeString()));
     }
-    if (k_out.shape[1] < s.step.info.max_seq_len) {
+    if (k_out.shape[1] < st.info.max_seq_len) {
       return absl::InvalidArgumentError(
-          absl::StrCat("k_out: expected dimension 1 >= ", s.step.info.max_seq_len,
+          absl::StrCat("k_out: expected dimension 1 >= ", st.info.max_seq_len,
                        " (the step's longest sequence), got shape ", k_out.ShapeString()));
     }
   }
   DequantArgs a;
-  a.block_tables = s.step.views.block_tables;
+  a.block_tables = st.views.block_tables;
   a.block_tables.shape[0] = batch;
-  a.seq_lens = s.step.views.seq_lens;
+  a.seq_lens = st.views.seq_lens;
   a.seq_lens.shape[0] = batch;
   a.k_out = k_out;
   a.v_out = v_out;
@@ -288,6 +309,7 @@ absl::Status CacheAttention::Run(int layer, const TensorView& q, const TensorVie
   const std::shared_ptr<const KVCacheState> live = state_.lock();
   if (live == nullptr) return NotBound("CacheAttention", bound_);
   const KVCacheState& s = *live;
+  const internal::StepSlot& st = SlotOf(s, slot_);
   FP4KV_RETURN_IF_ERROR(s.CheckLayer(layer));
   const int S = s.options.max_seqs_per_step;
   const int max_q_len = op_.options().max_q_len;
@@ -300,37 +322,66 @@ absl::Status CacheAttention::Run(int layer, const TensorView& q, const TensorVie
   if (max_q_len == 1) {
     if (q.ndim >= 1) {
       batch = q.shape[0];
-      if (batch < s.step.info.num_seqs || batch > S) {
+      if (batch < st.info.num_seqs || batch > S) {
         return absl::InvalidArgumentError(absl::StrCat(
-            "q: expected dimension 0 in [", s.step.info.num_seqs, ", ", S,
+            "q: expected dimension 0 in [", st.info.num_seqs, ", ", S,
             "] (one row per step entry, up to max_seqs_per_step), got shape ", q.ShapeString()));
       }
     }
   } else {
-    if (q.ndim >= 1 && q.shape[0] < s.step.info.num_tokens) {
+    if (q.ndim >= 1 && q.shape[0] < st.info.num_tokens) {
       return absl::InvalidArgumentError(
-          absl::StrCat("q: expected at least ", s.step.info.num_tokens,
+          absl::StrCat("q: expected at least ", st.info.num_tokens,
                        " rows (the step's new tokens), got shape ", q.ShapeString()));
     }
-    for (int i = 0; i < s.step.info.num_seqs; ++i) {
-      const int32_t n = s.step.h_token_indptr[i + 1] - s.step.h_token_indptr[i];
+    for (int i = 0; i < st.info.num_seqs; ++i) {
+      const int32_t n = st.h_token_indptr[i + 1] - st.h_token_indptr[i];
       if (n > max_q_len) {
         return absl::InvalidArgumentError(absl::StrCat(
             "step: expected at most max_q_len = ", max_q_len, " new tokens per entry, got ", n,
             " for entry ", i, " (prefill chunks need a prefill attention)"));
       }
     }
-    a.q_indptr = s.step.views.token_indptr;
+    a.q_indptr = st.views.token_indptr;
   }
-  a.block_tables = s.step.views.block_tables;
+  a.block_tables = st.views.block_tables;
   a.block_tables.shape[0] = batch;
-  a.seq_lens = s.step.views.seq_lens;
+  a.seq_lens = st.views.seq_lens;
   a.seq_lens.shape[0] = batch;
   if (max_q_len > 1) a.q_indptr.shape[0] = batch + 1;
   a.k_scale = GlobalScale::Pointer(s.scales.d_scales + 4 * layer + 0);
   a.v_scale = GlobalScale::Pointer(s.scales.d_scales + 4 * layer + 1);
   return internal::DecodeAttentionRunner::Run(op_, a, LayerPools(s, layer), workspace,
                                               workspace_bytes, stream);
+}
+
+
+absl::StatusOr<CacheAppender> CacheAppender::ForSlot(int slot) const {
+  FP4KV_RETURN_IF_ERROR(CheckSlot(state_, bound_, slot, "CacheAppender"));
+  CacheAppender c = *this;
+  c.slot_ = slot;
+  return c;
+}
+
+absl::StatusOr<CacheMaterializer> CacheMaterializer::ForSlot(int slot) const {
+  FP4KV_RETURN_IF_ERROR(CheckSlot(state_, bound_, slot, "CacheMaterializer"));
+  CacheMaterializer c = *this;
+  c.slot_ = slot;
+  return c;
+}
+
+absl::StatusOr<CacheDequantizer> CacheDequantizer::ForSlot(int slot) const {
+  FP4KV_RETURN_IF_ERROR(CheckSlot(state_, bound_, slot, "CacheDequantizer"));
+  CacheDequantizer c = *this;
+  c.slot_ = slot;
+  return c;
+}
+
+absl::StatusOr<CacheAttention> CacheAttention::ForSlot(int slot) const {
+  FP4KV_RETURN_IF_ERROR(CheckSlot(state_, bound_, slot, "CacheAttention"));
+  CacheAttention c = *this;
+  c.slot_ = slot;
+  return c;
 }
 
 }  // namespace fp4kv

@@ -24,12 +24,22 @@ KVCacheState::~KVCacheState() {
     if (host.copy_drained != nullptr) (void)cudaEventDestroy(host.copy_drained);
     (void)cudaStreamDestroy(host.copy_stream);
   }
-  if (step.upload_done != nullptr) {
+  if (cuda) {
     ScopedDevice d;
     (void)d.Set(options.device);
-    // The pinned staging must outlive the last upload that reads it.
-    if (step.upload_pending) (void)cudaEventSynchronize(step.upload_done);
-    (void)cudaEventDestroy(step.upload_done);
+    for (StepSlot& slot : step.slots) {
+      // The pinned staging must outlive the last upload that reads it.
+      if (slot.upload_done != nullptr) {
+        if (slot.upload_pending) (void)cudaEventSynchronize(slot.upload_done);
+        (void)cudaEventDestroy(slot.upload_done);
+      }
+      if (slot.done != nullptr) (void)cudaEventDestroy(slot.done);
+    }
+    // Copies of late token ids write into the pinned ring.
+    for (const PrefixState::PendingIds& p : prefix.pending_ids) {
+      (void)cudaEventSynchronize(p.event);
+    }
+    for (cudaEvent_t e : prefix.all_id_events) (void)cudaEventDestroy(e);
   }
 }
 
@@ -114,6 +124,10 @@ absl::StatusOr<KVCache> KVCache::Create(const KVCacheOptions& o) {
       FP4KV_RETURN_IF_ERROR(internal::CheckScale(v[l], name, static_cast<int>(l)));
     }
   }
+  if (o.step_slots < 1 || o.step_slots > 8) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("step_slots: expected 1 .. 8, got ", o.step_slots));
+  }
   for (const auto& [v, name] :
        {std::pair<int, const char*>{o.max_seqs_per_step, "max_seqs_per_step"},
         std::pair<int, const char*>{o.max_tokens_per_step, "max_tokens_per_step"},
@@ -191,6 +205,7 @@ absl::StatusOr<KVCache> KVCache::Create(const KVCacheOptions& o) {
                                ? o.max_pages_per_seq
                                : CeilDiv(internal::kDefaultMaxSeqTokens, g.page_size);
     in.host_pages = host_pages;
+    in.step_slots = o.step_slots;
     in.budget = o.memory_budget_bytes;
     absl::StatusOr<internal::Capacity> c = internal::PlanCapacity(in);
     if (!c.ok()) return c.status();
@@ -222,6 +237,9 @@ absl::StatusOr<KVCache> KVCache::Create(const KVCacheOptions& o) {
     FP4KV_RETURN_IF_ERROR(internal::SizeHost(&s->prefix.page_tokens,
                                              g.num_pages * g.page_size, int32_t{0}, kCall,
                                              "the token ids of every page slot (prefix caching)"));
+    FP4KV_RETURN_IF_ERROR(internal::SizeHost(&s->prefix.page_known, g.num_pages * g.page_size,
+                                             uint8_t{0}, kCall,
+                                             "the known-id flags of every page slot"));
   }
   s->mem.available_at_create = cap.available;
   s->mem.budget_clamped = cap.clamped;
@@ -267,13 +285,62 @@ absl::StatusOr<KVCache> KVCache::Create(const KVCacheOptions& o) {
       s->host.free_pages[i] = static_cast<int32_t>(host_pages - 1 - i);
     }
   }
-  uint8_t* host = s->mem.device_step.get();
-  if (s->cuda) {
+  const int N = o.step_slots;
+  if (N > 1) {
+    FP4KV_RETURN_IF_ERROR(internal::SizeHost(&s->host.retire_ready, g.num_pages, uint64_t{0},
+                                             kCall, "the retire serial of every page"));
+  }
+  s->step.slots.resize(N);
+  s->mem.slot_device.resize(N);
+  s->mem.slot_staging.resize(N);
+  for (int k = 0; k < N; ++k) {
+    internal::StepSlot& slot = s->step.slots[k];
+    if (k == 0) {
+      slot.d_base = s->mem.device_step.get();
+    } else {
+      FP4KV_RETURN_IF_ERROR(s->mem.slot_device[k].Allocate(
+          s->cuda ? Kind::kDevice : Kind::kHost, sl.scales, "the step buffers of a step slot"));
+      slot.d_base = s->mem.slot_device[k].get();
+    }
+    slot.h_base = slot.d_base;
+    if (s->cuda) {
+      internal::Memory& m = k == 0 ? s->mem.staging : s->mem.slot_staging[k];
+      FP4KV_RETURN_IF_ERROR(m.Allocate(Kind::kPinned, sl.staging_bytes, "the pinned step staging"));
+      slot.h_base = m.get();
+      FP4KV_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&slot.upload_done, cudaEventDisableTiming));
+      if (N > 1) {
+        FP4KV_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&slot.done, cudaEventDisableTiming));
+      }
+    }
+    uint8_t* h = slot.h_base;
+    slot.h_seq_lens = reinterpret_cast<int32_t*>(h + sl.seq_lens);
+    slot.h_kv_indptr = reinterpret_cast<int32_t*>(h + sl.kv_indptr);
+    slot.h_token_indptr = reinterpret_cast<int32_t*>(h + sl.token_indptr);
+    slot.h_slots = reinterpret_cast<int64_t*>(h + sl.slots);
+    slot.h_tables = reinterpret_cast<int32_t*>(h + sl.tables);
+    // Zeroed memory is already a valid empty step but for the padding slots.
+    std::fill(slot.h_slots, slot.h_slots + T, int64_t{-1});
+    if (s->cuda) {
+      FP4KV_CUDA_RETURN_IF_ERROR(
+          cudaMemcpy(slot.d_base, slot.h_base, sl.staging_bytes, cudaMemcpyHostToDevice));
+    }
     FP4KV_RETURN_IF_ERROR(
-        s->mem.staging.Allocate(Kind::kPinned, sl.staging_bytes, "the pinned step staging"));
-    host = s->mem.staging.get();
-    FP4KV_CUDA_RETURN_IF_ERROR(
-        cudaEventCreateWithFlags(&s->step.upload_done, cudaEventDisableTiming));
+        internal::SizeHost(&slot.rows, S, KVCacheState::Row{}, kCall, "the step's row table"));
+    const Device dev = o.device;
+    uint8_t* d = slot.d_base;
+    StepViews& v = slot.views;
+    v.slot_mapping = TensorView::Contiguous(d + sl.slots, DType::kI64, {T}, dev);
+    v.block_tables = TensorView::Contiguous(d + sl.tables, DType::kI32, {S, M}, dev);
+    v.seq_lens = TensorView::Contiguous(d + sl.seq_lens, DType::kI32, {S}, dev);
+    v.kv_page_indptr = TensorView::Contiguous(d + sl.kv_indptr, DType::kI32, {S + 1}, dev);
+    v.token_indptr = TensorView::Contiguous(d + sl.token_indptr, DType::kI32, {S + 1}, dev);
+    v.fp8_block_tables = TensorView::Contiguous(d + sl.fp8_tables, DType::kI32, {S, M}, dev);
+    slot.info.slot = k;
+  }
+  if (s->cuda && s->prefix.enabled) {
+    s->prefix.ids_capacity = 2 * int64_t{T} * (N + 1);
+    FP4KV_RETURN_IF_ERROR(s->prefix.ids_pinned.Allocate(
+        Kind::kPinned, 4 * s->prefix.ids_capacity, "the pinned ring of late token ids"));
   }
   s->mem.d_step = s->mem.device_step.get();
   s->scales.d_scales = reinterpret_cast<float*>(s->mem.d_step + sl.scales);
@@ -281,13 +348,6 @@ absl::StatusOr<KVCache> KVCache::Create(const KVCacheOptions& o) {
   s->scales.d_calib = reinterpret_cast<uint32_t*>(s->mem.d_step + sl.calib);
   s->scales.d_events = reinterpret_cast<uint64_t*>(s->mem.d_step + sl.events);
   s->scales.d_old_scales = reinterpret_cast<float*>(s->mem.d_step + sl.old_scales);
-  s->step.h_seq_lens = reinterpret_cast<int32_t*>(host + sl.seq_lens);
-  s->step.h_kv_indptr = reinterpret_cast<int32_t*>(host + sl.kv_indptr);
-  s->step.h_token_indptr = reinterpret_cast<int32_t*>(host + sl.token_indptr);
-  s->step.h_slots = reinterpret_cast<int64_t*>(host + sl.slots);
-  s->step.h_tables = reinterpret_cast<int32_t*>(host + sl.tables);
-  // Zeroed memory is already a valid empty step but for the padding slots.
-  std::fill(s->step.h_slots, s->step.h_slots + T, int64_t{-1});
 
   // Scales: explicit ones are calibrated; a missing side starts pending with
   // a placeholder (1.0) that only all-zero rows are ever stored under.
@@ -323,8 +383,6 @@ absl::StatusOr<KVCache> KVCache::Create(const KVCacheOptions& o) {
     FP4KV_CUDA_RETURN_IF_ERROR(cudaHostGetDevicePointer(&dev_ptr, s->scales.h_flags, 0));
     s->scales.h_flags_dev = static_cast<int32_t*>(dev_ptr);
     std::memcpy(s->scales.h_flags, flags.data(), flags.size() * sizeof(int32_t));
-    FP4KV_CUDA_RETURN_IF_ERROR(
-        cudaMemcpy(s->mem.d_step, host, sl.staging_bytes, cudaMemcpyHostToDevice));
     FP4KV_CUDA_RETURN_IF_ERROR(cudaMemcpy(s->scales.d_scales, scales.data(),
                                           scales.size() * sizeof(float), cudaMemcpyHostToDevice));
     FP4KV_CUDA_RETURN_IF_ERROR(cudaMemcpy(s->scales.d_flags, flags.data(),
@@ -343,18 +401,6 @@ absl::StatusOr<KVCache> KVCache::Create(const KVCacheOptions& o) {
   s->images.book = std::make_shared<internal::ReservationBook>();
   s->images.book->state = s.get();
 
-  const Device dev = o.device;
-  uint8_t* d = s->mem.d_step;
-  StepViews& v = s->step.views;
-  v.slot_mapping = TensorView::Contiguous(d + sl.slots, DType::kI64, {T}, dev);
-  v.block_tables = TensorView::Contiguous(d + sl.tables, DType::kI32, {S, M}, dev);
-  v.seq_lens = TensorView::Contiguous(d + sl.seq_lens, DType::kI32, {S}, dev);
-  v.kv_page_indptr = TensorView::Contiguous(d + sl.kv_indptr, DType::kI32, {S + 1}, dev);
-  v.token_indptr = TensorView::Contiguous(d + sl.token_indptr, DType::kI32, {S + 1}, dev);
-  v.fp8_block_tables = TensorView::Contiguous(d + sl.fp8_tables, DType::kI32, {S, M}, dev);
-
-  FP4KV_RETURN_IF_ERROR(
-      internal::SizeHost(&s->step.rows, S, KVCacheState::Row{}, kCall, "the step's row table"));
   FP4KV_RETURN_IF_ERROR(internal::SizeHost(&s->step.claim, g.num_pages, int32_t{0}, kCall,
                                            "the copy-on-write claims (one per page)"));
   FP4KV_RETURN_IF_ERROR(internal::SizeHost(&s->step.step_seqs,
@@ -402,7 +448,10 @@ KVCacheStats KVCache::Stats() const {
   st.host_pages_free = static_cast<int64_t>(s.host.free_pages.size());
   st.host_pages_used = st.host_pages_total - st.host_pages_free;
   st.host_bytes = s.host.pages_total > 0 ? s.host.layout.total_bytes : 0;
-  st.swaps_in_flight = static_cast<int64_t>(s.host.outs.size());
+  for (const KVCacheState::SwapOutCopy& c : s.host.outs) st.swaps_in_flight += c.event >= 0;
+  st.pages_retiring = s.PagesRetiring();
+  for (const auto& p : s.prefix.pending_ids) st.token_ids_pending += p.count;
+  st.token_ids_dropped = s.prefix.ids_dropped;
   st.pages_swap_pending = s.PagesSwapPending();
   st.bytes_swapped_out = s.host.bytes_swapped_out;
   st.bytes_swapped_in = s.host.bytes_swapped_in;
@@ -498,9 +547,17 @@ absl::Status KVCache::CheckInvariants() const {
     for (int32_t page : q.pages) ++refs[page];
     const internal::TokenChain& c = q.chain;
     if (!c.tracked) continue;
-    if (static_cast<int64_t>(c.hashes.size()) != q.length / ps) {
-      return absl::InternalError(absl::StrCat("sequence ", id, ": length ", q.length, " tracks ",
-                                              c.hashes.size(), " page hashes"));
+    if (c.ids_known < 0 || c.ids_known > q.length ||
+        static_cast<int64_t>(c.hashes.size()) != c.ids_known / ps) {
+      return absl::InternalError(absl::StrCat("sequence ", id, ": length ", q.length,
+                                              ", token ids known for ", c.ids_known,
+                                              ", tracks ", c.hashes.size(), " page hashes"));
+    }
+    for (int64_t t = 0; t < c.ids_known; ++t) {
+      if (!s.prefix.page_known[static_cast<int64_t>(q.pages[t / ps]) * ps + t % ps]) {
+        return absl::InternalError(absl::StrCat("sequence ", id, ": position ", t,
+                                                " counts as known but its id is not"));
+      }
     }
     for (size_t j = 0; j < c.hashes.size(); ++j) {
       const BlockHash h = internal::HashPage(j == 0 ? nullptr : &c.hashes[j - 1],

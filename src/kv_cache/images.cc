@@ -50,7 +50,8 @@ absl::StatusOr<SequenceImageHeader> ImageHeaderOf(const KVCacheState& s,
                                                   const KVCacheState::Sequence& q) {
   uint64_t flags = 0, fingerprint = 0;
   int64_t key_bytes = 0;
-  if (s.prefix.enabled && q.chain.tracked) {
+  // Token ids travel only when all of them are known (SetTokenIds).
+  if (s.prefix.enabled && q.chain.tracked && q.chain.ids_known == q.length) {
     flags |= kSequenceImageHasTokens;
     key_bytes = static_cast<int64_t>(q.chain.extra_key.size());
   }
@@ -497,8 +498,11 @@ absl::StatusOr<SequenceId> KVCache::CommitImport(ImportReservation reservation, 
   if (tokens) {
     const int32_t* ids = reinterpret_cast<const int32_t*>(tok.data() + internal::TokenIdsOffset(h));
     for (int64_t t = 0; t < h.length; ++t) {
-      s.prefix.page_tokens[static_cast<int64_t>(q.pages[t / ps]) * ps + t % ps] = ids[t];
+      const int64_t slot = static_cast<int64_t>(q.pages[t / ps]) * ps + t % ps;
+      s.prefix.page_tokens[slot] = ids[t];
+      s.prefix.page_known[slot] = 1;
     }
+    q.chain.ids_known = h.length;
     // Indexed by the next FlushIndex, like pages a step completed.
     if (!s.Calibrated()) q.chain.index_from = static_cast<size_t>(h.length / ps);
     if (h.length / ps > 0) {

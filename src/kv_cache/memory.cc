@@ -99,10 +99,19 @@ absl::StatusOr<Capacity> PlanCapacity(const CapacityInput& in) {
   // step and of the layers, the pinned staging (CUDA), the host tier.
   const StepLayout sl = ComputeStepLayout(S, in.max_tokens_per_step, in.max_pages_per_seq,
                                           in.num_layers);
-  const int64_t dev_fixed = SatAdd(SatMul(4 * kRegionAlign, L), sl.device_bytes + kHostAlign);
-  int64_t host_fixed = SatAdd(SatMul(S, sizeof(StepState::Row) + sizeof(void*) + 12),
+  // Step slots past the first: their step buffers and staging each.
+  const int64_t extra_slots = in.step_slots - 1;
+  const int64_t dev_fixed =
+      SatAdd(SatAdd(SatMul(4 * kRegionAlign, L), sl.device_bytes + kHostAlign),
+             SatMul(extra_slots, sl.scales + kHostAlign));
+  int64_t host_fixed = SatAdd(SatAdd(SatMul(SatMul(S, in.step_slots), sizeof(StepState::Row) + 4),
+                                     SatMul(S, sizeof(void*) + 8)),
                               SatMul(L, 64));
-  if (cuda) host_fixed = SatAdd(host_fixed, sl.staging_bytes + kHostAlign);
+  if (cuda) host_fixed = SatAdd(host_fixed, SatMul(in.step_slots, sl.staging_bytes + kHostAlign));
+  // The pinned ring of late token ids (prefix caching on CUDA).
+  if (cuda && in.prefix_cache) {
+    host_fixed = SatAdd(host_fixed, SatMul(8 * (in.step_slots + 1), in.max_tokens_per_step));
+  }
   if (in.host_pages > 0) {
     host_fixed = SatAdd(host_fixed, SatAdd(SatMul(in.host_pages, SatAdd(pool_per_page, 4)),
                                            SatMul(4 * kRegionAlign, L)));

@@ -33,26 +33,85 @@ void KVCacheState::MatchPages(absl::Span<const int32_t> prompt, absl::string_vie
 void KVCacheState::CommitTokens(Sequence& q, const StepEntry& e, int64_t tok0) {
   TokenChain& c = q.chain;
   if (!c.tracked || e.num_new_tokens == 0) return;
+  const int64_t ps = geometry.page_size;
+  const int64_t old_len = q.length - e.num_new_tokens;
+  // A page completed while a layer is pending holds placeholder-scale bytes:
+  // never indexed, whenever its ids arrive.
+  if (old_len / ps < q.length / ps && !Calibrated()) {
+    c.index_from = static_cast<size_t>(q.length / ps);
+  }
   if (e.token_ids.empty()) {
-    if (c.queued) {  // pages completed while tracked (before this append) are still indexed
-      const int64_t len = q.length;
-      q.length -= e.num_new_tokens;
-      FlushIndex();
-      q.length = len;
-    }
-    c.Untrack();
+    // Ids arrive later (SetTokenIds) or never: the slots' ids are unknown.
+    for (int32_t k = 0; k < e.num_new_tokens; ++k) prefix.page_known[step.cur().h_slots[tok0 + k]] = 0;
     return;
   }
-  for (int32_t k = 0; k < e.num_new_tokens; ++k)
-    prefix.page_tokens[step.h_slots[tok0 + k]] = e.token_ids[k];
+  for (int32_t k = 0; k < e.num_new_tokens; ++k) {
+    const int64_t slot = step.cur().h_slots[tok0 + k];
+    prefix.page_tokens[slot] = e.token_ids[k];
+    prefix.page_known[slot] = 1;
+  }
+  if (c.ids_known == old_len) AdvanceKnownIds(q);
+}
+
+void KVCacheState::AdvanceKnownIds(Sequence& q) {
+  TokenChain& c = q.chain;
   const int64_t ps = geometry.page_size;
-  if (static_cast<int64_t>(c.hashes.size() + 1) * ps > q.length) return;  // no page completed
-  const size_t full = static_cast<size_t>(q.length / ps);
-  if (!Calibrated()) c.index_from = full;  // written under a pending layer's placeholder
-  if (!c.queued) {
+  const int64_t before = c.ids_known;
+  while (c.ids_known < q.length &&
+         prefix.page_known[static_cast<int64_t>(q.pages[c.ids_known / ps]) * ps +
+                           c.ids_known % ps]) {
+    ++c.ids_known;
+  }
+  if (c.ids_known / ps > before / ps && !c.queued) {
     c.queued = true;
     prefix.unhashed.push_back(static_cast<uint32_t>(&q - sequences.all.data()));
   }
+}
+
+absl::Status KVCacheState::ApplyTokenIds(Sequence& q, int64_t first, absl::Span<const int32_t> ids,
+                                         const char* what) {
+  const int64_t ps = geometry.page_size;
+  auto slot_of = [&](int64_t pos) {
+    return static_cast<int64_t>(q.pages[pos / ps]) * ps + pos % ps;
+  };
+  const int64_t n = static_cast<int64_t>(ids.size());
+  for (int64_t k = 0; k < n; ++k) {
+    const int64_t slot = slot_of(first + k);
+    if (prefix.page_known[slot] && prefix.page_tokens[slot] != ids[k]) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          what, "[", k, "]: position ", first + k, " of sequence ", q.id, " already has token id ",
+          prefix.page_tokens[slot], ", got ", ids[k], "; nothing changed"));
+    }
+  }
+  for (int64_t k = 0; k < n; ++k) {
+    const int64_t slot = slot_of(first + k);
+    prefix.page_tokens[slot] = ids[k];
+    prefix.page_known[slot] = 1;
+  }
+  if (first <= q.chain.ids_known) AdvanceKnownIds(q);
+  return absl::OkStatus();
+}
+
+void KVCacheState::ApplyPendingIds(uint64_t serial) {
+  std::vector<PrefixState::PendingIds>& v = prefix.pending_ids;
+  size_t k = 0;
+  while (k < v.size() && v[k].ready <= serial) {
+    PrefixState::PendingIds& p = v[k];
+    if (p.event != nullptr) {
+      if (cudaEventSynchronize(p.event) != cudaSuccess) (void)cudaGetLastError();
+      prefix.free_id_events.push_back(p.event);
+    }
+    Sequence* q = Find(p.seq);
+    const int32_t* ids = reinterpret_cast<const int32_t*>(prefix.ids_pinned.get()) + p.offset;
+    bool applied = false;
+    if (q != nullptr && !q->swapped && q->chain.tracked && q->truncations == p.truncations &&
+        p.first + p.count <= q->length) {
+      applied = ApplyTokenIds(*q, p.first, absl::Span<const int32_t>(ids, p.count), "ids").ok();
+    }
+    if (!applied) prefix.ids_dropped += p.count;
+    ++k;
+  }
+  if (k > 0) v.erase(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(k));
 }
 
 void KVCacheState::FlushIndex() {
@@ -64,7 +123,7 @@ void KVCacheState::FlushIndex() {
     c.queued = false;
     if (!q.live || !c.tracked) continue;
     const size_t first = c.hashes.size();
-    const size_t full = static_cast<size_t>(q.length / ps);
+    const size_t full = static_cast<size_t>(c.ids_known / ps);
     for (size_t j = first; j < full; ++j) {
       c.hashes.push_back(HashPage(j == 0 ? nullptr : &c.hashes[j - 1], PageTokens(q.pages[j]),
                                   c.extra_key, &prefix.hash_scratch));
@@ -117,6 +176,7 @@ absl::StatusOr<PrefixSequence> KVCache::CreateSequenceFromPrefix(absl::Span<cons
   q.length = tokens;
   q.chain.Reset(true, extra_key);
   q.chain.hashes.assign(s.prefix.match_hashes.begin(), s.prefix.match_hashes.end());
+  q.chain.ids_known = tokens;
   ++s.prefix.queries;
   s.prefix.query_tokens += static_cast<int64_t>(prompt.size());
   s.prefix.hit_tokens += tokens;
@@ -134,6 +194,125 @@ PrefixMatch KVCache::MatchPrefix(absl::Span<const int32_t> prompt,
   m.tokens = m.pages * s.geometry.page_size;
   for (int32_t page : s.prefix.match_pages) m.pages_evictable += s.allocator.RefCount(page) == 0;
   return m;
+}
+
+// ---------------------------------------------------------- late token ids
+namespace {
+
+// The sequence and range checks shared by both SetTokenIds.
+absl::StatusOr<KVCacheState::Sequence*> CheckIdRange(KVCacheState& s, SequenceId seq,
+                                                     int64_t first, int64_t count) {
+  KVCacheState::Sequence* q = s.Find(seq);
+  if (q == nullptr) return KVCacheState::Unknown("seq", seq);
+  if (first < 0 || count > q->length || first > q->length - count) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "first_position: expected positions [first_position, first_position + ", count,
+        ") inside the ", q->length, " appended tokens of sequence ", seq, ", got first_position ",
+        first));
+  }
+  return q;
+}
+
+// Whether ids given for q are recorded at all (prefix caching on, q tracked).
+bool Recorded(const KVCacheState& s, const KVCacheState::Sequence& q) {
+  return s.prefix.enabled && q.chain.tracked && !q.swapped;
+}
+
+}  // namespace
+
+absl::Status KVCache::SetTokenIds(SequenceId seq, int64_t first_position,
+                                  absl::Span<const int32_t> ids) {
+  FP4KV_KV_RETURN_IF_MOVED_FROM();
+  KVCacheState& s = *state_;
+  absl::StatusOr<KVCacheState::Sequence*> q =
+      CheckIdRange(s, seq, first_position, static_cast<int64_t>(ids.size()));
+  if (!q.ok()) return q.status();
+  if (ids.empty() || !Recorded(s, **q)) return absl::OkStatus();
+  return s.ApplyTokenIds(**q, first_position, ids, "ids");
+}
+
+absl::Status KVCache::SetTokenIds(SequenceId seq, int64_t first_position, const TensorView& ids,
+                                  Stream stream) {
+  FP4KV_KV_RETURN_IF_MOVED_FROM();
+  KVCacheState& s = *state_;
+  if (ids.data == nullptr || ids.ndim != 1 || ids.dtype != DType::kI32 ||
+      (ids.shape[0] > 1 && ids.strides[0] != 1)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "ids: expected a contiguous 1-d i32 view, got ", ids.ndim, " dims of ",
+        DTypeName(ids.dtype), ids.data == nullptr ? " at null" : "",
+        ids.ndim == 1 ? absl::StrCat(" with stride ", ids.strides[0]) : std::string()));
+  }
+  if (ids.device != s.options.device) {
+    return absl::InvalidArgumentError(absl::StrCat("ids: expected memory of ",
+                                                   s.options.device.ToString(), ", got ",
+                                                   ids.device.ToString()));
+  }
+  const int64_t n = ids.shape[0];
+  absl::StatusOr<KVCacheState::Sequence*> q = CheckIdRange(s, seq, first_position, n);
+  if (!q.ok()) return q.status();
+  if (n == 0 || !Recorded(s, **q)) return absl::OkStatus();
+  if (!s.cuda) {
+    return s.ApplyTokenIds(**q, first_position,
+                           absl::Span<const int32_t>(static_cast<const int32_t*>(ids.data),
+                                                     static_cast<size_t>(n)),
+                           "ids");
+  }
+  // A room in the pinned ring after the newest pending copy (or from 0).
+  std::vector<internal::PrefixState::PendingIds>& pend = s.prefix.pending_ids;
+  const int64_t cap = s.prefix.ids_capacity;
+  int64_t off = -1;
+  if (pend.empty()) {
+    off = n <= cap ? 0 : -1;
+  } else {
+    const int64_t head = pend.front().offset;
+    const int64_t tail = pend.back().offset + pend.back().count;
+    if (tail > head) {  // [head, tail) used
+      if (tail + n <= cap) {
+        off = tail;
+      } else if (n <= head) {
+        off = 0;
+      }
+    } else if (tail + n <= head) {  // wrapped: [head, cap) and [0, tail) used
+      off = tail;
+    }
+  }
+  if (off < 0) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "ids: ", n, " ids do not fit beside the ", pend.size(),
+        " device copies not yet applied (room for ", cap,
+        " ids, 2 * max_tokens_per_step * (step_slots + 1)); nothing changed"));
+  }
+  internal::ScopedDevice scoped;
+  FP4KV_RETURN_IF_ERROR(scoped.Set(s.options.device));
+  cudaEvent_t e = nullptr;
+  if (s.prefix.free_id_events.empty()) {
+    FP4KV_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    s.prefix.all_id_events.push_back(e);
+  } else {
+    e = s.prefix.free_id_events.back();
+    s.prefix.free_id_events.pop_back();
+  }
+  const cudaStream_t cs = reinterpret_cast<cudaStream_t>(stream);
+  int32_t* dst = reinterpret_cast<int32_t*>(s.prefix.ids_pinned.get()) + off;
+  cudaError_t err = cudaMemcpyAsync(dst, ids.data, sizeof(int32_t) * n, cudaMemcpyDeviceToHost, cs);
+  if (err == cudaSuccess) err = cudaEventRecord(e, cs);
+  if (err != cudaSuccess) {
+    s.prefix.free_id_events.push_back(e);
+    return internal::CudaStatus(err, "SetTokenIds (copy of the ids)");
+  }
+  internal::PrefixState::PendingIds p;
+  p.seq = seq;
+  p.first = first_position;
+  p.count = n;
+  p.offset = off;
+  p.truncations = (*q)->truncations;
+  // Applied by PrepareStep step_serial + max(2, step_slots): by then the
+  // step that follows this call's stream work has completed (or its slot
+  // was waited for), so the wait for the copy is normally no wait.
+  p.ready = s.step.step_serial + std::max(2, s.options.step_slots);
+  p.event = e;
+  pend.push_back(p);
+  return absl::OkStatus();
 }
 
 // ------------------------------------------------------------ prefix cache

@@ -28,7 +28,7 @@ absl::Status CheckScale(float v, const char* name, int layer) {
 int64_t KVCacheState::TokensHeld(int layer) const {
   int64_t n = TokensResident();
   if (scales.layer_append_serial[layer] != step.step_serial && !scales.layer_captured[layer])
-    n -= step.info.num_tokens;
+    n -= step.cur().info.num_tokens;
   return n < 0 ? 0 : n;
 }
 

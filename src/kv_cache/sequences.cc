@@ -69,14 +69,16 @@ int64_t KVCacheState::TokensResident() const {
     ++p.owners;
     p.fill = std::max<int64_t>(p.fill, q.length % ps);
   }
-  int64_t n =
-      (allocator.used_count() - images.reserved_pages - static_cast<int64_t>(partial.size())) * ps;
+  // Retiring pages (two or more step slots) hold no tokens of anyone.
+  int64_t n = (allocator.used_count() - images.reserved_pages - PagesRetiring() -
+               static_cast<int64_t>(partial.size())) *
+              ps;
   for (const auto& [page, p] : partial) n += p.owners < allocator.RefCount(page) ? ps : p.fill;
   return n;
 }
 
 void KVCacheState::ReleasePages(Sequence& q) {
-  for (size_t j = q.pages.size(); j-- > 0;) allocator.Release(q.pages[j]);
+  DropPages(q.pages.data(), q.pages.size());
   q.pages.clear();
   ++q.epoch;
 }
@@ -145,12 +147,14 @@ absl::Status KVCache::Truncate(SequenceId seq, int64_t new_len) {
   }
   const size_t keep = static_cast<size_t>(CeilDiv(new_len, s.geometry.page_size));
   if (keep < q->pages.size()) {
-    // Last page first: of pages that become cached, the deepest is evicted first.
-    for (size_t j = q->pages.size(); j-- > keep;) s.allocator.Release(q->pages[j]);
+    // Last page first (DropPages): of pages that become cached, the deepest
+    // is evicted first.
+    s.DropPages(q->pages.data() + keep, q->pages.size() - keep);
     q->pages.resize(keep);
     ++q->epoch;
   }
   q->length = new_len;
+  ++q->truncations;
   q->chain.Truncate(new_len, s.geometry.page_size);
   return absl::OkStatus();
 }
@@ -170,15 +174,16 @@ absl::Status KVCache::ReleaseSequence(SequenceId seq) {
       for (KVCacheState::SwapOutCopy& c : s.host.outs) {
         if (c.seq == seq) {
           c.seq = 0;
-          c.orphan = std::move(q->pages);
+          c.orphan.assign(q->pages.rbegin(), q->pages.rend());  // dropped last page first
         }
       }
       q->pages.clear();
     }
   }
   s.DropSwapIn(*q);
-  // Last page first: of pages that become cached, the deepest is evicted first.
-  for (size_t j = q->pages.size(); j-- > 0;) s.allocator.Release(q->pages[j]);
+  // Last page first (DropPages): of pages that become cached, the deepest
+  // is evicted first.
+  s.DropPages(q->pages.data(), q->pages.size());
   q->pages.clear();  // keeps the capacity for the next sequence in this slot
   q->chain.Reset(false, {});
   q->length = 0;

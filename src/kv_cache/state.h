@@ -46,6 +46,9 @@ struct Sequence {
   bool swapped = false;
   std::vector<int32_t> host_pages;
   int swapin_event = -1;  // copy of a SwapIn not yet waited for by a stream
+  // Bumped by Truncate: token ids given for positions before a truncation
+  // (SetTokenIds from device memory, still in flight) do not apply after it.
+  uint64_t truncations = 0;
 };
 
 // The sequences (owner: sequences.cc). Ids count up from 1 and are never
@@ -65,6 +68,9 @@ struct MemoryState {
   Memory pools;
   Memory device_step;  // CPU: also the staging
   Memory staging;      // CUDA only (pinned)
+  // Step slots 1 .. step_slots-1 (slot 0 lives in device_step / staging):
+  // the step buffers [0, StepLayout::scales) and their staging.
+  std::vector<Memory> slot_device, slot_staging;
   uint8_t* d_step = nullptr;
   // Sizing (docs/kv_cache.md, "Allocation and budget rules"): the memory the
   // pools' device had available at Create, and whether memory_budget_bytes
@@ -73,8 +79,10 @@ struct MemoryState {
   bool budget_clamped = false;
 };
 
-// The current step and its staging (owner: step.cc).
-struct StepState {
+// One step slot: fixed-address step buffers (device), their staging (pinned
+// host on CUDA; the device buffers themselves on the CPU) and what the step
+// that last filled them was (owner: step.cc).
+struct StepSlot {
   // What row b of the staging block tables holds: the first `count` pages of
   // sequence `seq` as of `epoch`.
   struct Row {
@@ -82,8 +90,19 @@ struct StepState {
     uint64_t epoch = 0;
     int32_t count = 0;
   };
+  uint8_t* d_base = nullptr;  // device step buffers ([0, StepLayout::scales) of the layout)
+  uint8_t* h_base = nullptr;  // staging ([0, StepLayout::staging_bytes))
+  // Recorded after the slot's upload (CUDA): the staging may be rewritten
+  // once it completed.
   cudaEvent_t upload_done = nullptr;
   bool upload_pending = false;
+  // Two or more slots: recorded by the next PrepareStep on this slot's step
+  // stream, after every kernel the server enqueued for the step (the step
+  // is complete once it completed).
+  cudaEvent_t done = nullptr;
+  bool done_recorded = false;
+  uint64_t serial = 0;       // the step it holds (0: none yet)
+  Stream stream = nullptr;   // the stream of that step
   // Staging (host) pointers.
   int32_t* h_seq_lens = nullptr;
   int32_t* h_kv_indptr = nullptr;
@@ -92,11 +111,22 @@ struct StepState {
   int32_t* h_tables = nullptr;
   StepViews views;
   StepInfo info;
-  uint64_t step_serial = 0;  // committed PrepareSteps
   HostVector<Row> rows;
   int64_t slot_extent = 0;  // staging slots [0, slot_extent) may be >= 0
   int rows_used = 0;
+};
+
+// The step slots and the step builder's scratch (owner: step.cc).
+struct StepState {
+  using Row = StepSlot::Row;
+  std::vector<StepSlot> slots;  // KVCacheOptions::step_slots of them
+  int current = 0;              // the slot of the latest step
+  uint64_t step_serial = 0;     // committed PrepareSteps
   uint64_t stamp = 0;
+  StepSlot& cur() { return slots[current]; }
+  const StepSlot& cur() const { return slots[current]; }
+  // The slot the next PrepareStep fills (round robin).
+  int next() const { return static_cast<int>((step_serial) % slots.size()); }
   // PrepareStep scratch (sized once).
   HostVector<int32_t> claim;        // [num_pages]
   HostVector<Sequence*> step_seqs;  // [max_seqs_per_step]
@@ -146,7 +176,44 @@ struct PrefixState {
   // sequence: a page's ids travel with it (forks, matches, truncations).
   // Allocated only with prefix caching on.
   HostVector<int32_t> page_tokens;
+  // Whether the id in page_tokens of a slot is known (given with the append
+  // or later by SetTokenIds); an append without ids clears it.
+  HostVector<uint8_t> page_known;
   std::vector<uint32_t> unhashed;  // sequence slots with completed, unhashed pages
+  // Ids given as device views (SetTokenIds), copied back into `ids_pinned`
+  // (a ring) and applied at PrepareStep `ready` (docs/kv_cache.md, "Late
+  // token ids"): a function of the calls, never of when the copy finishes.
+  struct PendingIds {
+    SequenceId seq = 0;
+    int64_t first = 0;      // position of the first id
+    int64_t count = 0;
+    int64_t offset = 0;     // in ids_pinned
+    uint64_t truncations = 0;  // of the sequence when given
+    uint64_t ready = 0;     // step_serial of the PrepareStep that applies them
+    cudaEvent_t event = nullptr;
+  };
+  std::vector<PendingIds> pending_ids;  // in call order
+  Memory ids_pinned;                    // CUDA: [ids_capacity] i32, pinned
+  int64_t ids_capacity = 0;
+  std::vector<cudaEvent_t> free_id_events;
+  std::vector<cudaEvent_t> all_id_events;
+  int64_t ids_dropped = 0;  // device ids that did not apply (truncated, released, conflicting)
+};
+
+// Page references whose release waits until no step (or copy) in flight can
+// still use the pages (owner: host_tier.cc, which also owns the SwapOut
+// copies among them). One list, one rule: an entry goes at the first call
+// once step_serial >= ready; an entry of released pages (event < 0, seq 0)
+// also goes at the start of PrepareStep `ready` itself, after that call
+// waited for the step that last used its slot (docs/kv_cache.md, "Ordering
+// rules").
+struct RetireEntry {
+  int event = -1;       // a SwapOut copy (host tier event) to wait for first; -1: none
+  SequenceId seq = 0;   // a SwapOut's sequence, whose device pages go then (0: none)
+  std::vector<int32_t> orphan;  // page references held, released in order
+  uint64_t serial = 0;  // StepState::step_serial when made
+  uint64_t ready = 0;   // the step_serial from which it goes
+  bool step_pages() const { return event < 0 && seq == 0; }
 };
 
 class KVCacheState;
@@ -174,15 +241,12 @@ struct ImageState {
 // The host tier (owner: host_tier.cc): pinned host pages laid out like the
 // pools ([L][K data, V data, K scales, V scales][host pages]).
 struct HostTierState {
-  // SwapOut copies in flight, in copy-stream order. seq 0: the sequence was
-  // swapped back in (keeping its pages) or released (orphan: its pages,
-  // dropped when the copy is done).
-  struct SwapOutCopy {
-    int event = -1;
-    SequenceId seq = 0;
-    std::vector<int32_t> orphan;
-    uint64_t serial = 0;  // StepState::step_serial at the SwapOut (see PollSwaps)
-  };
+  // SwapOut copies in flight are entries of `outs` (RetireEntry with an
+  // event), in copy-stream order. seq 0: the sequence was swapped back in
+  // (keeping its pages) or released (orphan: its pages, dropped when the
+  // copy is done). With two or more step slots, `outs` also holds the pages
+  // that releases dropped while steps that may use them are in flight.
+  using SwapOutCopy = RetireEntry;
   int64_t pages_total = 0;
   PoolLayout layout;
   Memory pool;
@@ -195,6 +259,10 @@ struct HostTierState {
   std::vector<int> free_events;
   std::vector<int> event_refs;  // sequences waiting on a SwapIn event
   std::vector<SwapOutCopy> outs;
+  // Two or more step slots: per page, the step_serial from which no step in
+  // flight can use it any more (step_serial + step_slots at its latest
+  // drop); an entry's page whose time moved on is held by a later entry.
+  HostVector<uint64_t> retire_ready;
   int64_t bytes_swapped_out = 0, bytes_swapped_in = 0;
 };
 // The whole state of a KVCache; heap-allocated so that its address (held by
@@ -290,21 +358,48 @@ class KVCacheState {
   // A new empty sequence (KVCache::CreateSequence).
   SequenceId NewSequence();
 
-  // Drops the sequence's device page references.
+  // Drops the sequence's device page references (DropPages).
   void ReleasePages(Sequence& q);
+
+  // Drops one reference of each page (in order): at once with one step
+  // slot, or for a page held elsewhere too; otherwise the reference moves to
+  // a retire entry of the current step (ready at PrepareStep step_serial +
+  // step_slots), so that no step in flight sees its page reused.
+  void DropPages(const int32_t* pages, size_t n);
+  // The released-page entry (the newest) that goes at step_serial `ready`.
+  RetireEntry& HoldEntry(uint64_t ready);
 
   void FinishOut(SwapOutCopy& c);
 
-  // Retires the SwapOut copies after which two PrepareSteps have committed
-  // (serial + 2 <= step_serial), in order: waits for each (the second
-  // PrepareStep waited for the first one's upload, so the copy has had a
-  // whole step to run) and drops its device pages. The
-  // rule depends only on the calls, never on when the copies finish, so
-  // every rank of a tensor-parallel group frees the same pages at the same
-  // call.
-  void PollSwaps();
+  // Retires the entries of host.outs whose time has come (ready <=
+  // step_serial; with in_prepare, also released pages with ready ==
+  // step_serial + 1: PrepareStep calls it after waiting for the step that
+  // last used its slot), in order: waits for a SwapOut copy (the copy has
+  // had two whole steps to run: normally long done) and drops the pages.
+  // SwapOut copies are ready after max(2, step_slots) PrepareSteps,
+  // released pages after step_slots. The rule depends only on the calls,
+  // never on when the copies or steps finish, so every rank of a
+  // tensor-parallel group frees the same pages at the same call.
+  void PollSwaps(bool in_prepare = false);
 
+  // Retires every SwapOut copy now (waits for them).
   absl::Status WaitSwapOuts();
+
+  // Retires every entry now: waits for the SwapOut copies and for the
+  // latest step to complete (host syncs: only when pages are needed that
+  // only these entries hold).
+  absl::Status WaitRetiring();
+
+  // The pages released-page entries hold that become free (*to_free) or
+  // cached (*to_cached) when they go: all of them (due_only false) or those
+  // a PrepareStep retires before its check (due_only true).
+  void RetiringReleases(bool due_only, int64_t* to_free, int64_t* to_cached) const;
+  // Device pages held only by released-page entries (Stats' pages_retiring).
+  int64_t PagesRetiring() const;
+
+  // Makes the stream of the latest step's slot record its `done` event if
+  // it has not (CUDA, two or more slots).
+  absl::Status RecordStepDone();
 
   // The device pages unfinished SwapOut copies will release that become
   // free (*to_free) or cached (*to_cached, indexed): those held only there.
@@ -324,10 +419,13 @@ class KVCacheState {
   // Tokens of swapped-out sequences, and one of them.
   int64_t SwappedTokens(SequenceId* any = nullptr) const;
 
-  // Waits for unfinished SwapOut copies when their pages are needed (the
-  // caller polled the finished ones at its start); ResourceExhausted when n
-  // pages are not there.
+  // Waits for unfinished SwapOut copies, then for the steps in flight, when
+  // their pages are needed (the caller polled the finished ones at its
+  // start); ResourceExhausted when n pages are not there.
   absl::Status MakeAvailable(int64_t n, const char* what);
+  // Whether n pages are available now or once the SwapOut copies and the
+  // retiring pages are waited for.
+  bool WouldBecomeAvailable(int64_t n) const;
 
   // XXH3-64 of every layer's scales when the host knows them all.
   bool ScaleFingerprint(uint64_t* out) const;
@@ -357,6 +455,19 @@ class KVCacheState {
 
   // The token ids recorded for a page (page_size of them).
   absl::Span<const int32_t> PageTokens(int32_t page) const;
+
+  // Token ids of positions [first, first + ids.size()) of q (all appended):
+  // InvalidArgument naming `what` and the position when one conflicts with a
+  // known id (nothing written then), else records them and queues q for
+  // indexing when ids became known for a whole page.
+  absl::Status ApplyTokenIds(Sequence& q, int64_t first, absl::Span<const int32_t> ids,
+                             const char* what);
+  // Extends q's known-id prefix over positions whose ids are known and
+  // queues q when that completed a page.
+  void AdvanceKnownIds(Sequence& q);
+  // Applies the device ids that are due (ready <= serial): waits for each
+  // copy (normally long done). PrepareStep calls it.
+  void ApplyPendingIds(uint64_t serial);
 
   void ClearPrefixIndex();
 };

@@ -93,16 +93,37 @@ absl::StatusOr<StepInfo> KVCache::PrepareStep(absl::Span<const StepEntry> entrie
   const int M = s.options.max_pages_per_seq;
   const int ps = s.geometry.page_size;
   const int n = static_cast<int>(entries.size());
+  const int N = static_cast<int>(s.step.slots.size());
+  const int k = s.step.next();
+  internal::StepSlot& slot = s.step.slots[k];
+
+  internal::ScopedDevice scoped;
+  if (s.cuda) FP4KV_RETURN_IF_ERROR(scoped.Set(s.options.device));
+  if (N > 1 && s.step.step_serial > 0) {
+    // The step in flight is complete once this event is (its kernels were
+    // enqueued before this call); then wait for the step that last used
+    // this slot: it reads the buffers this call rewrites.
+    FP4KV_RETURN_IF_ERROR(s.RecordStepDone());
+    if (s.cuda && slot.serial > 0) {
+      FP4KV_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(slot.done));
+      slot.upload_pending = false;
+    }
+  }
+  // Retirements first: SwapOut copies due now and, after the wait above,
+  // pages released while the slot's previous step was the latest.
+  s.PollSwaps(/*in_prepare=*/true);
+  if (s.prefix.enabled && !s.prefix.pending_ids.empty()) s.ApplyPendingIds(s.step.step_serial + 1);
 
   // Pass 1: check everything and count the pages; change nothing (claims and
   // marks are scratch).
-  s.PollSwaps();
   internal::ClaimReset claim_reset{s};
   int64_t need = 0;
   FP4KV_RETURN_IF_ERROR(internal::CheckStepEntries(s, entries, &need));
-  if (need > s.allocator.available_count() && !s.host.outs.empty()) {
-    // Pages still held by SwapOut copies in flight: wait for them.
+  if (need > s.allocator.available_count() && !s.host.outs.empty() &&
+      s.WouldBecomeAvailable(need)) {
+    // Pages still held by SwapOut copies or by the steps in flight: wait.
     FP4KV_RETURN_IF_ERROR(s.WaitSwapOuts());
+    if (need > s.allocator.available_count()) FP4KV_RETURN_IF_ERROR(s.WaitRetiring());
   }
   if (need > s.allocator.available_count()) {
     return absl::ResourceExhaustedError(
@@ -112,13 +133,19 @@ absl::StatusOr<StepInfo> KVCache::PrepareStep(absl::Span<const StepEntry> entrie
                      s.allocator.num_pages(), "; nothing changed"));
   }
 
-  // The previous upload may still read the staging buffer.
-  internal::ScopedDevice scoped;
   if (s.cuda) {
-    FP4KV_RETURN_IF_ERROR(scoped.Set(s.options.device));
-    if (s.step.upload_pending) {
-      FP4KV_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(s.step.upload_done));
-      s.step.upload_pending = false;
+    // The slot's previous upload may still read its staging (one slot: the
+    // previous step's upload, normally long done).
+    if (slot.upload_pending) {
+      FP4KV_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(slot.upload_done));
+      slot.upload_pending = false;
+    }
+    // Steps on different streams: this step's work follows the previous
+    // step's (its appends precede this step's reads).
+    const internal::StepSlot& prev = s.step.cur();
+    if (N > 1 && s.step.step_serial > 0 && prev.stream != stream) {
+      FP4KV_CUDA_RETURN_IF_ERROR(
+          cudaStreamWaitEvent(reinterpret_cast<cudaStream_t>(stream), prev.done, 0));
     }
     // Sequences swapped back in: the step's stream waits for their copies.
     for (int i = 0; i < n; ++i) {
@@ -132,21 +159,26 @@ absl::StatusOr<StepInfo> KVCache::PrepareStep(absl::Span<const StepEntry> entrie
   // Copies on write first: undone if one cannot be enqueued.
   const int64_t evictions_before = s.allocator.evictions();
   s.step.cow_dst.clear();
-  for (size_t k = 0; k < s.step.cow_src.size(); ++k) {
+  for (size_t c = 0; c < s.step.cow_src.size(); ++c) {
     const int32_t dst = s.allocator.Allocate();
     s.step.cow_dst.push_back(dst);
-    if (absl::Status st = s.CopyPage(s.step.cow_src[k], dst, stream); !st.ok()) {
+    if (absl::Status st = s.CopyPage(s.step.cow_src[c], dst, stream); !st.ok()) {
       for (int32_t p : s.step.cow_dst) s.allocator.Release(p);
       return st;
     }
     if (s.prefix.enabled) {  // the page's token ids travel with its bytes
-      const absl::Span<const int32_t> ids = s.PageTokens(s.step.cow_src[k]);
-      std::copy(ids.begin(), ids.end(), s.prefix.page_tokens.begin() + int64_t{dst} * ps);
+      const int64_t from = int64_t{s.step.cow_src[c]} * ps, to = int64_t{dst} * ps;
+      std::copy(s.prefix.page_tokens.begin() + from, s.prefix.page_tokens.begin() + from + ps,
+                s.prefix.page_tokens.begin() + to);
+      std::copy(s.prefix.page_known.begin() + from, s.prefix.page_known.begin() + from + ps,
+                s.prefix.page_known.begin() + to);
     }
   }
 
   // Pass 2: commit. Nothing below fails until the upload.
+  s.step.current = k;
   StepInfo info;
+  info.slot = k;
   info.num_seqs = n;
   info.pages_copied = static_cast<int64_t>(s.step.cow_dst.size());
   const int32_t free_before =
@@ -176,7 +208,7 @@ absl::StatusOr<StepInfo> KVCache::PrepareStep(absl::Span<const StepEntry> entrie
     int64_t j = old_len / ps;
     int64_t e = old_len % ps;
     for (int64_t pos = old_len; pos < new_len; ++pos) {
-      s.step.h_slots[tok++] = static_cast<int64_t>(q.pages[j]) * ps + e;
+      slot.h_slots[tok++] = static_cast<int64_t>(q.pages[j]) * ps + e;
       if (++e == ps) {
         e = 0;
         ++j;
@@ -185,14 +217,14 @@ absl::StatusOr<StepInfo> KVCache::PrepareStep(absl::Span<const StepEntry> entrie
     q.length = new_len;
     if (s.prefix.enabled) s.CommitTokens(q, entries[i], tok - (new_len - old_len));
     const int32_t count = static_cast<int32_t>(q.pages.size());
-    s.step.h_seq_lens[i] = static_cast<int32_t>(new_len);
-    s.step.h_token_indptr[i + 1] = static_cast<int32_t>(tok);
-    s.step.h_kv_indptr[i + 1] = s.step.h_kv_indptr[i] + count;
+    slot.h_seq_lens[i] = static_cast<int32_t>(new_len);
+    slot.h_token_indptr[i + 1] = static_cast<int32_t>(tok);
+    slot.h_kv_indptr[i + 1] = slot.h_kv_indptr[i] + count;
     info.max_seq_len = std::max(info.max_seq_len, static_cast<int32_t>(new_len));
-    KVCacheState::Row& r = s.step.rows[i];
+    KVCacheState::Row& r = slot.rows[i];
     const int32_t from = (r.seq == id && r.epoch == q.epoch && r.count <= count) ? r.count : 0;
     if (from < count) {
-      std::memcpy(s.step.h_tables + static_cast<int64_t>(i) * M + from, q.pages.data() + from,
+      std::memcpy(slot.h_tables + static_cast<int64_t>(i) * M + from, q.pages.data() + from,
                   sizeof(int32_t) * (count - from));
       dirty_lo = std::min(dirty_lo, i);
       dirty_hi = i;
@@ -200,38 +232,41 @@ absl::StatusOr<StepInfo> KVCache::PrepareStep(absl::Span<const StepEntry> entrie
     r = KVCacheState::Row{id, q.epoch, count};
   }
   // Padding: unused rows read nothing, unused slots write nothing.
-  for (int i = n; i < s.step.rows_used; ++i) s.step.h_seq_lens[i] = 0;
-  std::fill(s.step.h_kv_indptr + n + 1, s.step.h_kv_indptr + S + 1, s.step.h_kv_indptr[n]);
-  std::fill(s.step.h_token_indptr + n + 1, s.step.h_token_indptr + S + 1, s.step.h_token_indptr[n]);
-  const int64_t slot_upload = std::max(tok, s.step.slot_extent);
-  if (tok < s.step.slot_extent)
-    std::fill(s.step.h_slots + tok, s.step.h_slots + s.step.slot_extent, int64_t{-1});
-  s.step.slot_extent = tok;
-  s.step.rows_used = n;
+  for (int i = n; i < slot.rows_used; ++i) slot.h_seq_lens[i] = 0;
+  std::fill(slot.h_kv_indptr + n + 1, slot.h_kv_indptr + S + 1, slot.h_kv_indptr[n]);
+  std::fill(slot.h_token_indptr + n + 1, slot.h_token_indptr + S + 1, slot.h_token_indptr[n]);
+  const int64_t slot_upload = std::max(tok, slot.slot_extent);
+  if (tok < slot.slot_extent)
+    std::fill(slot.h_slots + tok, slot.h_slots + slot.slot_extent, int64_t{-1});
+  slot.slot_extent = tok;
+  slot.rows_used = n;
 
   info.num_tokens = tok;
-  info.num_pages = s.step.h_kv_indptr[n];
+  info.num_pages = slot.h_kv_indptr[n];
   info.fp8_workspace_pages = 1 + info.num_pages;
   info.pages_allocated = free_before - s.allocator.available_count();
   info.pages_evicted = s.allocator.evictions() - evictions_before;
-  s.step.info = info;
+  slot.info = info;
   ++s.step.step_serial;
+  slot.serial = s.step.step_serial;
+  slot.stream = stream;
+  slot.done_recorded = false;
 
   if (s.cuda) {
     const cudaStream_t cs = reinterpret_cast<cudaStream_t>(stream);
     const internal::StepLayout& sl = s.mem.step_layout;
-    const uint8_t* host = s.mem.staging.get();
-    FP4KV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(s.mem.d_step, host, sl.slots + 8 * slot_upload,
+    const uint8_t* host = slot.h_base;
+    FP4KV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(slot.d_base, host, sl.slots + 8 * slot_upload,
                                                cudaMemcpyHostToDevice, cs));
     if (dirty_hi >= dirty_lo) {
       const int64_t row_bytes = 4 * static_cast<int64_t>(M);
       const int64_t off = sl.tables + dirty_lo * row_bytes;
-      FP4KV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(s.mem.d_step + off, host + off,
+      FP4KV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(slot.d_base + off, host + off,
                                                  (dirty_hi - dirty_lo + 1) * row_bytes,
                                                  cudaMemcpyHostToDevice, cs));
     }
-    FP4KV_CUDA_RETURN_IF_ERROR(cudaEventRecord(s.step.upload_done, cs));
-    s.step.upload_pending = true;
+    FP4KV_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.upload_done, cs));
+    slot.upload_pending = true;
   }
   return info;
 }
@@ -247,17 +282,27 @@ absl::StatusOr<StepPlan> KVCache::PlanStep(absl::Span<const StepEntry> entries) 
   p.pages_needed = need;
   p.pages_copied = static_cast<int64_t>(s.step.cow_src.size());
   p.pages_free = s.allocator.free_count();
-  p.pages_evictable = s.allocator.cached_count();
+  // Released pages PrepareStep retires before its check count as free or
+  // cached now; the others wait for the steps in flight.
+  int64_t due_free = 0, due_cached = 0, all_free = 0, all_cached = 0;
+  s.RetiringReleases(/*due_only=*/true, &due_free, &due_cached);
+  s.RetiringReleases(/*due_only=*/false, &all_free, &all_cached);
+  p.pages_free = s.allocator.free_count() + due_free;
+  p.pages_evictable = s.allocator.cached_count() + due_cached;
+  p.pages_retiring = all_free + all_cached - due_free - due_cached;
   int64_t pending_free = 0, pending_cached = 0;
   s.PendingReleases(&pending_free, &pending_cached);
   p.pages_swap_pending = pending_free + pending_cached;
-  const int64_t available = s.allocator.available_count();
-  p.fits = need <= available + p.pages_swap_pending;
+  const int64_t available = p.pages_free + p.pages_evictable;
+  p.fits = need <= available + p.pages_swap_pending + p.pages_retiring;
   if (p.fits) {
-    // PrepareStep waits for the copies only when the pages available now do not suffice.
-    const int64_t free = need <= available ? p.pages_free : p.pages_free + pending_free;
+    // PrepareStep waits for the copies, then for the steps, only when the
+    // pages available before do not suffice.
+    int64_t free = p.pages_free;
+    if (need > available) free += pending_free;
+    if (need > available + p.pages_swap_pending) free += all_free - due_free;
     p.pages_evicted = std::max<int64_t>(0, need - free);
-    p.pages_left = available + p.pages_swap_pending - need;
+    p.pages_left = available + p.pages_swap_pending + p.pages_retiring - need;
     p.tokens_left = p.pages_left * s.geometry.page_size;
   }
   return p;
@@ -268,29 +313,41 @@ const StepInfo kNoStep{};
 const StepViews kNoViews{};
 }  // namespace
 
-const StepInfo& KVCache::step() const { return state_ ? state_->step.info : kNoStep; }
-const StepViews& KVCache::step_views() const { return state_ ? state_->step.views : kNoViews; }
+const StepInfo& KVCache::step() const { return state_ ? state_->step.cur().info : kNoStep; }
+const StepViews& KVCache::step_views() const {
+  return state_ ? state_->step.cur().views : kNoViews;
+}
+const StepInfo& KVCache::step(int slot) const {
+  if (state_ == nullptr || slot < 0 || slot >= static_cast<int>(state_->step.slots.size()))
+    return kNoStep;
+  return state_->step.slots[slot].info;
+}
+const StepViews& KVCache::step_views(int slot) const {
+  if (state_ == nullptr || slot < 0 || slot >= static_cast<int>(state_->step.slots.size()))
+    return kNoViews;
+  return state_->step.slots[slot].views;
+}
 
 absl::Span<const int64_t> KVCache::host_slot_mapping() const {
   if (state_ == nullptr) return {};
-  return absl::Span<const int64_t>(state_->step.h_slots, state_->step.info.num_tokens);
+  return absl::Span<const int64_t>(state_->step.cur().h_slots, state_->step.cur().info.num_tokens);
 }
 absl::Span<const int32_t> KVCache::host_seq_lens() const {
   if (state_ == nullptr) return {};
-  return absl::Span<const int32_t>(state_->step.h_seq_lens, state_->step.info.num_seqs);
+  return absl::Span<const int32_t>(state_->step.cur().h_seq_lens, state_->step.cur().info.num_seqs);
 }
 absl::Span<const int32_t> KVCache::host_kv_page_indptr() const {
   if (state_ == nullptr) return {};
-  return absl::Span<const int32_t>(state_->step.h_kv_indptr, state_->step.info.num_seqs + 1);
+  return absl::Span<const int32_t>(state_->step.cur().h_kv_indptr, state_->step.cur().info.num_seqs + 1);
 }
 absl::Span<const int32_t> KVCache::host_token_indptr() const {
   if (state_ == nullptr) return {};
-  return absl::Span<const int32_t>(state_->step.h_token_indptr, state_->step.info.num_seqs + 1);
+  return absl::Span<const int32_t>(state_->step.cur().h_token_indptr, state_->step.cur().info.num_seqs + 1);
 }
 absl::Span<const int32_t> KVCache::host_block_table(int row) const {
   if (state_ == nullptr || row < 0 || row >= state_->options.max_seqs_per_step) return {};
   const int M = state_->options.max_pages_per_seq;
-  return absl::Span<const int32_t>(state_->step.h_tables + static_cast<int64_t>(row) * M, M);
+  return absl::Span<const int32_t>(state_->step.cur().h_tables + static_cast<int64_t>(row) * M, M);
 }
 
 }  // namespace fp4kv
