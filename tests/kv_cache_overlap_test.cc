@@ -961,10 +961,12 @@ class OverlapFuzzer {
     const int64_t available_now = total - static_cast<int64_t>(held.size());
     const bool exhausted = need > total - held_by_seqs;
     const bool force = !exhausted && need > available_now;
-    // What the GPU would have waited for: the slot's previous step (and
-    // every step when forced); copy-on-write copies on the CPU read pages
-    // at once, so every step in flight runs first there.
-    if (!gpu_ && (force || cow)) {
+    // What the GPU would have waited for: the slot's previous step, and
+    // every step when forced (the cache then waits for the latest step, so
+    // none is in flight after the call: the model drains on both devices);
+    // copy-on-write copies on the CPU read pages at once, so every step in
+    // flight runs first there.
+    if (force || (!gpu_ && cow)) {
       Drain();
     } else {
       Settle(serial > static_cast<uint64_t>(slots_) ? serial - slots_ : 0);

@@ -246,38 +246,8 @@ __global__ void __launch_bounds__(kAttnThreads, AttnConfig<D, kFp8K>::kCtasPerSm
           }
         }
       } else {
-        uint32_t kw[2][kKWords];
-        uint32_t ksb[2];
-#pragma unroll
-        for (int nt = 0; nt < 2; ++nt) {
-          const uint8_t* row = st + Cfg::kKcOff + (g + 8 * nt) * Cfg::kKRowStride + c * (D / 8);
-#pragma unroll
-          for (int w = 0; w < kKWords; w += 2) {
-            const uint2 v = *reinterpret_cast<const uint2*>(row + 4 * w);
-            kw[nt][w] = v.x;
-            kw[nt][w + 1] = v.y;
-          }
-          const uint8_t* srow = st + Cfg::kKsOff + (g + 8 * nt) * Cfg::kScaleBytes + c * (D / 64);
-          if constexpr (D == 64) {
-            ksb[nt] = srow[0];
-          } else if constexpr (D == 128) {
-            ksb[nt] = *reinterpret_cast<const uint16_t*>(srow);
-          } else {
-            ksb[nt] = *reinterpret_cast<const uint32_t*>(srow);
-          }
-        }
-        // Block scale multipliers, two blocks per conversion: kmul[nt][q] holds
-        // blocks 2q and 2q + 1 (one block for D = 64: twice).
-        constexpr int kScalePairs = D >= 128 ? D / 128 : 1;
-        uint32_t kmul[2][kScalePairs];
-#pragma unroll
-        for (int nt = 0; nt < 2; ++nt) {
-#pragma unroll
-          for (int q = 0; q < kScalePairs; ++q) {
-            const uint32_t two = D >= 128 ? (ksb[nt] >> (16 * q)) & 0xffffu : ksb[nt] * 0x0101u;
-            kmul[nt][q] = device::ScalePairMultiplier(two);
-          }
-        }
+        KTileWords<D, Cfg> kt;
+        kt.Load(st, g, c);
 #pragma unroll
         for (int w = 0; w < kKWords; ++w) {
           uint32_t qa[2][4];
@@ -285,10 +255,8 @@ __global__ void __launch_bounds__(kAttnThreads, AttnConfig<D, kFp8K>::kCtasPerSm
           LdMatrixX4(q_lane + (2 * w + 1) * 32, qa[1]);
 #pragma unroll
           for (int nt = 0; nt < 2; ++nt) {
-            const uint32_t pair = kmul[nt][w / 4 < kScalePairs ? w / 4 : 0];
-            const uint32_t mul = (w / 2) % 2 == 0 ? DupLowHalf(pair) : DupHighHalf(pair);
             uint32_t b[4];
-            device::DecodeWordHalf2(kw[nt][w], mul, b);
+            device::DecodeWordHalf2(kt.w[nt][w], kt.WordMul(nt, w), b);
             Mma16816(s[nt], qa[0], b[0], b[2]);
             Mma16816(s[nt], qa[1], b[1], b[3]);
           }
@@ -336,8 +304,8 @@ __global__ void __launch_bounds__(kAttnThreads, AttnConfig<D, kFp8K>::kCtasPerSm
         // below 2^kAttnRescaleSlack (exact range in f16, no fp32 overflow)
         // and O is rescaled on few tiles.
         const float m_new = mx - m_run[r] > kAttnRescaleSlack ? fmaxf(m_run[r], mx) : m_run[r];
-        const float m_use = m_new == -INFINITY ? 0.0f : m_new;
-        alpha[r] = m_new == m_run[r] ? 1.0f : Ex2(m_run[r] - m_use);
+        const float m_use = m_new == -INFINITY ? 0.0f : m_new - kAttnPOffset;
+        alpha[r] = m_new == m_run[r] ? 1.0f : Ex2(m_run[r] - m_new);
         m_run[r] = m_new;
         float sum = 0.0f;
 #pragma unroll
@@ -365,42 +333,13 @@ __global__ void __launch_bounds__(kAttnThreads, AttnConfig<D, kFp8K>::kCtasPerSm
       }
 
       // ---- O += P V.
-      uint32_t vw[4][kVWords];  // tokens 2c, 2c+1, 2c+8, 2c+9
-      uint32_t vsb[2][kVWords > 1 ? 2 : 1];
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const int tt = 2 * c + (k & 1) + 8 * (k >> 1);
-        const uint8_t* row = st + Cfg::kVcOff + VSlot(tt) * Cfg::kRowBytes + g * (D / 16);
-        if constexpr (kVWords == 1) {
-          vw[k][0] = *reinterpret_cast<const uint32_t*>(row);
-        } else {
-#pragma unroll
-          for (int w = 0; w < kVWords; w += 2) {
-            const uint2 v = *reinterpret_cast<const uint2*>(row + 4 * w);
-            vw[k][w] = v.x;
-            vw[k][w + 1] = v.y;
-          }
-        }
-      }
-#pragma unroll
-      for (int pr = 0; pr < 2; ++pr) {
-        const int t0 = 2 * c + 8 * pr;
-        const uint8_t* s0 = st + Cfg::kVsOff + VSlot(t0) * Cfg::kScaleBytes;
-        const uint8_t* s1 = st + Cfg::kVsOff + VSlot(t0 + 1) * Cfg::kScaleBytes;
-        constexpr int kBlocksPerSeg = kVWords > 1 ? kVWords / 2 : 1;
-#pragma unroll
-        for (int q = 0; q < kBlocksPerSeg; ++q) {
-          const int blk = (g * (D / 8)) / 16 + q;
-          vsb[pr][q] = device::ScalePairMultiplier(static_cast<uint32_t>(s0[blk]) |
-                                                   (static_cast<uint32_t>(s1[blk]) << 8));
-        }
-      }
+      VTileWords<D, Cfg> vt;
+      vt.Load(st, g, c);
 #pragma unroll
       for (int w = 0; w < kVWords; ++w) {
         uint32_t b0[8], b1[8];
-        const int q = kVWords > 1 ? w / 2 : 0;
-        device::DecodeWordPairHalf2(vw[0][w], vw[1][w], vsb[0][q], b0);
-        device::DecodeWordPairHalf2(vw[2][w], vw[3][w], vsb[1][q], b1);
+        device::DecodeWordPairHalf2(vt.w[0][w], vt.w[1][w], vt.WordMul(0, w), b0);
+        device::DecodeWordPairHalf2(vt.w[2][w], vt.w[3][w], vt.WordMul(1, w), b1);
 #pragma unroll
         for (int d = 0; d < 8; ++d) {
           Mma16816(o[8 * w + d], pa, b0[d], b1[d]);
@@ -410,6 +349,11 @@ __global__ void __launch_bounds__(kAttnThreads, AttnConfig<D, kFp8K>::kCtasPerSm
     }
     CpAsyncWait<0>();
     __syncwarp();
+    // (m, l) as handed on: l carries the factor 2^kAttnPOffset.
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      if (m_run[r] != -INFINITY) m_run[r] -= kAttnPOffset;
+    }
 
     // ---- Row sums across the quad.
 #pragma unroll

@@ -22,6 +22,13 @@ inline constexpr int kAttnMinChunk = 64;
 // Online softmax: the running max of a row is raised only when a tile's
 // max exceeds it by more than this (log2 units); see the softmax step.
 inline constexpr float kAttnRescaleSlack = 8.0f;
+// P = 2^(s - m + kAttnPOffset) for the running max m (log2 units): at most
+// 2^(kAttnRescaleSlack + kAttnPOffset) = 2^15, within f16, and P of a key
+// up to 14 + 7 below the max is still a normal f16 (a subnormal P would
+// carry an absolute error of 2^-25, large against a row whose output comes
+// from such keys). The (max, sum) a warp hands on is (m - kAttnPOffset, l),
+// so the combine, the merge, the sinks and the LSE need no change.
+inline constexpr float kAttnPOffset = 7.0f;
 
 // kFp8K: FP8 E4M3 keys (D bytes per K row, no K block scales). Their K rows
 // are padded to D + 16 bytes at D = 128 (the 16-byte fragment loads of two

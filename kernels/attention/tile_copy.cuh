@@ -20,6 +20,7 @@
 
 #include <cstdint>
 
+#include "fp4kv/device/page_reader.cuh"
 #include "kernels/attention/ptx.cuh"
 #include "kernels/attention/schedule.cuh"
 #include "src/attention_params.h"
@@ -286,6 +287,103 @@ struct AttnTileCopier {
       pe -= p.page_size;
       ++pj;
     }
+  }
+};
+
+// ---------------------------------------------------------------------------
+// What lane (g, c) of a warp reads back from a stage (both kernel families).
+// ---------------------------------------------------------------------------
+// NVFP4 K: the code words of tokens g (t = 0) and g + 8 (t = 1), bytes
+// [c D/8, (c+1) D/8) of their rows, and their block-scale multipliers
+// (ScalePairMultiplier, two blocks a conversion; D = 64: one block, twice).
+template <int D, class Cfg>
+struct KTileWords {
+  static constexpr int kWords = D / 32;
+  static constexpr int kScalePairs = D >= 128 ? D / 128 : 1;
+  uint32_t w[2][kWords];
+  uint32_t mul[2][kScalePairs];
+
+  __device__ __forceinline__ void Load(const uint8_t* st, int g, int c) {
+    uint32_t sb[2];
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+      const uint8_t* row = st + Cfg::kKcOff + (g + 8 * t) * Cfg::kKRowStride + c * (D / 8);
+#pragma unroll
+      for (int k = 0; k < kWords; k += 2) {
+        const uint2 v = *reinterpret_cast<const uint2*>(row + 4 * k);
+        w[t][k] = v.x;
+        w[t][k + 1] = v.y;
+      }
+      const uint8_t* srow = st + Cfg::kKsOff + (g + 8 * t) * Cfg::kScaleBytes + c * (D / 64);
+      if constexpr (D == 64) {
+        sb[t] = srow[0];
+      } else if constexpr (D == 128) {
+        sb[t] = *reinterpret_cast<const uint16_t*>(srow);
+      } else {
+        sb[t] = *reinterpret_cast<const uint32_t*>(srow);
+      }
+    }
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+#pragma unroll
+      for (int q = 0; q < kScalePairs; ++q) {
+        const uint32_t two = D >= 128 ? (sb[t] >> (16 * q)) & 0xffffu : sb[t] * 0x0101u;
+        mul[t][q] = device::ScalePairMultiplier(two);
+      }
+    }
+  }
+
+  // The multiplier of word k of token half t (both halves of the f16x2 hold
+  // its block's scale).
+  __device__ __forceinline__ uint32_t WordMul(int t, int k) const {
+    const uint32_t pair = mul[t][k / 4 < kScalePairs ? k / 4 : 0];
+    return (k / 2) % 2 == 0 ? DupLowHalf(pair) : DupHighHalf(pair);
+  }
+};
+
+// V: segment g (dims [g D/8, (g+1) D/8)) of tokens 2c, 2c+1, 2c+8, 2c+9
+// (w[0..3]) and the scale-pair multipliers of tokens {2c, 2c+1} (mul[0])
+// and {2c+8, 2c+9} (mul[1]), one per 16-dim block of the segment.
+template <int D, class Cfg>
+struct VTileWords {
+  static constexpr int kWords = D / 64;
+  static constexpr int kBlocks = kWords > 1 ? kWords / 2 : 1;
+  uint32_t w[4][kWords];
+  uint32_t mul[2][kBlocks];
+
+  __device__ __forceinline__ void Load(const uint8_t* st, int g, int c) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const int tt = 2 * c + (k & 1) + 8 * (k >> 1);
+      const uint8_t* row = st + Cfg::kVcOff + VSlot(tt) * Cfg::kRowBytes + g * (D / 16);
+      if constexpr (kWords == 1) {
+        w[k][0] = *reinterpret_cast<const uint32_t*>(row);
+      } else {
+#pragma unroll
+        for (int j = 0; j < kWords; j += 2) {
+          const uint2 v = *reinterpret_cast<const uint2*>(row + 4 * j);
+          w[k][j] = v.x;
+          w[k][j + 1] = v.y;
+        }
+      }
+    }
+#pragma unroll
+    for (int pr = 0; pr < 2; ++pr) {
+      const int t0 = 2 * c + 8 * pr;
+      const uint8_t* s0 = st + Cfg::kVsOff + VSlot(t0) * Cfg::kScaleBytes;
+      const uint8_t* s1 = st + Cfg::kVsOff + VSlot(t0 + 1) * Cfg::kScaleBytes;
+#pragma unroll
+      for (int q = 0; q < kBlocks; ++q) {
+        const int blk = (g * (D / 8)) / 16 + q;
+        mul[pr][q] = device::ScalePairMultiplier(static_cast<uint32_t>(s0[blk]) |
+                                                 (static_cast<uint32_t>(s1[blk]) << 8));
+      }
+    }
+  }
+
+  // The multiplier of word j (both token pairs use block j / 2).
+  __device__ __forceinline__ uint32_t WordMul(int pr, int j) const {
+    return mul[pr][kWords > 1 ? j / 2 : 0];
   }
 };
 

@@ -313,46 +313,14 @@ __global__ void __launch_bounds__(kAttnThreads, (kTokensInMCtasPerSm<D, kN, kFp8
           }
         }
       } else {
-        uint32_t kw[2][kKWords];
-        uint32_t ksb[2];
-#pragma unroll
-        for (int t = 0; t < 2; ++t) {
-          const uint8_t* row = st + Cfg::kKcOff + (g + 8 * t) * Cfg::kKRowStride + c * (D / 8);
-#pragma unroll
-          for (int w = 0; w < kKWords; w += 2) {
-            const uint2 v = *reinterpret_cast<const uint2*>(row + 4 * w);
-            kw[t][w] = v.x;
-            kw[t][w + 1] = v.y;
-          }
-          const uint8_t* srow = st + Cfg::kKsOff + (g + 8 * t) * Cfg::kScaleBytes + c * (D / 64);
-          if constexpr (D == 64) {
-            ksb[t] = srow[0];
-          } else if constexpr (D == 128) {
-            ksb[t] = *reinterpret_cast<const uint16_t*>(srow);
-          } else {
-            ksb[t] = *reinterpret_cast<const uint32_t*>(srow);
-          }
-        }
-        // Block scale multipliers, two blocks per conversion: kmul[t][q]
-        // holds blocks 2q and 2q + 1 (one block for D = 64: twice).
-        constexpr int kScalePairs = D >= 128 ? D / 128 : 1;
-        uint32_t kmul[2][kScalePairs];
-#pragma unroll
-        for (int t = 0; t < 2; ++t) {
-#pragma unroll
-          for (int q = 0; q < kScalePairs; ++q) {
-            const uint32_t two = D >= 128 ? (ksb[t] >> (16 * q)) & 0xffffu : ksb[t] * 0x0101u;
-            kmul[t][q] = device::ScalePairMultiplier(two);
-          }
-        }
+        KTileWords<D, Cfg> kt;
+        kt.Load(st, g, c);
 #pragma unroll
         for (int w = 0; w < kKWords; ++w) {
           uint32_t dec[2][4];
 #pragma unroll
           for (int t = 0; t < 2; ++t) {
-            const uint32_t pair = kmul[t][w / 4 < kScalePairs ? w / 4 : 0];
-            const uint32_t mul = (w / 2) % 2 == 0 ? DupLowHalf(pair) : DupHighHalf(pair);
-            device::DecodeWordHalf2(kw[t][w], mul, dec[t]);
+            device::DecodeWordHalf2(kt.w[t][w], kt.WordMul(t, w), dec[t]);
           }
           const uint32_t a0[4] = {dec[0][0], dec[1][0], dec[0][1], dec[1][1]};
           const uint32_t a1[4] = {dec[0][2], dec[1][2], dec[0][3], dec[1][3]};
@@ -366,42 +334,13 @@ __global__ void __launch_bounds__(kAttnThreads, (kTokensInMCtasPerSm<D, kN, kFp8
     };
     // O^T += V^T P^T of the tile in stage st (pb: its P^T B fragments).
     const auto tile_values = [&](const uint8_t* st, const uint32_t(&pb)[kN][2]) {
-      uint32_t vw[4][kVWords];  // tokens 2c, 2c+1, 2c+8, 2c+9
-      uint32_t vsb[2][kVWords > 1 ? 2 : 1];
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const int tt = 2 * c + (k & 1) + 8 * (k >> 1);
-        const uint8_t* row = st + Cfg::kVcOff + VSlot(tt) * Cfg::kRowBytes + g * (D / 16);
-        if constexpr (kVWords == 1) {
-          vw[k][0] = *reinterpret_cast<const uint32_t*>(row);
-        } else {
-#pragma unroll
-          for (int w = 0; w < kVWords; w += 2) {
-            const uint2 v = *reinterpret_cast<const uint2*>(row + 4 * w);
-            vw[k][w] = v.x;
-            vw[k][w + 1] = v.y;
-          }
-        }
-      }
-#pragma unroll
-      for (int pr = 0; pr < 2; ++pr) {
-        const int t0 = 2 * c + 8 * pr;
-        const uint8_t* s0 = st + Cfg::kVsOff + VSlot(t0) * Cfg::kScaleBytes;
-        const uint8_t* s1 = st + Cfg::kVsOff + VSlot(t0 + 1) * Cfg::kScaleBytes;
-        constexpr int kBlocksPerSeg = kVWords > 1 ? kVWords / 2 : 1;
-#pragma unroll
-        for (int q = 0; q < kBlocksPerSeg; ++q) {
-          const int blk = (g * kSeg) / 16 + q;
-          vsb[pr][q] = device::ScalePairMultiplier(static_cast<uint32_t>(s0[blk]) |
-                                                   (static_cast<uint32_t>(s1[blk]) << 8));
-        }
-      }
+      VTileWords<D, Cfg> vt;
+      vt.Load(st, g, c);
 #pragma unroll
       for (int w = 0; w < kVWords; ++w) {
         uint32_t b0[8], b1[8];  // dims 8w + d of tokens {2c, 2c+1}, {2c+8, 2c+9}
-        const int q = kVWords > 1 ? w / 2 : 0;
-        device::DecodeWordPairHalf2(vw[0][w], vw[1][w], vsb[0][q], b0);
-        device::DecodeWordPairHalf2(vw[2][w], vw[3][w], vsb[1][q], b1);
+        device::DecodeWordPairHalf2(vt.w[0][w], vt.w[1][w], vt.WordMul(0, w), b0);
+        device::DecodeWordPairHalf2(vt.w[2][w], vt.w[3][w], vt.WordMul(1, w), b1);
 #pragma unroll
         for (int d = 0; d < 4; ++d) {
           const uint32_t va[4] = {b0[d], b0[d + 4], b1[d], b1[d + 4]};
@@ -485,8 +424,8 @@ __global__ void __launch_bounds__(kAttnThreads, (kTokensInMCtasPerSm<D, kN, kFp8
           // 2^kAttnRescaleSlack, O is rescaled on few steps.
           const float m_new =
               mx - m_run[nt][r] > kAttnRescaleSlack ? fmaxf(m_run[nt][r], mx) : m_run[nt][r];
-          const float m_use = m_new == -INFINITY ? 0.0f : m_new;
-          alpha[nt][r] = m_new == m_run[nt][r] ? 1.0f : Ex2(m_run[nt][r] - m_use);
+          const float m_use = m_new == -INFINITY ? 0.0f : m_new - kAttnPOffset;
+          alpha[nt][r] = m_new == m_run[nt][r] ? 1.0f : Ex2(m_run[nt][r] - m_new);
           rescale = rescale || alpha[nt][r] != 1.0f;
           m_run[nt][r] = m_new;
           float sum = 0.0f;
@@ -535,6 +474,14 @@ __global__ void __launch_bounds__(kAttnThreads, (kTokensInMCtasPerSm<D, kN, kFp8
     }
     CpAsyncWait<0>();
     __syncwarp();
+    // (m, l) as handed on: l carries the factor 2^kAttnPOffset.
+#pragma unroll
+    for (int nt = 0; nt < kN; ++nt) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        if (m_run[nt][r] != -INFINITY) m_run[nt][r] -= kAttnPOffset;
+      }
+    }
 
     // ---- Row sums across the 8 lanes of a column.
 #pragma unroll
