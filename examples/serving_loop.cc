@@ -695,6 +695,7 @@ int main(int argc, char** argv) {
   int64_t peak_pages = 0, copies = 0;
   double prepare_s = 0, layers_s = 0;  // host time in PrepareStep; the layers' ops (synchronized)
   int done = 0;
+  int done_at_preemption = -1;  // `done` when a request was last preempted
   if (gpu) {
     for (Rank& k : ranks) {
       use(k);
@@ -815,8 +816,11 @@ int main(int argc, char** argv) {
       const int n = 1 + static_cast<int>(rng() % 2);
       for (int i = 0; i < n && arrived < f.requests; ++i) waiting.push_back(arrived++);
     }
-    // Admission: a new request joins when a slot is free.
-    while (!waiting.empty() && static_cast<int>(active.size()) < f.max_batch) {
+    // Admission: a new request joins when a slot is free, and not between a
+    // preemption and the next completion (a preempted request admitted again
+    // at once would make the same step fail again, forever).
+    while (!waiting.empty() && static_cast<int>(active.size()) < f.max_batch &&
+           done_at_preemption != done) {
       Request& r = reqs[waiting.front()];
       waiting.pop_front();
       if (f.prefix_cache != 0) {
@@ -885,6 +889,7 @@ int main(int argc, char** argv) {
       reqs[id].state = Request::kWaiting;
       waiting.push_front(id);
       ++preemptions;
+      done_at_preemption = done;
       continue;
     }
     CHECK_OK(info.status());
