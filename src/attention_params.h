@@ -67,6 +67,7 @@ struct AttentionParams {
   int num_sms = 0;
   bool merge_overlaps = false;  // see AttentionKernelSetup
   AttentionFamily family = AttentionFamily::kRowsInM;  // see AttentionKernelSetup
+  int ctas_per_sm = 0;  // see AttentionKernelSetup; 0: the kernel's own bound
 
   // Reference only (tests): when set, the CPU reference also stores every
   // output element unrounded here, [total_q, Hq, Dv] with out's strides.
@@ -139,6 +140,11 @@ void ReferenceDecodeAttention(const AttentionParams& p);
 struct AttentionKernelSetup {
   bool merge_overlaps = false;  // the merge kernel's code waits in griddepcontrol (PTX 9.0+)
   AttentionFamily family = AttentionFamily::kRowsInM;  // the kernel family Run() launches
+  // CTAs of the selected kernel that fit an SM with max_batch's shared memory
+  // when fewer than its launch bound (0: the bound): the persistent grid is
+  // num_sms times this, so a large max_batch shrinks the grid instead of
+  // leaving a tail wave.
+  int ctas_per_sm = 0;
 };
 
 // Create()-time setup on options.device: raises the selected kernel's dynamic

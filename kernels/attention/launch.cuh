@@ -51,8 +51,12 @@ absl::Status LaunchFor(const AttentionParams& p, Stream stream) {
   a.rows_per_slot = kernels::AttnRowsPerSlot(p.group, p.max_q_len);
   const AttnKernelChoice kernel =
       SelectAttentionKernel<D, kBf16, kFp8K>(p.family, p.soft_cap > 0.0f, a.rows_per_slot);
-  // At most AttnConfig<D>::kCtasPerSm per SM, which sized the workspace.
-  a.num_ctas = p.num_sms * kernel.ctas_per_sm;
+  // At most AttnConfig<D>::kCtasPerSm per SM, which sized the workspace; fewer
+  // when max_batch's schedule arrays leave room for fewer (found at Create()).
+  const int ctas_per_sm = p.ctas_per_sm > 0 && p.ctas_per_sm < kernel.ctas_per_sm
+                              ? p.ctas_per_sm
+                              : kernel.ctas_per_sm;
+  a.num_ctas = p.num_sms * ctas_per_sm;
   a.page_q16 = kernels::kAttnTile / p.page_size;
   a.page_r16 = kernels::kAttnTile % p.page_size;
   {
@@ -112,6 +116,11 @@ absl::Status PrepareFor(const DecodeAttention::Options& o, AttentionKernelSetup*
                       kernels::AttnScheduleBytes(o.max_batch);
   FP4KV_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
       kernel.fn, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  int resident = 0;
+  FP4KV_CUDA_RETURN_IF_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+      &resident, kernel.fn, kernels::kAttnThreads, smem));
+  // 0 (nothing fits) leaves the kernel's own bound: the launch reports it.
+  out->ctas_per_sm = resident >= 1 && resident < kernel.ctas_per_sm ? resident : 0;
   cudaFuncAttributes fa;
   FP4KV_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&fa, &kernels::MergeAttentionKernel<D, kBf16>));
   out->merge_overlaps = fa.ptxVersion >= 90;
