@@ -301,7 +301,7 @@ __global__ void __launch_bounds__(kAttnThreads, AttnConfig<D, kFp8K>::kCtasPerSm
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
         // Lazy rescale: the running max moves only when the tile's max
         // exceeds it by more than kAttnRescaleSlack (log2 units), so P stays
-        // below 2^kAttnRescaleSlack (exact range in f16, no fp32 overflow)
+        // below 2^(kAttnRescaleSlack + kAttnPOffset) (within f16, no fp32 overflow)
         // and O is rescaled on few tiles.
         const float m_new = mx - m_run[r] > kAttnRescaleSlack ? fmaxf(m_run[r], mx) : m_run[r];
         const float m_use = m_new == -INFINITY ? 0.0f : m_new - kAttnPOffset;

@@ -421,7 +421,7 @@ __global__ void __launch_bounds__(kAttnThreads, (kTokensInMCtasPerSm<D, kN, kFp8
           mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
           mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
           // Lazy rescale as in the rows-in-M kernel: P stays below
-          // 2^kAttnRescaleSlack, O is rescaled on few steps.
+          // 2^(kAttnRescaleSlack + kAttnPOffset), O is rescaled on few steps.
           const float m_new =
               mx - m_run[nt][r] > kAttnRescaleSlack ? fmaxf(m_run[nt][r], mx) : m_run[nt][r];
           const float m_use = m_new == -INFINITY ? 0.0f : m_new - kAttnPOffset;
