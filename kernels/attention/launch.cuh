@@ -53,9 +53,8 @@ absl::Status LaunchFor(const AttentionParams& p, Stream stream) {
       SelectAttentionKernel<D, kBf16, kFp8K>(p.family, p.soft_cap > 0.0f, a.rows_per_slot);
   // At most AttnConfig<D>::kCtasPerSm per SM, which sized the workspace; fewer
   // when max_batch's schedule arrays leave room for fewer (found at Create()).
-  const int ctas_per_sm = p.ctas_per_sm > 0 && p.ctas_per_sm < kernel.ctas_per_sm
-                              ? p.ctas_per_sm
-                              : kernel.ctas_per_sm;
+  const int ctas_per_sm =
+      p.ctas_per_sm > 0 && p.ctas_per_sm < kernel.ctas_per_sm ? p.ctas_per_sm : kernel.ctas_per_sm;
   a.num_ctas = p.num_sms * ctas_per_sm;
   a.page_q16 = kernels::kAttnTile / p.page_size;
   a.page_r16 = kernels::kAttnTile % p.page_size;
