@@ -90,6 +90,18 @@ int32_t PagePool::Allocate() {
   return page;
 }
 
+int32_t PagePool::EvictLru(BlockHash* hash) {
+  const int32_t page = head_;
+  LruUnlink(page);
+  index_.erase(hash_[page]);
+  indexed_[page] = 0;
+  ++evictions_;
+  *hash = hash_[page];
+  if (events_ != nullptr) events_->Removed(hash_[page]);
+  free_[free_top_++] = page;
+  return page;
+}
+
 void PagePool::Retain(int32_t page) {
   if (ref_[page] == 0) LruUnlink(page);  // a cached page revived
   ++ref_[page];

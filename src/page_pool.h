@@ -64,6 +64,11 @@ class PagePool {
   // gives it reference count 1. Precondition: available_count() > 0 (callers
   // count first: all-or-nothing steps).
   int32_t Allocate();
+  // Evicts the least recently used cached page onto the free stack (it
+  // leaves the index: a kBlockRemoved event) and returns it, so that the
+  // next Allocate() hands it out; *hash gets the hash it was indexed under.
+  // Precondition: cached_count() > 0.
+  int32_t EvictLru(BlockHash* hash);
   // Adds a reference to a used page, or revives a cached one (it leaves the
   // LRU with count 1). Precondition: the page is not free.
   void Retain(int32_t page);
