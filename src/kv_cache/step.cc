@@ -163,12 +163,12 @@ absl::StatusOr<StepInfo> KVCache::PrepareStep(absl::Span<const StepEntry> entrie
       e = -1;
     }
   }
-  // Cached pages the allocations below evict go to the host tier of the
-  // prefix cache (copied before this step's work on `stream` rewrites them).
-  FP4KV_RETURN_IF_ERROR(s.DemoteForAllocation(need, stream));
 
   // Copies on write first: undone if one cannot be enqueued.
   const int64_t evictions_before = s.allocator.evictions();
+  // Cached pages the allocations below evict go to the host tier of the
+  // prefix cache (copied before this step's work on `stream` rewrites them).
+  FP4KV_RETURN_IF_ERROR(s.DemoteForAllocation(need, stream));
   s.step.cow_dst.clear();
   for (size_t c = 0; c < s.step.cow_src.size(); ++c) {
     const int32_t dst = s.allocator.Allocate();
