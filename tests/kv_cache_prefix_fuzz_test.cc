@@ -12,7 +12,8 @@
 // (PrefixCacheOptions::host_bytes): evicted cached pages are demoted, matched
 // host pages promoted (their bytes checked like every reuse), the host LRU
 // drops pages, scale resets clear both tiers, and the events of each medium
-// replayed by the router give exactly each tier's pages.
+// replayed by the router give exactly each tier's pages. Sequences get
+// random retention priorities.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -246,6 +247,11 @@ class PrefixFuzzer {
     revived_ += m.pages_evictable;
     reused_tokens_ += r->cached_tokens;
     s.id = r->seq;
+    // Retention priorities: eviction order only (checked by the pool's
+    // invariants: one LRU per priority); everything else holds regardless.
+    if (Uniform(0, 2) == 0) {
+      ASSERT_TRUE(c_->SetRetentionPriority(s.id, Uniform(0, kMaxRetentionPriority)).ok());
+    }
     for (int64_t i = 0; i < r->cached_tokens; ++i) Push(s, prompt[i]);
     s.pending.assign(prompt.begin() + r->cached_tokens, prompt.end());
     RefreshPages(s);

@@ -209,7 +209,8 @@ TEST_P(PrefixHostTest, FullHostTierDropsItsLeastRecentlyUsedPage) {
   (void)c.TakeEvents();
   // Four new pages evict a's three: the host tier keeps the two most
   // recently used (a's deeper pages are evicted first: the first page is
-  // the most recently released).
+  // the most recently released); the third takes the host page of the
+  // first, whose copy is then never made.
   absl::StatusOr<PrefixSequence> b = m.Prefill(Iota(16, 500));
   ASSERT_TRUE(b.ok()) << b.status();
   KVCacheStats st = c.Stats();
@@ -220,19 +221,22 @@ TEST_P(PrefixHostTest, FullHostTierDropsItsLeastRecentlyUsedPage) {
   // The two kept pages are a's first two: a's prompt hits eight tokens.
   const PrefixMatch ma = c.MatchPrefix(pa);
   EXPECT_EQ(ma.tokens_host, 8);
-  // b's pages, demoted now, push a's out of the host tier (its LRU).
+  // b's four pages, demoted now, push a's two out of the host tier (its
+  // LRU), and b's deeper two are pushed out by its first two in the same
+  // batch (their copies cancelled): four more host evictions.
   absl::StatusOr<PrefixSequence> d = m.Prefill(Iota(16, 900));
   ASSERT_TRUE(d.ok()) << d.status();
   st = c.Stats();
   EXPECT_EQ(st.host_prefix_pages_cached, 2);
-  EXPECT_EQ(st.host_prefix_evictions, 2);
+  EXPECT_EQ(st.host_prefix_evictions, 1 + 4);
+  EXPECT_EQ(st.host_prefix_demotions, 2 + 2);
   EXPECT_EQ(c.MatchPrefix(pa).tokens, 0);
   int host_removed = 0;
   for (const KVEvent& e : c.TakeEvents().events) {
     if (e.type == KVEventType::kBlockRemoved && e.medium == KVMedium::kHost)
       host_removed += static_cast<int>(e.block_hashes.size());
   }
-  EXPECT_EQ(host_removed, 2);
+  EXPECT_EQ(host_removed, 1 + 4) << "every host eviction since b's first step";
   EXPECT_EQ(m.CheckResident(), "");
   ASSERT_TRUE(c.CheckInvariants().ok()) << c.CheckInvariants();
 }
@@ -286,6 +290,48 @@ TEST_P(PrefixHostTest, ScaleChangeClearsBothTiers) {
   ASSERT_TRUE(c.CheckInvariants().ok()) << c.CheckInvariants();
 }
 
+TEST_P(PrefixHostTest, EvictionTakesTheLowestPriorityFirstInBothTiers) {
+  KVCache c = testing::CreateCacheOrAbort(HostPrefixOptions(device_, 6, 2));
+  Model m(&c, stream_);
+  // A system prompt (priority 2) released before a one-off document
+  // (priority 0): plain LRU would evict the system prompt first.
+  const std::vector<int32_t> sys = Iota(9, 100);  // two full pages
+  const std::vector<int32_t> doc = Iota(9, 300);
+  absl::StatusOr<PrefixSequence> a = m.Prefill(sys);
+  ASSERT_TRUE(a.ok()) << a.status();
+  ASSERT_TRUE(c.SetRetentionPriority(a->seq, 2).ok());
+  absl::StatusOr<PrefixSequence> b = m.Prefill(doc);
+  ASSERT_TRUE(b.ok()) << b.status();
+  ASSERT_TRUE(m.Release(a->seq).ok());
+  ASSERT_TRUE(m.Release(b->seq).ok());
+  EXPECT_EQ(c.Stats().pages_cached, 4);
+  // Four new pages: two free ones, then two evictions: the document's.
+  const SequenceId x = c.CreateSequence().value();
+  ASSERT_TRUE(c.PrepareStep({{x, 16}}, stream_).ok());
+  EXPECT_EQ(c.MatchPrefix(sys).tokens_gpu, 8) << "the system prompt stays on the device";
+  EXPECT_EQ(c.MatchPrefix(doc).tokens_host, 8) << "the document was demoted";
+  // Two more pages evict the system prompt: demoted with its priority, it
+  // displaces nothing of a higher priority and pushes the document (0) out.
+  const SequenceId y = c.CreateSequence().value();
+  ASSERT_TRUE(c.PrepareStep({{y, 8}}, stream_).ok());
+  EXPECT_EQ(c.MatchPrefix(sys).tokens_host, 0) << "no device page for a promotion now";
+  ASSERT_TRUE(c.ReleaseSequence(y).ok());
+  EXPECT_EQ(c.MatchPrefix(sys).tokens_host, 8);
+  EXPECT_EQ(c.MatchPrefix(doc).tokens, 0);
+  // A page of priority 0 finds only priority-2 pages on the full host tier:
+  // it is dropped, they stay.
+  absl::StatusOr<PrefixSequence> d = m.Prefill(Iota(5, 700));  // one full page
+  ASSERT_TRUE(d.ok()) << d.status();
+  ASSERT_TRUE(m.Release(d->seq).ok());
+  const SequenceId z = c.CreateSequence().value();
+  ASSERT_TRUE(c.PrepareStep({{z, 2 * kPs}}, stream_).ok());  // a free page, then the new one
+  EXPECT_EQ(c.MatchPrefix(Iota(5, 700)).tokens, 0);
+  ASSERT_TRUE(c.ReleaseSequence(z).ok());
+  EXPECT_EQ(c.MatchPrefix(sys).tokens_host, 8);
+  EXPECT_EQ(m.CheckResident(), "");
+  ASSERT_TRUE(c.CheckInvariants().ok()) << c.CheckInvariants();
+}
+
 INSTANTIATE_TEST_SUITE_P(Cpu, PrefixHostTest, ::testing::Values(false));
 INSTANTIATE_TEST_SUITE_P(Gpu, PrefixHostTest, ::testing::Values(true));
 
@@ -309,6 +355,47 @@ TEST(PrefixHostOptions, BadHostBytesAreRefusedNamingTheOption) {
   EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(c.status().message().find("without prefix caching"), std::string::npos)
       << c.status();
+}
+
+TEST(PrefixHostOptions, BadRetentionPriorityIsRefusedAndChangesNothing) {
+  KVCache c = testing::CreateCacheOrAbort(HostPrefixOptions(Device::Cpu(), 4, 0));
+  const SequenceId s = c.CreateSequence().value();
+  for (int bad : {-1, kMaxRetentionPriority + 1}) {
+    const absl::Status st = c.SetRetentionPriority(s, bad);
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(st.message().find("priority"), std::string::npos) << st;
+    EXPECT_NE(st.message().find(std::to_string(bad)), std::string::npos) << st;
+  }
+  EXPECT_EQ(c.SetRetentionPriority(s + 100, 1).code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE(c.SetRetentionPriority(s, kMaxRetentionPriority).ok());
+}
+
+TEST(PrefixHostOptions, PrioritiesWithoutAHostTierOrderTheDevicesEvictions) {
+  KVCache c = testing::CreateCacheOrAbort(HostPrefixOptions(Device::Cpu(), 4, 0));
+  const std::vector<int32_t> hi = Iota(5, 100), lo = Iota(5, 200);  // one full page each
+  absl::StatusOr<PrefixSequence> a = c.CreateSequenceFromPrefix(hi);
+  ASSERT_TRUE(a.ok());
+  ASSERT_TRUE(c.PrepareStep({{a->seq, 5, hi}}).ok());
+  ASSERT_TRUE(c.SetRetentionPriority(a->seq, 1).ok());
+  absl::StatusOr<PrefixSequence> b = c.CreateSequenceFromPrefix(lo);
+  ASSERT_TRUE(b.ok());
+  ASSERT_TRUE(c.PrepareStep({{b->seq, 5, lo}}).ok());
+  // A fork keeps the parent's priority: its drop raises the page too.
+  absl::StatusOr<SequenceId> f = c.ForkSequence(a->seq);
+  ASSERT_TRUE(f.ok());
+  ASSERT_TRUE(c.ReleaseSequence(a->seq).ok());
+  ASSERT_TRUE(c.ReleaseSequence(*f).ok());
+  ASSERT_TRUE(c.ReleaseSequence(b->seq).ok());
+  const SequenceId x = c.CreateSequence().value();
+  ASSERT_TRUE(c.PrepareStep({{x, 3 * kPs}}).ok());  // two free pages, one eviction
+  EXPECT_EQ(c.MatchPrefix(hi).tokens, 4) << "the priority-1 page stays";
+  EXPECT_EQ(c.MatchPrefix(lo).tokens, 0) << "the priority-0 page went first";
+  // Revived and released again by a priority-0 holder: priority 0 again.
+  absl::StatusOr<PrefixSequence> a2 = c.CreateSequenceFromPrefix(hi);
+  ASSERT_TRUE(a2.ok());
+  ASSERT_EQ(a2->cached_tokens, 4);
+  ASSERT_TRUE(c.ReleaseSequence(a2->seq).ok());
+  ASSERT_TRUE(c.CheckInvariants().ok()) << c.CheckInvariants();
 }
 
 TEST(PrefixHostOptions, ZeroKeepsDroppingEvictedPages) {

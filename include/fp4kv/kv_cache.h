@@ -321,6 +321,10 @@ struct StepPlan {
   int64_t tokens_left = 0;
 };
 
+// Retention priorities of cached pages (KVCache::SetRetentionPriority):
+// 0 .. kMaxRetentionPriority.
+constexpr int kMaxRetentionPriority = 3;
+
 class KVCache;
 namespace internal {
 class KVCacheState;
@@ -690,6 +694,16 @@ class KVCache {
   // Waits until every copy of the host tier is done and drops the device
   // pages of finished swap-outs (host sync; for tests and shutdown).
   absl::Status SynchronizeSwaps();
+
+  // Eviction priorities: the retention priority (0 .. kMaxRetentionPriority;
+  // 0 for every new sequence, a fork's is its parent's) that `seq` gives the
+  // pages it drops (release, truncation). A cached page keeps the highest
+  // priority its holders gave it; allocations evict the lowest priority
+  // first, least recently used within a priority, and so does the host tier
+  // of the prefix cache (a demoted page keeps its priority). With every
+  // priority 0: one LRU. Errors (nothing changed): NotFound; InvalidArgument
+  // naming priority.
+  absl::Status SetRetentionPriority(SequenceId seq, int priority);
 
   absl::StatusOr<int64_t> SequenceLength(SequenceId seq) const;
   // The sequence's block table (page ids, ceil(length / page_size) of them);

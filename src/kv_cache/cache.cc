@@ -334,6 +334,11 @@ absl::StatusOr<KVCache> KVCache::Create(const KVCacheOptions& o) {
         internal::SizeHost(&t.cached, prefix_host_pages, uint8_t{0}, kCall, what));
     FP4KV_RETURN_IF_ERROR(
         internal::SizeHost(&t.hash, prefix_host_pages, BlockHash{}, kCall, what));
+    FP4KV_RETURN_IF_ERROR(internal::SizeHost(&t.prio, prefix_host_pages, uint8_t{0}, kCall, what));
+    FP4KV_RETURN_IF_ERROR(
+        internal::SizeHost(&t.batch, prefix_host_pages, uint64_t{0}, kCall, what));
+    FP4KV_RETURN_IF_ERROR(
+        internal::SizeHost(&t.batch_pos, prefix_host_pages, int32_t{0}, kCall, what));
     FP4KV_RETURN_IF_ERROR(internal::SizeHost(&t.tokens, prefix_host_pages * g.page_size,
                                              int32_t{0}, kCall, what));
     try {

@@ -108,13 +108,14 @@ void KVCacheState::FinishOut(SwapOutCopy& c) {
   if (c.event >= 0) host.free_events.push_back(c.event);
 }
 
-void KVCacheState::DropPages(const int32_t* pages, size_t n) {
+void KVCacheState::DropPages(const int32_t* pages, size_t n, int priority) {
   const int slots = options.step_slots;
   RetireEntry* e = nullptr;
   // Last page first: of pages that become cached, the deepest is evicted first.
   const uint64_t ready = step.step_serial + static_cast<uint64_t>(slots);
   for (size_t j = n; j-- > 0;) {
     const int32_t page = pages[j];
+    allocator.RaisePriority(page, priority);
     if (slots > 1) host.retire_ready[page] = ready;  // extends an entry that holds it
     if (slots == 1 || allocator.RefCount(page) > 1) {
       allocator.Release(page);

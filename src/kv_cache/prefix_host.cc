@@ -17,37 +17,32 @@ int32_t KVCacheState::HostLookup(const BlockHash& hash) const {
 
 void KVCacheState::HostLruUnlink(int32_t h) {
   PrefixHostState& t = prefix_host;
+  const int k = t.prio[h];
   const int32_t p = t.prev[h], n = t.next[h];
-  (p >= 0 ? t.next[p] : t.head) = n;
-  (n >= 0 ? t.prev[n] : t.tail) = p;
+  (p >= 0 ? t.next[p] : t.head[k]) = n;
+  (n >= 0 ? t.prev[n] : t.tail[k]) = p;
   t.prev[h] = t.next[h] = -1;
 }
 
 void KVCacheState::HostLruPushBack(int32_t h) {
   PrefixHostState& t = prefix_host;
-  t.prev[h] = t.tail;
+  const int k = t.prio[h];
+  t.prev[h] = t.tail[k];
   t.next[h] = -1;
-  (t.tail >= 0 ? t.next[t.tail] : t.head) = h;
-  t.tail = h;
-}
-
-void KVCacheState::HostFree(int32_t h) {
-  PrefixHostState& t = prefix_host;
-  t.index.erase(t.hash[h]);
-  prefix.events.Removed(t.hash[h], KVMedium::kHost);
-  t.cached[h] = 0;
-  --t.cached_count;
-  t.free_pages.push_back(h);
+  (t.tail[k] >= 0 ? t.next[t.tail[k]] : t.head[k]) = h;
+  t.tail[k] = h;
 }
 
 void KVCacheState::ClearHostPrefix() {
   PrefixHostState& t = prefix_host;
   if (t.pages_total == 0) return;
-  while (t.head >= 0) {
-    const int32_t h = t.head;
-    HostLruUnlink(h);
-    t.cached[h] = 0;
-    t.free_pages.push_back(h);
+  for (int k = 0; k < PagePool::kPriorities; ++k) {
+    while (t.head[k] >= 0) {
+      const int32_t h = t.head[k];
+      HostLruUnlink(h);
+      t.cached[h] = 0;
+      t.free_pages.push_back(h);
+    }
   }
   t.cached_count = 0;
   t.index.clear();
@@ -59,31 +54,33 @@ absl::Status KVCacheState::DemoteForAllocation(int64_t n, Stream stream) {
   const int64_t evict =
       std::min<int64_t>(std::max<int64_t>(0, n - allocator.free_count()), allocator.cached_count());
   if (evict == 0) return absl::OkStatus();
-  // The host pages a batch may take: free ones and cached ones (dropped for
-  // room); pages being promoted are neither. Only the most recently used
-  // `room` evicted pages are kept, so no two copies of a batch share a host
-  // page.
-  const int64_t room = static_cast<int64_t>(t.free_pages.size()) + t.cached_count;
+  // Pages evicted in order: lowest priority first, least recently used
+  // within one. Each takes a free host page, else the host tier's least
+  // recently used page of the lowest priority up to its own, else it is
+  // dropped. A host page taken from a page of this same batch cancels that
+  // page's copy: only the last page a batch gives a host page is copied.
+  const uint64_t batch = ++t.batches;
   std::vector<int32_t> dev, hosts;
-  dev.reserve(static_cast<size_t>(std::min(evict, room)));
-  hosts.reserve(dev.capacity());
   const int ps = geometry.page_size;
   for (int64_t i = 0; i < evict; ++i) {
     BlockHash h;
-    const int32_t page = allocator.EvictLru(&h);
-    if (i < evict - room) continue;  // dropped: the host tier cannot hold it
+    int prio = 0;
+    const int32_t page = allocator.EvictLru(&h, &prio);
     const int32_t have = HostLookup(h);
     if (have >= 0) {  // already on the host: now its most recently used page
       HostLruUnlink(have);
+      t.prio[have] = static_cast<uint8_t>(std::max<int>(t.prio[have], prio));
       HostLruPushBack(have);
       continue;
     }
-    int32_t hp;
+    int32_t hp = -1;
     if (!t.free_pages.empty()) {
       hp = t.free_pages.back();
       t.free_pages.pop_back();
     } else {
-      hp = t.head;
+      for (int k = 0; k <= prio && hp < 0; ++k) hp = t.head[k];
+      if (hp < 0) continue;  // dropped: no room at or below its priority
+      if (t.batch[hp] == batch) dev[t.batch_pos[hp]] = -1;  // its copy is cancelled
       HostLruUnlink(hp);
       t.index.erase(t.hash[hp]);
       prefix.events.Removed(t.hash[hp], KVMedium::kHost);
@@ -92,6 +89,9 @@ absl::Status KVCacheState::DemoteForAllocation(int64_t n, Stream stream) {
       ++t.evictions;
     }
     t.hash[hp] = h;
+    t.prio[hp] = static_cast<uint8_t>(prio);
+    t.batch[hp] = batch;
+    t.batch_pos[hp] = static_cast<int32_t>(dev.size());
     t.cached[hp] = 1;
     ++t.cached_count;
     t.index[h] = hp;
@@ -102,6 +102,14 @@ absl::Status KVCacheState::DemoteForAllocation(int64_t n, Stream stream) {
     dev.push_back(page);
     hosts.push_back(hp);
   }
+  size_t kept = 0;
+  for (size_t i = 0; i < dev.size(); ++i) {
+    if (dev[i] < 0) continue;
+    dev[kept] = dev[i];
+    hosts[kept++] = hosts[i];
+  }
+  dev.resize(kept);
+  hosts.resize(kept);
   t.demotions += static_cast<int64_t>(dev.size());
   if (dev.empty()) return absl::OkStatus();
   if (!cuda) {
@@ -226,14 +234,18 @@ absl::Status KVCacheState::CheckHostPrefix() const {
   if (t.pages_total == 0) return absl::OkStatus();
   int64_t cached = 0, linked = 0;
   for (int64_t h = 0; h < t.pages_total; ++h) cached += t.cached[h];
-  for (int32_t h = t.head, prev = -1; h >= 0; prev = h, h = t.next[h]) {
-    if (!t.cached[h] || t.prev[h] != prev || ++linked > t.pages_total) {
-      return absl::InternalError(absl::StrCat("host prefix page ", h, ": on the LRU but not cached"));
-    }
-    auto it = t.index.find(t.hash[h]);
-    if (it == t.index.end() || it->second != h) {
-      return absl::InternalError(absl::StrCat("host prefix page ", h, ": its hash ",
-                                              t.hash[h].ToHex(), " does not map to it"));
+  for (int k = 0; k < PagePool::kPriorities; ++k) {
+    for (int32_t h = t.head[k], prev = -1; h >= 0; prev = h, h = t.next[h]) {
+      if (!t.cached[h] || t.prev[h] != prev || t.prio[h] != k || ++linked > t.pages_total) {
+        return absl::InternalError(
+            absl::StrCat("host prefix page ", h, ": LRU list ", k, " broken (cached ",
+                         int{t.cached[h]}, ", priority ", int{t.prio[h]}, ")"));
+      }
+      auto it = t.index.find(t.hash[h]);
+      if (it == t.index.end() || it->second != h) {
+        return absl::InternalError(absl::StrCat("host prefix page ", h, ": its hash ",
+                                                t.hash[h].ToHex(), " does not map to it"));
+      }
     }
   }
   for (int32_t h : t.free_pages) {

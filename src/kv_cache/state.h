@@ -50,6 +50,8 @@ struct Sequence {
   // Bumped by Truncate: token ids given for positions before a truncation
   // (SetTokenIds from device memory, still in flight) do not apply after it.
   uint64_t truncations = 0;
+  // Retention priority (KVCache::SetRetentionPriority) the pages it drops get.
+  int priority = 0;
 };
 
 // The sequences (owner: sequences.cc). Ids count up from 1 and are never
@@ -269,9 +271,11 @@ struct HostTierState {
 };
 // The host tier of the prefix cache (owner: prefix_host.cc): host pages laid
 // out like the pools, each free or cached. Invariants: free pages +
-// cached pages == pages_total; a cached page is on the LRU (head: least
-// recently used) and its hash maps to it in `index`; a free page is in
-// neither. A hash may also be indexed on the device (the tiers are not
+// cached pages == pages_total; a cached page is on the LRU of its priority
+// (head: least recently used) and its hash maps to it in `index`; a free
+// page is in neither. Room is made by dropping the least recently used page
+// of the lowest priority, never one of a priority above the incoming page's
+// (that one is dropped instead). A hash may also be indexed on the device (the tiers are not
 // exclusive: a prefix recomputed while its demoted copy is on the host);
 // matches take the device page first.
 struct PrefixHostState {
@@ -280,9 +284,14 @@ struct PrefixHostState {
   Memory pool;
   uint8_t* pool_dev = nullptr;      // its device address (CUDA) or itself
   HostVector<int32_t> free_pages;   // stack
-  HostVector<int32_t> prev, next;   // LRU links (-1 ends)
+  HostVector<int32_t> prev, next;   // LRU links (-1 ends), one LRU per priority
   HostVector<uint8_t> cached;       // per page
-  int32_t head = -1, tail = -1;
+  HostVector<uint8_t> prio;         // per page: the retention priority it was demoted with
+  HostVector<uint64_t> batch;       // per page: the demotion batch that wrote it last
+  HostVector<int32_t> batch_pos;    // per page: its entry in that batch
+  uint64_t batches = 0;
+  int32_t head[PagePool::kPriorities] = {-1, -1, -1, -1};
+  int32_t tail[PagePool::kPriorities] = {-1, -1, -1, -1};
   int64_t cached_count = 0;
   HostVector<BlockHash> hash;       // per page
   HostVector<int32_t> tokens;       // [pages_total * page_size] token ids
@@ -406,8 +415,6 @@ class KVCacheState {
   // Host LRU: unlinks a cached host page (it stays cached until freed).
   void HostLruUnlink(int32_t h);
   void HostLruPushBack(int32_t h);
-  // A cached host page leaves the index (kBlockRemoved, host) and is freed.
-  void HostFree(int32_t h);
   // Empties the host tier of the prefix cache (no event: the caller's
   // kAllBlocksCleared covers it).
   void ClearHostPrefix();
@@ -430,7 +437,9 @@ class KVCacheState {
   // slot, or for a page held elsewhere too; otherwise the reference moves to
   // a retire entry of the current step (ready at PrepareStep step_serial +
   // step_slots), so that no step in flight sees its page reused.
-  void DropPages(const int32_t* pages, size_t n);
+  // `priority`: the retention priority the dropping holder gives the pages
+  // (PagePool::RaisePriority).
+  void DropPages(const int32_t* pages, size_t n, int priority = 0);
   // The released-page entry (the newest) that goes at step_serial `ready`.
   RetireEntry& HoldEntry(uint64_t ready);
 
