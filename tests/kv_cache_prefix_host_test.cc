@@ -332,6 +332,35 @@ TEST_P(PrefixHostTest, EvictionTakesTheLowestPriorityFirstInBothTiers) {
   ASSERT_TRUE(c.CheckInvariants().ok()) << c.CheckInvariants();
 }
 
+TEST_P(PrefixHostTest, TwoStepSlotsDemoteRetiredPagesAndPromoteByteExact) {
+  KVCacheOptions o = HostPrefixOptions(device_, 8, 8);
+  o.step_slots = 2;
+  KVCache c = testing::CreateCacheOrAbort(o);
+  Model m(&c, stream_);
+  const std::vector<int32_t> pa = Iota(17, 100);
+  absl::StatusOr<PrefixSequence> a = m.Prefill(pa);
+  ASSERT_TRUE(a.ok()) << a.status();
+  ASSERT_TRUE(m.Release(a->seq).ok());
+  EXPECT_EQ(c.Stats().pages_retiring, 5) << "released while its step may be in flight";
+  // Empty steps retire a's pages (cached once no step in flight can use
+  // them); then eight pages of another prompt demote a's four.
+  ASSERT_TRUE(c.PrepareStep({}, stream_).ok());
+  ASSERT_TRUE(c.PrepareStep({}, stream_).ok());
+  EXPECT_EQ(c.Stats().pages_cached, 4);
+  absl::StatusOr<PrefixSequence> b = m.Prefill(Iota(32, 1000));
+  ASSERT_TRUE(b.ok()) << b.status();
+  EXPECT_EQ(c.Stats().host_prefix_demotions, 4);
+  ASSERT_TRUE(m.Release(b->seq).ok());
+  ASSERT_TRUE(c.PrepareStep({}, stream_).ok());
+  ASSERT_TRUE(c.PrepareStep({}, stream_).ok());
+  EXPECT_EQ(c.MatchPrefix(pa).tokens_host, 16);
+  absl::StatusOr<PrefixSequence> a2 = m.Prefill(pa);
+  ASSERT_TRUE(a2.ok()) << a2.status();
+  EXPECT_EQ(a2->host_tokens, 16);
+  EXPECT_EQ(m.CheckResident(), "");
+  ASSERT_TRUE(c.CheckInvariants().ok()) << c.CheckInvariants();
+}
+
 INSTANTIATE_TEST_SUITE_P(Cpu, PrefixHostTest, ::testing::Values(false));
 INSTANTIATE_TEST_SUITE_P(Gpu, PrefixHostTest, ::testing::Values(true));
 

@@ -220,7 +220,8 @@ absl::StatusOr<KVCache> KVCache::Create(const KVCacheOptions& o) {
     in.max_pages_per_seq = o.max_pages_per_seq > 0
                                ? o.max_pages_per_seq
                                : CeilDiv(internal::kDefaultMaxSeqTokens, g.page_size);
-    in.host_pages = host_pages + prefix_host_pages;
+    in.host_pages = host_pages;
+    in.prefix_host_pages = prefix_host_pages;
     in.step_slots = o.step_slots;
     in.budget = o.memory_budget_bytes;
     absl::StatusOr<internal::Capacity> c = internal::PlanCapacity(in);
