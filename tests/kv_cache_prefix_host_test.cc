@@ -427,6 +427,28 @@ TEST(PrefixHostOptions, PrioritiesWithoutAHostTierOrderTheDevicesEvictions) {
   ASSERT_TRUE(c.CheckInvariants().ok()) << c.CheckInvariants();
 }
 
+TEST(PrefixHostOptions, MatchPrefixOfHostPagesChangesNothing) {
+  KVCache c = testing::CreateCacheOrAbort(HostPrefixOptions(Device::Cpu(), 4, 4));
+  const std::vector<int32_t> pa = Iota(9, 100);
+  absl::StatusOr<PrefixSequence> a = c.CreateSequenceFromPrefix(pa);
+  ASSERT_TRUE(a.ok());
+  ASSERT_TRUE(c.PrepareStep({{a->seq, 9, pa}}).ok());
+  ASSERT_TRUE(c.ReleaseSequence(a->seq).ok());
+  const SequenceId b = c.CreateSequence().value();
+  ASSERT_TRUE(c.PrepareStep({{b, 16}}).ok());  // demotes a's two pages
+  ASSERT_TRUE(c.ReleaseSequence(b).ok());
+  const testing::Snapshot before = testing::TakeSnapshot(c);
+  const KVCacheStats st = c.Stats();
+  const PrefixMatch m = c.MatchPrefix(pa);
+  EXPECT_EQ(m.tokens_host, 8);
+  EXPECT_EQ(testing::DiffSnapshots(before, testing::TakeSnapshot(c)), "");
+  const KVCacheStats st2 = c.Stats();
+  EXPECT_EQ(st2.host_prefix_pages_cached, st.host_prefix_pages_cached);
+  EXPECT_EQ(st2.host_prefix_promotions, 0);
+  EXPECT_EQ(st2.prefix_queries, st.prefix_queries);
+  ASSERT_TRUE(c.CheckInvariants().ok()) << c.CheckInvariants();
+}
+
 TEST(PrefixHostOptions, ZeroKeepsDroppingEvictedPages) {
   KVCache c = testing::CreateCacheOrAbort(HostPrefixOptions(Device::Cpu(), 4, 0));
   const std::vector<int32_t> pa = Iota(9, 100);
