@@ -343,7 +343,9 @@ absl::StatusOr<KVCache> KVCache::Create(const KVCacheOptions& o) {
     FP4KV_RETURN_IF_ERROR(internal::SizeHost(&t.tokens, prefix_host_pages * g.page_size,
                                              int32_t{0}, kCall, what));
     try {
-      t.index.reserve(static_cast<size_t>(prefix_host_pages));
+      // Twice the most entries it holds, as the pool's index: erasures leave
+      // tombstones, and the headroom keeps inserts from growing the table.
+      t.index.reserve(static_cast<size_t>(2 * prefix_host_pages));
     } catch (const std::bad_alloc&) {
       return internal::HostAllocError(kCall, "the host tier of the prefix cache's index",
                                       prefix_host_pages, sizeof(BlockHash) + sizeof(int32_t));
