@@ -113,6 +113,7 @@ struct Flags {
   int64_t pool_pages = 0;
   int error_seqs = 8;
   int prefix_cache = 1, system_prompts = 3, follow_ups = 40;
+  int host_prefix_mib = 0;
   int tp = 1;
   int overlap = 0;
   uint64_t seed = 1;
@@ -130,6 +131,8 @@ struct Flags {
             "  --chunk (prefill chunk), --samples (forked samples), --pool_pages,\n"
             "  --error_seqs (sequences whose dequantized error is reported), --seed\n"
             "  --prefix_cache=0|1, --system_prompts, --follow_ups (percent)\n"
+            "  --host_prefix_mib=N   a host tier of N MiB for the prefix cache: evicted cached\n"
+            "           pages are demoted there and promoted back on a hit (hit rates per tier)\n"
             "  --tp=N   N ranks of kv_heads / N heads each (N divides kv_heads and qo_heads),\n"
             "           driven by the same calls; checks that their host decisions agree\n"
             "  --overlap=0|1   two step slots: step N+1 prepared while step N runs, decode\n"
@@ -158,6 +161,7 @@ struct Flags {
           {"decode_max", &decode_max}, {"chunk", &chunk},           {"samples", &samples},
           {"error_seqs", &error_seqs}, {"prefix_cache", &prefix_cache},
           {"system_prompts", &system_prompts}, {"follow_ups", &follow_ups},
+          {"host_prefix_mib", &host_prefix_mib},
           {"tp", &tp},                 {"overlap", &overlap}};
       bool known = false;
       for (const auto& f : ints) {
@@ -459,6 +463,7 @@ int main(int argc, char** argv) {
   o.max_tokens_per_step = T;
   o.max_pages_per_seq = M;
   o.prefix_cache.enabled = f.prefix_cache != 0;
+  if (f.prefix_cache != 0) o.prefix_cache.host_bytes = int64_t{f.host_prefix_mib} << 20;
   const bool overlap = f.overlap != 0;
   o.step_slots = overlap ? 2 : 1;
   // With --tp the KV events are compared across ranks every step.
@@ -1231,6 +1236,18 @@ int main(int argc, char** argv) {
         static_cast<long long>(prefill_saved),
         100.0 * prefill_saved / std::max<int64_t>(1, prefill_saved + prefill_tokens),
         static_cast<long long>(st.pages_cached), static_cast<long long>(st.evictions));
+    if (st.host_prefix_pages_total > 0) {
+      const double q = static_cast<double>(std::max<int64_t>(1, st.prefix_query_tokens));
+      std::printf(
+          "prefix host tier: %lld pages (%.1f MiB); hit rate %.1f%% on the GPU, %.1f%% on the "
+          "host; %lld demotions, %lld promotions, %lld host evictions, %lld pages there now\n",
+          static_cast<long long>(st.host_prefix_pages_total), st.host_prefix_bytes / 1048576.0,
+          100.0 * (st.prefix_hit_tokens - st.prefix_hit_tokens_host) / q,
+          100.0 * st.prefix_hit_tokens_host / q, static_cast<long long>(st.host_prefix_demotions),
+          static_cast<long long>(st.host_prefix_promotions),
+          static_cast<long long>(st.host_prefix_evictions),
+          static_cast<long long>(st.host_prefix_pages_cached));
+    }
   }
   if (err.seqs > 0) {
     std::printf(

@@ -54,11 +54,12 @@ bool KVEventQueue::Room(bool rec, size_t hashes, size_t tokens, bool key) {
 
 void KVEventQueue::Stored(const BlockHash& hash, const BlockHash* parent,
                           absl::Span<const int32_t> tokens, int32_t block_size,
-                          absl::string_view extra_key, bool continues) {
+                          absl::string_view extra_key, bool continues, KVMedium medium) {
   if (!enabled()) return;
   if (continues && last_stored_dropped_) return;
   const bool new_event =
-      !(continues && !recs_.empty() && recs_.back().type == KVEventType::kBlockStored);
+      !(continues && !recs_.empty() && recs_.back().type == KVEventType::kBlockStored &&
+        recs_.back().medium == medium);
   const bool new_key = new_event && (keys_.empty() || keys_.back() != extra_key);
   if (new_event) {
     last_stored_dropped_ = !Admit();
@@ -79,6 +80,7 @@ void KVEventQueue::Stored(const BlockHash& hash, const BlockHash* parent,
     r.hash_begin = static_cast<uint32_t>(hashes_.size());
     r.token_begin = static_cast<uint32_t>(tokens_.size());
     r.block_size = block_size;
+    r.medium = medium;
     if (new_key) {
       try {
         keys_.emplace_back(extra_key);
@@ -96,10 +98,10 @@ void KVEventQueue::Stored(const BlockHash& hash, const BlockHash* parent,
   ++recs_.back().hash_count;
 }
 
-void KVEventQueue::Removed(const BlockHash& hash) {
+void KVEventQueue::Removed(const BlockHash& hash, KVMedium medium) {
   if (!enabled()) return;
   if (recs_.empty() || recs_.back().type != KVEventType::kBlockRemoved ||
-      recs_.back().hash_count >= kMaxMergedHashes) {
+      recs_.back().medium != medium || recs_.back().hash_count >= kMaxMergedHashes) {
     if (!Admit()) return;
     if (!Room(true, 1, 0, false)) {
       Drop();
@@ -107,6 +109,7 @@ void KVEventQueue::Removed(const BlockHash& hash) {
     }
     Rec r;
     r.type = KVEventType::kBlockRemoved;
+    r.medium = medium;
     r.hash_begin = static_cast<uint32_t>(hashes_.size());
     recs_.push_back(r);
   } else if (!Room(false, 1, 0, false)) {
@@ -140,6 +143,7 @@ KVEventBatch KVEventQueue::Take() {
     const Rec& r = recs_[i];
     KVEvent& e = b.events[i];
     e.type = r.type;
+    e.medium = r.medium;
     e.block_hashes.assign(hashes_.begin() + r.hash_begin,
                           hashes_.begin() + r.hash_begin + r.hash_count);
     if (r.type != KVEventType::kBlockStored) continue;

@@ -49,8 +49,11 @@ class KVEventQueue {
   // page) and its block_size token ids. `continues`: the page follows the
   // previous Stored page of the same sequence in this step (same event).
   void Stored(const BlockHash& hash, const BlockHash* parent, absl::Span<const int32_t> tokens,
-              int32_t block_size, absl::string_view extra_key, bool continues);
-  void Removed(const BlockHash& hash);
+              int32_t block_size, absl::string_view extra_key, bool continues,
+              KVMedium medium = KVMedium::kGpu);
+  // One page left the index of `medium`; consecutive removals of one medium
+  // merge.
+  void Removed(const BlockHash& hash, KVMedium medium = KVMedium::kGpu);
   void AllCleared();
   // Everything queued, and the number dropped since the previous call.
   KVEventBatch Take();
@@ -64,6 +67,7 @@ class KVEventQueue {
     uint32_t token_begin = 0;                 // into tokens_ (hash_count * block_size ids)
     int32_t block_size = 0;
     uint32_t key = 0;  // into keys_
+    KVMedium medium = KVMedium::kGpu;
   };
   bool Admit();  // room for one more event; counts a drop otherwise
   void Drop();   // counts one dropped event

@@ -19,7 +19,7 @@ constexpr int64_t kIndexSlotBytes = sizeof(std::pair<const BlockHash, int32_t>) 
 int64_t PagePool::BookkeepingBytes(int64_t num_pages, bool prefix_index) {
   int64_t per_page = 2 * sizeof(int32_t);
   if (prefix_index) {
-    per_page += 2 * sizeof(int32_t) + 2 * sizeof(uint8_t) + sizeof(BlockHash) +
+    per_page += 2 * sizeof(int32_t) + 3 * sizeof(uint8_t) + sizeof(BlockHash) +
                 kIndexSlotsPerPage * kIndexSlotBytes;
   }
   int64_t bytes = 0;
@@ -39,6 +39,7 @@ absl::Status PagePool::Init(int32_t num_pages, bool prefix_index) {
     if (st.ok()) st = SizeHost(&next_, n, int32_t{-1}, kCall, "the prefix cache's LRU list");
     if (st.ok()) st = SizeHost(&in_lru_, n, uint8_t{0}, kCall, "the prefix cache's LRU flags");
     if (st.ok()) st = SizeHost(&indexed_, n, uint8_t{0}, kCall, "the prefix index flags");
+    if (st.ok()) st = SizeHost(&prio_, n, uint8_t{0}, kCall, "the retention priorities");
     if (st.ok()) st = SizeHost(&hash_, n, BlockHash{}, kCall, "the page hashes");
     if (st.ok()) {
       st = TryHostAlloc(kCall, "the prefix index table", kIndexSlotsPerPage * n, kIndexSlotBytes,
@@ -58,18 +59,20 @@ absl::Status PagePool::Init(int32_t num_pages, bool prefix_index) {
 
 void PagePool::LruUnlink(int32_t p) {
   const int32_t a = prev_[p], b = next_[p];
-  (a >= 0 ? next_[a] : head_) = b;
-  (b >= 0 ? prev_[b] : tail_) = a;
+  const int k = prio_[p];
+  (a >= 0 ? next_[a] : head_[k]) = b;
+  (b >= 0 ? prev_[b] : tail_[k]) = a;
   prev_[p] = next_[p] = -1;
   in_lru_[p] = 0;
   --lru_count_;
 }
 
 void PagePool::LruPushBack(int32_t p) {
-  prev_[p] = tail_;
+  const int k = prio_[p];
+  prev_[p] = tail_[k];
   next_[p] = -1;
-  (tail_ >= 0 ? next_[tail_] : head_) = p;
-  tail_ = p;
+  (tail_[k] >= 0 ? next_[tail_[k]] : head_[k]) = p;
+  tail_[k] = p;
   in_lru_[p] = 1;
   ++lru_count_;
 }
@@ -79,10 +82,11 @@ int32_t PagePool::Allocate() {
   if (free_top_ > 0) {
     page = free_[--free_top_];
   } else {
-    page = head_;
+    page = LruVictim();
     LruUnlink(page);
     index_.erase(hash_[page]);
     indexed_[page] = 0;
+    prio_[page] = 0;
     ++evictions_;
     if (events_ != nullptr) events_->Removed(hash_[page]);
   }
@@ -90,8 +94,25 @@ int32_t PagePool::Allocate() {
   return page;
 }
 
+int32_t PagePool::EvictLru(BlockHash* hash, int* priority) {
+  const int32_t page = LruVictim();
+  LruUnlink(page);
+  index_.erase(hash_[page]);
+  indexed_[page] = 0;
+  *priority = prio_[page];
+  prio_[page] = 0;
+  ++evictions_;
+  *hash = hash_[page];
+  if (events_ != nullptr) events_->Removed(hash_[page]);
+  free_[free_top_++] = page;
+  return page;
+}
+
 void PagePool::Retain(int32_t page) {
-  if (ref_[page] == 0) LruUnlink(page);  // a cached page revived
+  if (ref_[page] == 0) {  // a cached page revived
+    LruUnlink(page);
+    prio_[page] = 0;
+  }
   ++ref_[page];
 }
 
@@ -100,6 +121,7 @@ bool PagePool::Release(int32_t page) {
   if (Indexed(page)) {
     LruPushBack(page);
   } else {
+    if (has_index_) prio_[page] = 0;
     free_[free_top_++] = page;
   }
   return true;
@@ -121,9 +143,9 @@ void PagePool::Unregister(int32_t page) {
 }
 
 void PagePool::ClearIndex() {
-  while (head_ >= 0) {
-    const int32_t p = head_;
+  for (int32_t p = LruVictim(); p >= 0; p = LruVictim()) {
     LruUnlink(p);
+    prio_[p] = 0;
     free_[free_top_++] = p;
   }
   for (uint8_t& f : indexed_) f = 0;
@@ -139,7 +161,7 @@ absl::Status PagePool::Validate() const {
   HostVector<char> on_stack;
   FP4KV_RETURN_IF_ERROR(SizeHost(&on_stack, static_cast<int64_t>(ref_.size()), char{0},
                                  "KVCache::CheckInvariants", "a flag per page"));
-  if (!has_index_ && (head_ != -1 || lru_count_ != 0 || !index_.empty())) {
+  if (!has_index_ && (LruVictim() != -1 || lru_count_ != 0 || !index_.empty())) {
     return absl::InternalError("a pool without a prefix index has cached or indexed pages");
   }
   for (int32_t i = 0; i < free_top_; ++i) {
@@ -155,15 +177,19 @@ absl::Status PagePool::Validate() const {
     }
   }
   int32_t walked = 0;
-  for (int32_t p = head_, prev = -1; p >= 0; prev = p, p = next_[p]) {
-    if (p >= n || !in_lru_[p] || prev_[p] != prev || ++walked > n) {
-      return absl::InternalError(absl::StrCat("LRU list broken at page ", p));
+  for (int k = 0; k < (has_index_ ? kPriorities : 0); ++k) {
+    for (int32_t p = head_[k], prev = -1; p >= 0; prev = p, p = next_[p]) {
+      if (p >= n || !in_lru_[p] || prev_[p] != prev || prio_[p] != k || ++walked > n) {
+        return absl::InternalError(absl::StrCat("LRU list ", k, " broken at page ", p));
+      }
+      if (ref_[p] != 0 || !indexed_[p]) {
+        return absl::InternalError(absl::StrCat("cached page ", p, " has reference count ",
+                                                ref_[p], ", indexed ", int{indexed_[p]}));
+      }
+      if (next_[p] < 0 && tail_[k] != p) {
+        return absl::InternalError("LRU tail is not the last page");
+      }
     }
-    if (ref_[p] != 0 || !indexed_[p]) {
-      return absl::InternalError(absl::StrCat("cached page ", p, " has reference count ", ref_[p],
-                                              ", indexed ", int{indexed_[p]}));
-    }
-    if (next_[p] < 0 && tail_ != p) return absl::InternalError("LRU tail is not the last page");
   }
   if (walked != lru_count_) {
     return absl::InternalError(

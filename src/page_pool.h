@@ -8,8 +8,12 @@
 //   used    reference count >= 1 (indexed or not), on neither.
 // free_count() + cached_count() + used_count() == num_pages(). An indexed
 // page's hash maps to it in the index and no two pages share a hash.
-// Allocate() takes a free page first, else evicts the least recently
-// released cached page (it leaves the index: a kBlockRemoved event). Every
+// Allocate() takes a free page first, else evicts a cached page: the least
+// recently released one of the lowest retention priority (it leaves the
+// index: a kBlockRemoved event). A page's priority is the highest that a
+// holder dropping it gave (RaisePriority) since it was last free or cached;
+// it goes back to 0 when the page is revived, freed or evicted. With every
+// priority 0 there is one LRU, as before priorities existed. Every
 // operation but ClearIndex and Validate is O(1) amortized, and the index is
 // sized once so steps do not allocate. Not thread-safe.
 //
@@ -64,6 +68,19 @@ class PagePool {
   // gives it reference count 1. Precondition: available_count() > 0 (callers
   // count first: all-or-nothing steps).
   int32_t Allocate();
+  // Evicts the least recently used cached page onto the free stack (it
+  // leaves the index: a kBlockRemoved event) and returns it, so that the
+  // next Allocate() hands it out; *hash gets the hash it was indexed under.
+  // Precondition: cached_count() > 0.
+  // *priority gets its retention priority.
+  int32_t EvictLru(BlockHash* hash, int* priority);
+  // Raises a used page's retention priority to at least `priority` (0 ..
+  // kPriorities - 1), which it keeps while cached. No-op without an index.
+  void RaisePriority(int32_t page, int priority) {
+    if (has_index_ && prio_[page] < priority) prio_[page] = static_cast<uint8_t>(priority);
+  }
+  int Priority(int32_t page) const { return has_index_ ? prio_[page] : 0; }
+  static constexpr int kPriorities = 4;
   // Adds a reference to a used page, or revives a cached one (it leaves the
   // LRU with count 1). Precondition: the page is not free.
   void Retain(int32_t page);
@@ -111,7 +128,17 @@ class PagePool {
   bool has_index_ = false;
   HostVector<int32_t> prev_, next_;
   HostVector<uint8_t> in_lru_;
-  int32_t head_ = -1, tail_ = -1, lru_count_ = 0;
+  HostVector<uint8_t> prio_;  // retention priority per page: the LRU it is on
+  // One LRU per priority.
+  int32_t head_[kPriorities] = {-1, -1, -1, -1}, tail_[kPriorities] = {-1, -1, -1, -1};
+  int32_t lru_count_ = 0;
+  // The least recently used cached page of the lowest priority, or -1.
+  int32_t LruVictim() const {
+    for (int k = 0; k < kPriorities; ++k) {
+      if (head_[k] >= 0) return head_[k];
+    }
+    return -1;
+  }
   HostVector<uint8_t> indexed_;
   HostVector<BlockHash> hash_;
   using IndexEntry = std::pair<const BlockHash, int32_t>;

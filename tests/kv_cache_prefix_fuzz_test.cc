@@ -8,7 +8,12 @@
 // cached + used == total, the pool's LRU and index are consistent
 // (CheckInvariants), failed calls changed nothing, PlanStep agreed with
 // PrepareStep, and the KV events replayed by a model router give exactly the
-// indexed pages.
+// indexed pages. Configs named *Host add a host tier of the prefix cache
+// (PrefixCacheOptions::host_bytes): evicted cached pages are demoted, matched
+// host pages promoted (their bytes checked like every reuse), the host LRU
+// drops pages, scale resets clear both tiers, and the events of each medium
+// replayed by the router give exactly each tier's pages. Sequences get
+// random retention priorities.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -44,11 +49,14 @@ struct Config {
   Layout layout;
   int64_t pages;
   int max_seqs, max_tokens, max_pages_per_seq;
+  int64_t host_pages;  // host tier of the prefix cache (0: none)
 };
 
 constexpr Config kConfigs[] = {
-    {"Page3Nhd", 2, 1, 16, 3, Layout::kNHD, 22, 4, 24, 8},
-    {"Page4Hnd", 1, 2, 32, 4, Layout::kHND, 18, 4, 20, 6},
+    {"Page3Nhd", 2, 1, 16, 3, Layout::kNHD, 22, 4, 24, 8, 0},
+    {"Page4Hnd", 1, 2, 32, 4, Layout::kHND, 18, 4, 20, 6, 0},
+    {"Page3NhdHost", 2, 1, 16, 3, Layout::kNHD, 22, 4, 24, 8, 10},
+    {"Page4HndHost", 1, 2, 32, 4, Layout::kHND, 18, 4, 20, 6, 6},
 };
 
 uint64_t Mix(uint64_t x) {
@@ -92,7 +100,12 @@ class PrefixFuzzer {
       } else if (r < 87) {
         ForcedEviction();
       } else if (r < 88) {
-        c_->ResetPrefixCache();
+        if (Uniform(0, 1) == 0) {
+          c_->ResetPrefixCache();
+          ASSERT_EQ(c_->Stats().host_prefix_pages_cached, 0) << "a reset clears both tiers";
+        } else {
+          ScaleReset();
+        }
       } else {
         Invalid();
       }
@@ -122,6 +135,17 @@ class PrefixFuzzer {
     EXPECT_GT(exhausted_, 0) << "the pool never ran out";
     EXPECT_GT(cows_, 0) << "no copy on write";
     EXPECT_GT(steps_ok_, ops / 10);
+    if (st.host_prefix_pages_total > 0) {
+      std::printf("  host tier: %lld demotions, %lld promotions (%lld tokens), %lld evictions\n",
+                  static_cast<long long>(st.host_prefix_demotions),
+                  static_cast<long long>(st.host_prefix_promotions),
+                  static_cast<long long>(st.prefix_hit_tokens_host),
+                  static_cast<long long>(st.host_prefix_evictions));
+      EXPECT_GT(st.host_prefix_demotions, 0) << "nothing was demoted";
+      EXPECT_GT(st.host_prefix_promotions, 0) << "nothing was promoted";
+      EXPECT_GT(st.host_prefix_evictions, 0) << "the host tier never dropped a page";
+      EXPECT_GT(scale_resets_, 0) << "no scale reset";
+    }
   }
 
  private:
@@ -200,17 +224,34 @@ class PrefixFuzzer {
     for (int i = 0; i < extra; ++i) prompt.push_back(Uniform(0, 3));
     if (static_cast<int64_t>(prompt.size()) > MaxLen()) prompt.resize(MaxLen());
     const PrefixMatch m = c_->MatchPrefix(prompt, s.key);
-    const int64_t cached_before = c_->Stats().pages_cached;
+    const KVCacheStats before = c_->Stats();
+    const int64_t cached_before = before.pages_cached;
+    ASSERT_EQ(m.tokens, m.tokens_gpu + m.tokens_host);
+    ASSERT_EQ(m.tokens_host, m.pages_host * ps());
+    ASSERT_LE(m.pages_host, before.host_prefix_pages_cached);
+    // A promotion takes free pages first, then evicts (demotes) cached ones;
+    // it fits, or the match ends before the host pages.
+    ASSERT_LE(m.pages_host, before.pages_free + before.pages_cached - m.pages_evictable);
+    const int64_t evicted = std::max<int64_t>(0, m.pages_host - before.pages_free);
     absl::StatusOr<PrefixSequence> r = c_->CreateSequenceFromPrefix(prompt, s.key);
     ASSERT_TRUE(r.ok()) << r.status();
     ASSERT_EQ(r->cached_tokens, m.tokens) << "MatchPrefix and CreateSequenceFromPrefix disagree";
+    ASSERT_EQ(r->host_tokens, m.tokens_host);
+    const KVCacheStats after = c_->Stats();
+    ASSERT_EQ(after.host_prefix_promotions - before.host_prefix_promotions, m.pages_host);
+    ASSERT_EQ(after.evictions - before.evictions, evicted);
     ASSERT_EQ(r->cached_tokens % ps(), 0);
     ASSERT_LT(r->cached_tokens, static_cast<int64_t>(prompt.size()))
         << "at least one prompt token is left to compute";
-    ASSERT_EQ(c_->Stats().pages_cached, cached_before - m.pages_evictable);
+    ASSERT_EQ(after.pages_cached, cached_before - m.pages_evictable - evicted);
     revived_ += m.pages_evictable;
     reused_tokens_ += r->cached_tokens;
     s.id = r->seq;
+    // Retention priorities: eviction order only (checked by the pool's
+    // invariants: one LRU per priority); everything else holds regardless.
+    if (Uniform(0, 2) == 0) {
+      ASSERT_TRUE(c_->SetRetentionPriority(s.id, Uniform(0, kMaxRetentionPriority)).ok());
+    }
     for (int64_t i = 0; i < r->cached_tokens; ++i) Push(s, prompt[i]);
     s.pending.assign(prompt.begin() + r->cached_tokens, prompt.end());
     RefreshPages(s);
@@ -222,6 +263,20 @@ class PrefixFuzzer {
       ASSERT_EQ(diff, "") << "reused pages differ from a fresh prefill";
     }
     seqs_.push_back(s);
+  }
+
+  // Scales "changed" to the values they have (every live sequence released
+  // first: a change under stored tokens is refused): both tiers are emptied,
+  // and the bytes of later tokens stay those of the model.
+  void ScaleReset() {
+    while (!seqs_.empty()) Release();
+    const KVCacheOptions& o = c_->options();
+    ASSERT_TRUE(c_->UpdateGlobalScales(o.k_global_scales, o.v_global_scales, stream_).ok());
+    const KVCacheStats st = c_->Stats();
+    ASSERT_EQ(st.pages_cached, 0);
+    ASSERT_EQ(st.pages_indexed, 0);
+    ASSERT_EQ(st.host_prefix_pages_cached, 0);
+    ++scale_resets_;
   }
 
   void Fork() {
@@ -442,13 +497,23 @@ class PrefixFuzzer {
       switch (e.type) {
         case KVEventType::kAllBlocksCleared:
           router_.clear();
+          host_router_.clear();
           break;
         case KVEventType::kBlockRemoved:
           for (const BlockHash& h : e.block_hashes) {
-            ASSERT_EQ(router_.erase(h.ToHex()), 1u) << "removed a hash never stored";
+            std::set<std::string>& r = e.medium == KVMedium::kHost ? host_router_ : router_;
+            ASSERT_EQ(r.erase(h.ToHex()), 1u) << "removed a hash never stored";
           }
           break;
         case KVEventType::kBlockStored: {
+          if (e.medium == KVMedium::kHost) {
+            // Demoted pages: no parent (their hashes cover it), tokens given.
+            ASSERT_EQ(e.token_ids.size(), e.block_hashes.size() * ps());
+            for (const BlockHash& h : e.block_hashes) {
+              ASSERT_TRUE(host_router_.insert(h.ToHex()).second) << "stored twice on the host";
+            }
+            break;
+          }
           ASSERT_EQ(e.block_size, ps());
           ASSERT_EQ(e.token_ids.size(), e.block_hashes.size() * ps());
           const BlockHash* parent = e.has_parent ? &e.parent_block_hash : nullptr;
@@ -466,6 +531,7 @@ class PrefixFuzzer {
       }
     }
     ASSERT_EQ(static_cast<int64_t>(router_.size()), c_->Stats().pages_indexed);
+    ASSERT_EQ(static_cast<int64_t>(host_router_.size()), c_->Stats().host_prefix_pages_cached);
   }
 
   KVCache* c_;
@@ -480,8 +546,9 @@ class PrefixFuzzer {
   std::vector<ModelSeq> seqs_;
   std::vector<SequenceId> released_;
   std::unordered_map<uint64_t, Token> memo_;
-  std::set<std::string> router_;
-  int64_t reused_tokens_ = 0, revived_ = 0, exhausted_ = 0, cows_ = 0, steps_ok_ = 0, stored_ = 0;
+  std::set<std::string> router_, host_router_;  // per medium
+  int64_t reused_tokens_ = 0, revived_ = 0, exhausted_ = 0, cows_ = 0, steps_ok_ = 0, stored_ = 0,
+          scale_resets_ = 0;
 };
 
 KVCache MakeCache(const Config& c, Device device) {
@@ -502,6 +569,10 @@ KVCache MakeCache(const Config& c, Device device) {
   o.max_pages_per_seq = c.max_pages_per_seq;
   o.prefix_cache.enabled = true;
   o.prefix_cache.max_pending_events = 1 << 20;
+  if (c.host_pages > 0) {  // room for at least host_pages pages
+    const int64_t page = int64_t{c.page_size} * c.heads * (c.dim / 2 + c.dim / 16) * 2;
+    o.prefix_cache.host_bytes = c.layers * (c.host_pages * page + 4 * 256);
+  }
   absl::StatusOr<KVCache> cache = KVCache::Create(o);
   EXPECT_TRUE(cache.ok()) << cache.status();
   return *std::move(cache);
@@ -509,7 +580,7 @@ KVCache MakeCache(const Config& c, Device device) {
 
 class KVCachePrefixFuzz : public ::testing::TestWithParam<int> {};
 
-// 2 configs x 2 seeds x 25000 operations = 10^5 (FP4KV_FUZZ_OPS: per run).
+// 4 configs x 2 seeds x 25000 operations = 2 * 10^5 (FP4KV_FUZZ_OPS: per run).
 TEST_P(KVCachePrefixFuzz, CpuRandomOperationsKeepInvariantsAndReuseExactBytes) {
   const Config& c = kConfigs[GetParam()];
   for (uint64_t seed : {11u, 12u}) {
@@ -534,7 +605,7 @@ TEST_P(KVCachePrefixFuzz, GpuRandomOperationsKeepInvariantsAndReuseExactBytes) {
   FP4KV_ASSERT_CUDA(cudaStreamDestroy(stream));
 }
 
-INSTANTIATE_TEST_SUITE_P(Configs, KVCachePrefixFuzz, ::testing::Values(0, 1),
+INSTANTIATE_TEST_SUITE_P(Configs, KVCachePrefixFuzz, ::testing::Values(0, 1, 2, 3),
                          [](const ::testing::TestParamInfo<int>& i) {
                            return std::string(kConfigs[i.param].name);
                          });

@@ -49,7 +49,11 @@ constexpr int kMaxSeqs = 4;
 constexpr int kMaxTokens = 24;
 constexpr int kMaxPagesPerSeq = 10;
 
-KVCacheOptions RankOptions(int tp, const Device& device, int step_slots = 1) {
+// host_prefix_pages: a host tier of the prefix cache of that many pages on
+// every rank (its bytes computed from the rank's geometry: per layer, K and
+// V data and scale regions, each rounded up to 256 bytes).
+KVCacheOptions RankOptions(int tp, const Device& device, int step_slots = 1,
+                           int64_t host_prefix_pages = 0) {
   KVCacheOptions o;
   o.step_slots = step_slots;
   o.num_layers = kLayers;
@@ -64,6 +68,10 @@ KVCacheOptions RankOptions(int tp, const Device& device, int step_slots = 1) {
   o.prefix_cache.enabled = true;
   o.prefix_cache.max_pending_events = 64;
   o.host_tier.host_pages = 24;
+  const int64_t n = host_prefix_pages, h = kHeads / tp;
+  auto region = [&](int64_t page_bytes) { return (n * page_bytes + 255) / 256 * 256; };
+  o.prefix_cache.host_bytes =
+      kLayers * 2 * (region(kPageSize * h * kDim / 2) + region(kPageSize * h * kDim / 16));
   return o;
 }
 
@@ -80,7 +88,10 @@ std::string Decisions(const KVCache& c, const std::vector<SequenceId>& ids) {
       "/", s.reservations, "; host ", s.host_pages_total, "/", s.host_pages_free, "/",
       s.host_pages_used, "; swapped ", s.sequences_swapped, " in flight ", s.swaps_in_flight,
       "/", s.pages_swap_pending, "; retiring ", s.pages_retiring, "; late ids ",
-      s.token_ids_pending, "/", s.token_ids_dropped, "; clamped ", s.memory_budget_clamped, "\n");
+      s.token_ids_pending, "/", s.token_ids_dropped, "; clamped ", s.memory_budget_clamped,
+      "; host prefix ", s.host_prefix_pages_total, "/", s.host_prefix_pages_cached, "/",
+      s.host_prefix_demotions, "/", s.host_prefix_promotions, "/", s.host_prefix_evictions, "/",
+      s.prefix_hit_tokens_host, "\n");
   for (const auto& [id, len] : s.sequence_lengths) absl::StrAppend(&out, id, ":", len, " ");
   out += "\n";
   for (SequenceId id : ids) {
@@ -124,7 +135,7 @@ std::string Describe(const KVEventBatch& b) {
     for (const BlockHash& h : e.block_hashes) absl::StrAppend(&out, h.ToHex(), " ");
     absl::StrAppend(&out, "] parent ", e.has_parent ? e.parent_block_hash.ToHex() : "-", " ids ",
                     absl::StrJoin(e.token_ids, ","), " size ", e.block_size, " key '",
-                    e.extra_key, "'\n");
+                    e.extra_key, "' medium ", static_cast<int>(e.medium), "\n");
   }
   return out;
 }
@@ -142,11 +153,13 @@ class TpDriver {
  public:
   // slots > 1: two (or more) step slots, and decode tokens whose ids come
   // after their step (SetTokenIds; from device memory on a GPU).
-  TpDriver(int tp, const Device& device, bool delays, uint64_t seed, int slots = 1)
+  TpDriver(int tp, const Device& device, bool delays, uint64_t seed, int slots = 1,
+           int64_t host_prefix_pages = 0)
       : tp_(tp),
         device_(device),
         delays_(delays),
         slots_(slots),
+        host_prefix_pages_(host_prefix_pages),
         rng_(seed),
         delay_rng_(seed ^ 0x5eed) {
     for (int len : {5, 9, 14}) {
@@ -170,7 +183,7 @@ class TpDriver {
       if (device_.is_cuda()) {
         FP4KV_ASSERT_CUDA(cudaStreamCreateWithFlags(&rank.stream, cudaStreamNonBlocking));
       }
-      absl::StatusOr<KVCache> c = KVCache::Create(RankOptions(tp_, device_, slots_));
+      absl::StatusOr<KVCache> c = KVCache::Create(RankOptions(tp_, device_, slots_, host_prefix_pages_));
       ASSERT_TRUE(c.ok()) << c.status();
       rank.cache = std::make_unique<KVCache>(std::move(*c));
       absl::StatusOr<CacheAppender> app = rank.cache->appender(DType::kBF16);
@@ -214,6 +227,7 @@ class TpDriver {
 
   int64_t prefix_hits() const { return hits_; }
   int64_t evictions() const { return ranks_[0].cache->Stats().evictions; }
+  int64_t host_demotions() const { return ranks_[0].cache->Stats().host_prefix_demotions; }
 
  private:
   struct Rank {
@@ -256,7 +270,8 @@ class TpDriver {
     std::vector<std::string> got;
     for (Rank& rank : ranks_) {
       const PrefixMatch m = rank.cache->MatchPrefix(prompt);
-      got.push_back(absl::StrCat("match ", m.tokens, "/", m.pages, "/", m.pages_evictable));
+      got.push_back(absl::StrCat("match ", m.tokens, "/", m.pages, "/", m.pages_evictable, "/",
+                                 m.tokens_host));
     }
     Same(got, "MatchPrefix");
   }
@@ -268,7 +283,7 @@ class TpDriver {
     PrefixSequence ps;
     for (Rank& rank : ranks_) {
       absl::StatusOr<PrefixSequence> s = rank.cache->CreateSequenceFromPrefix(prompt);
-      got.push_back(s.ok() ? absl::StrCat(s->seq, "/", s->cached_tokens)
+      got.push_back(s.ok() ? absl::StrCat(s->seq, "/", s->cached_tokens, "/", s->host_tokens)
                            : std::string(s.status().ToString()));
       if (s.ok()) ps = *s;
     }
@@ -466,6 +481,7 @@ class TpDriver {
   const Device device_;
   const bool delays_;
   const int slots_;
+  const int64_t host_prefix_pages_;
   std::vector<std::unique_ptr<Buffer>> id_buffers_;  // late ids in device memory
   std::mt19937_64 rng_;
   std::mt19937_64 delay_rng_;  // differs between ranks' draws: not part of the calls
@@ -499,6 +515,30 @@ TEST_P(KVCacheTpTest, RanksMakeTheSameDecisionsWithTwoStepSlotsOnTheCpu) {
     d.Run(testing::FuzzOps(400));
     if (HasFatalFailure()) return;
     EXPECT_GT(d.prefix_hits(), 0);
+  }
+}
+
+// A host tier of the prefix cache: demotions and host evictions (their
+// pages, events and counts) are a function of the calls too. (This workload
+// seldom comes back to a demoted prefix; kv_cache_prefix_fuzz_test promotes.)
+TEST_P(KVCacheTpTest, RanksMakeTheSameDecisionsWithAHostPrefixTierOnTheCpu) {
+  for (int slots : {1, 2}) {
+    SCOPED_TRACE(absl::StrCat("slots ", slots));
+    TpDriver d(GetParam(), Device::Cpu(), /*delays=*/false, 6, slots, /*host_prefix_pages=*/8);
+    d.Run(testing::FuzzOps(400));
+    if (HasFatalFailure()) return;
+    EXPECT_GT(d.host_demotions(), 0);
+  }
+}
+
+TEST_P(KVCacheTpTest, GpuRanksMakeTheSameDecisionsWithAHostPrefixTierUnderDeviceDelays) {
+  FP4KV_SKIP_WITHOUT_GPU();
+  for (int slots : {1, 2}) {
+    SCOPED_TRACE(absl::StrCat("slots ", slots));
+    TpDriver d(GetParam(), Device::Cuda(0), /*delays=*/true, 6, slots, /*host_prefix_pages=*/8);
+    d.Run(testing::FuzzOps(250));
+    if (HasFatalFailure()) return;
+    EXPECT_GT(d.host_demotions(), 0);
   }
 }
 

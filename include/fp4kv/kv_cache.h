@@ -149,6 +149,14 @@ struct KVCacheStats {
   int64_t prefix_query_tokens = 0;  // prompt tokens they asked about
   int64_t prefix_hit_tokens = 0;    // of those, tokens reused from the cache
   double prefix_hit_rate = 0;       // prefix_hit_tokens / prefix_query_tokens (0 when none)
+  // Host tier of the prefix cache (PrefixCacheOptions::host_bytes; 0 when off).
+  int64_t host_prefix_pages_total = 0;
+  int64_t host_prefix_pages_cached = 0;  // holding demoted pages (the rest are free)
+  int64_t host_prefix_bytes = 0;         // of its host pool
+  int64_t host_prefix_demotions = 0;     // device pages copied to the host tier, ever
+  int64_t host_prefix_promotions = 0;    // host pages copied back into device pages, ever
+  int64_t host_prefix_evictions = 0;     // host pages dropped for room, ever
+  int64_t prefix_hit_tokens_host = 0;    // of prefix_hit_tokens, tokens promoted from the host
   int64_t events_pending = 0;       // queued for TakeEvents
   int64_t events_dropped = 0;       // lost to a full queue, ever
   // Export and import.
@@ -183,6 +191,17 @@ struct PrefixCacheOptions {
   // Bound of the KV event queue (TakeEvents), 0 .. 2^24; 0: no events are
   // kept.
   int64_t max_pending_events = 0;
+  // A host tier for the prefix cache (docs/kv_cache.md, "Prefix pages in
+  // host memory"): bytes of host memory (pinned on CUDA) for cached pages.
+  // 0 (the default): an evicted cached page is dropped. Otherwise a cached
+  // page that an allocation evicts is demoted: its bytes (every layer, K and
+  // V, data and scales), hash and token ids are copied into a host page
+  // (batched copies on the cache's copy stream, ordered before anything
+  // rewrites the device page), and the host tier drops its least recently
+  // used page when full. CreateSequenceFromPrefix promotes host pages back.
+  // The most whole pages that fit are kept; at least one page's bytes.
+  // Requires `enabled`.
+  int64_t host_bytes = 0;
 };
 
 // The pinned host tier of a cache (SwapOut / SwapIn; docs/kv_cache.md,
@@ -260,15 +279,22 @@ struct KVCacheOptions {
 
 // What MatchPrefix found: the longest cached prefix of whole pages.
 struct PrefixMatch {
-  int64_t tokens = 0;           // pages * page_size
+  int64_t tokens = 0;           // pages * page_size: tokens_gpu + tokens_host
   int64_t pages = 0;
   int64_t pages_evictable = 0;  // of them, cached pages that reuse takes off the LRU
+  // With a host tier of the prefix cache (PrefixCacheOptions::host_bytes):
+  // the matched pages held in device pages, and those held in host pages
+  // (promoted into newly allocated device pages by CreateSequenceFromPrefix).
+  int64_t tokens_gpu = 0;
+  int64_t tokens_host = 0;
+  int64_t pages_host = 0;
 };
 
 // A sequence made by CreateSequenceFromPrefix.
 struct PrefixSequence {
   SequenceId seq = 0;
   int64_t cached_tokens = 0;  // its length: tokens reused; prefill the rest of the prompt
+  int64_t host_tokens = 0;    // of them, tokens promoted from the host tier of the prefix cache
 };
 
 // What a step would do (KVCache::PlanStep), computed without changing
@@ -294,6 +320,10 @@ struct StepPlan {
   int64_t pages_left = 0;
   int64_t tokens_left = 0;
 };
+
+// Retention priorities of cached pages (KVCache::SetRetentionPriority):
+// 0 .. kMaxRetentionPriority.
+constexpr int kMaxRetentionPriority = 3;
 
 class KVCache;
 namespace internal {
@@ -525,13 +555,23 @@ class KVCache {
   // content hash, a per-tenant salt): only pages stored under the same key
   // match. Counts in Stats' prefix queries. FailedPrecondition when prefix
   // caching is off.
+  // Host tier of the prefix cache: matched pages held in host pages are
+  // promoted into newly allocated device pages (which may evict, and so
+  // demote, other cached pages): one batched copy on the copy stream after
+  // the work on the latest step's stream; the sequence's first step (or
+  // read, export) makes its stream wait for it, and so does the next
+  // PrepareStep. All or nothing: when the free and evictable pages do not
+  // cover the promotion, the match ends before its first host page.
   absl::StatusOr<PrefixSequence> CreateSequenceFromPrefix(absl::Span<const int32_t> prompt,
                                                           absl::string_view extra_key = {});
   // How much of `prompt` CreateSequenceFromPrefix would reuse now: whole
   // pages, at most (prompt.size() - 1) / page_size and max_pages_per_seq of
   // them. Changes nothing (no recency, no stats; pages that earlier steps
   // completed are indexed first, as if by those steps: docs/kv_cache.md).
-  // Zero when caching is off.
+  // Zero when caching is off. With a host tier of the prefix cache, the
+  // match is split into tokens_gpu and tokens_host, and ends before its
+  // first host page when the promotion would not fit (as
+  // CreateSequenceFromPrefix does).
   PrefixMatch MatchPrefix(absl::Span<const int32_t> prompt,
                           absl::string_view extra_key = {}) const;
   // A child holding the parent's tokens: it shares every page of the parent
@@ -654,6 +694,16 @@ class KVCache {
   // Waits until every copy of the host tier is done and drops the device
   // pages of finished swap-outs (host sync; for tests and shutdown).
   absl::Status SynchronizeSwaps();
+
+  // Eviction priorities: the retention priority (0 .. kMaxRetentionPriority;
+  // 0 for every new sequence, a fork's is its parent's) that `seq` gives the
+  // pages it drops (release, truncation). A cached page keeps the highest
+  // priority its holders gave it; allocations evict the lowest priority
+  // first, least recently used within a priority, and so does the host tier
+  // of the prefix cache (a demoted page keeps its priority). With every
+  // priority 0: one LRU. Errors (nothing changed): NotFound; InvalidArgument
+  // naming priority.
+  absl::Status SetRetentionPriority(SequenceId seq, int priority);
 
   absl::StatusOr<int64_t> SequenceLength(SequenceId seq) const;
   // The sequence's block table (page ids, ceil(length / page_size) of them);

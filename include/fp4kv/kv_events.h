@@ -29,6 +29,15 @@ enum class KVEventType : uint8_t {
   kAllBlocksCleared = 2,  // the index was emptied (a scale change, ResetPrefixCache)
 };
 
+// Where the pages of an event are: device memory (the cache's pools) or the
+// host tier of the prefix cache (PrefixCacheOptions::host_bytes). A page that
+// moves between tiers is one kBlockRemoved of the medium it leaves and one
+// kBlockStored of the medium it enters.
+enum class KVMedium : uint8_t {
+  kGpu = 0,   // the cache's pools (also on Device::Cpu(): the pools' memory)
+  kHost = 1,  // the host tier of the prefix cache
+};
+
 // One event. A page covers every layer (K and V): there is no per-layer
 // event. Fields not meaningful for a type are empty.
 struct KVEvent {
@@ -43,6 +52,10 @@ struct KVEvent {
   std::vector<int32_t> token_ids;
   int32_t block_size = 0;  // kBlockStored: tokens per page
   std::string extra_key;   // kBlockStored: the sequences' extra key (adapter, salt, ...)
+  // kBlockStored, kBlockRemoved: where the pages are (were). Pages demoted to
+  // the host tier are stored there without a parent and an extra key (their
+  // hashes already cover both).
+  KVMedium medium = KVMedium::kGpu;
 };
 
 // Events in the order they happened. `dropped` counts the events lost since

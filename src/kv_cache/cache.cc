@@ -186,6 +186,22 @@ absl::StatusOr<KVCache> KVCache::Create(const KVCacheOptions& o) {
         "prefix_cache.max_pending_events: expected 0 .. ", internal::KVEventQueue::kMaxEvents,
         ", got ", o.prefix_cache.max_pending_events));
   }
+  const int64_t hp_bytes = o.prefix_cache.host_bytes;
+  int64_t prefix_host_pages = 0;
+  internal::PoolLayout prefix_host_layout;
+  if (hp_bytes < 0 || (hp_bytes > 0 && !o.prefix_cache.enabled)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "prefix_cache.host_bytes: expected 0, or a positive size with prefix_cache.enabled, got ",
+        hp_bytes, o.prefix_cache.enabled ? "" : " without prefix caching"));
+  }
+  if (hp_bytes > 0) {
+    prefix_host_pages = MostPagesWithin(g, o.num_layers, hp_bytes, &prefix_host_layout);
+    if (prefix_host_pages < 1) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("prefix_cache.host_bytes: expected at least ", one_page.total_bytes,
+                       " bytes (one page of every layer), got ", hp_bytes));
+    }
+  }
   // Capacity: everything below is sized against what the devices have now,
   // before anything is allocated (docs/kv_cache.md, "Allocation and budget
   // rules").
@@ -205,6 +221,7 @@ absl::StatusOr<KVCache> KVCache::Create(const KVCacheOptions& o) {
                                ? o.max_pages_per_seq
                                : CeilDiv(internal::kDefaultMaxSeqTokens, g.page_size);
     in.host_pages = host_pages;
+    in.prefix_host_pages = prefix_host_pages;
     in.step_slots = o.step_slots;
     in.budget = o.memory_budget_bytes;
     absl::StatusOr<internal::Capacity> c = internal::PlanCapacity(in);
@@ -283,6 +300,55 @@ absl::StatusOr<KVCache> KVCache::Create(const KVCacheOptions& o) {
     // Popped from the back: host pages are handed out in increasing order.
     for (int64_t i = 0; i < host_pages; ++i) {
       s->host.free_pages[i] = static_cast<int32_t>(host_pages - 1 - i);
+    }
+  }
+  if (prefix_host_pages > 0) {
+    internal::PrefixHostState& t = s->prefix_host;
+    t.pages_total = prefix_host_pages;
+    t.layout = prefix_host_layout;
+    FP4KV_RETURN_IF_ERROR(t.pool.Allocate(s->cuda ? Kind::kPinnedMapped : Kind::kHost,
+                                          prefix_host_layout.total_bytes,
+                                          "the host tier of the prefix cache"));
+    t.pool_dev = t.pool.get();
+    if (s->cuda) {
+      void* dev_ptr = nullptr;
+      FP4KV_CUDA_RETURN_IF_ERROR(cudaHostGetDevicePointer(&dev_ptr, t.pool.get(), 0));
+      t.pool_dev = static_cast<uint8_t*>(dev_ptr);
+      if (s->host.copy_stream == nullptr) {
+        FP4KV_CUDA_RETURN_IF_ERROR(
+            cudaStreamCreateWithFlags(&s->host.copy_stream, cudaStreamNonBlocking));
+        FP4KV_CUDA_RETURN_IF_ERROR(
+            cudaEventCreateWithFlags(&s->host.copy_ready, cudaEventDisableTiming));
+        FP4KV_CUDA_RETURN_IF_ERROR(
+            cudaEventCreateWithFlags(&s->host.copy_drained, cudaEventDisableTiming));
+      }
+    }
+    const char* what = "the host tier of the prefix cache's bookkeeping";
+    FP4KV_RETURN_IF_ERROR(
+        internal::SizeHost(&t.free_pages, prefix_host_pages, int32_t{0}, kCall, what));
+    for (int64_t i = 0; i < prefix_host_pages; ++i) {
+      t.free_pages[i] = static_cast<int32_t>(prefix_host_pages - 1 - i);
+    }
+    FP4KV_RETURN_IF_ERROR(internal::SizeHost(&t.prev, prefix_host_pages, int32_t{-1}, kCall, what));
+    FP4KV_RETURN_IF_ERROR(internal::SizeHost(&t.next, prefix_host_pages, int32_t{-1}, kCall, what));
+    FP4KV_RETURN_IF_ERROR(
+        internal::SizeHost(&t.cached, prefix_host_pages, uint8_t{0}, kCall, what));
+    FP4KV_RETURN_IF_ERROR(
+        internal::SizeHost(&t.hash, prefix_host_pages, BlockHash{}, kCall, what));
+    FP4KV_RETURN_IF_ERROR(internal::SizeHost(&t.prio, prefix_host_pages, uint8_t{0}, kCall, what));
+    FP4KV_RETURN_IF_ERROR(
+        internal::SizeHost(&t.batch, prefix_host_pages, uint64_t{0}, kCall, what));
+    FP4KV_RETURN_IF_ERROR(
+        internal::SizeHost(&t.batch_pos, prefix_host_pages, int32_t{0}, kCall, what));
+    FP4KV_RETURN_IF_ERROR(internal::SizeHost(&t.tokens, prefix_host_pages * g.page_size,
+                                             int32_t{0}, kCall, what));
+    try {
+      // Twice the most entries it holds, as the pool's index: erasures leave
+      // tombstones, and the headroom keeps inserts from growing the table.
+      t.index.reserve(static_cast<size_t>(2 * prefix_host_pages));
+    } catch (const std::bad_alloc&) {
+      return internal::HostAllocError(kCall, "the host tier of the prefix cache's index",
+                                      prefix_host_pages, sizeof(BlockHash) + sizeof(int32_t));
     }
   }
   const int N = o.step_slots;
@@ -466,6 +532,13 @@ KVCacheStats KVCache::Stats() const {
   st.prefix_hit_rate = s.prefix.query_tokens > 0 ? static_cast<double>(s.prefix.hit_tokens) /
                                                        static_cast<double>(s.prefix.query_tokens)
                                                  : 0.0;
+  st.host_prefix_pages_total = s.prefix_host.pages_total;
+  st.host_prefix_pages_cached = s.prefix_host.cached_count;
+  st.host_prefix_bytes = s.prefix_host.pages_total > 0 ? s.prefix_host.layout.total_bytes : 0;
+  st.host_prefix_demotions = s.prefix_host.demotions;
+  st.host_prefix_promotions = s.prefix_host.promotions;
+  st.host_prefix_evictions = s.prefix_host.evictions;
+  st.prefix_hit_tokens_host = s.prefix_host.hit_tokens;
   st.events_pending = static_cast<int64_t>(s.prefix.events.pending());
   st.events_dropped = static_cast<int64_t>(s.prefix.events.dropped_total());
   st.num_sequences = s.sequences.live;
@@ -499,6 +572,7 @@ absl::Status KVCache::CheckInvariants() const {
   const KVCacheState& s = *state_;
   const int ps = s.geometry.page_size;
   FP4KV_RETURN_IF_ERROR(s.allocator.Validate());
+  FP4KV_RETURN_IF_ERROR(s.CheckHostPrefix());
   constexpr char kCall[] = "KVCache::CheckInvariants";
   internal::HostVector<int32_t> refs;
   FP4KV_RETURN_IF_ERROR(internal::SizeHost(&refs, s.allocator.num_pages(), int32_t{0}, kCall,

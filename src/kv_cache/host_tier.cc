@@ -12,12 +12,14 @@ using internal::KVCacheState;
 namespace internal {
 
 PageCopyParams KVCacheState::HostCopy(const int32_t* src, const int32_t* dst, int64_t n,
-                                      bool to_host) const {
+                                      bool to_host, bool prefix_tier) const {
   PageCopyParams p;
-  const PoolLayout& a = to_host ? mem.pool : host.layout;
-  const PoolLayout& b = to_host ? host.layout : mem.pool;
-  p.src = to_host ? mem.pools.get() : host.pool_dev;
-  p.dst = to_host ? host.pool_dev : mem.pools.get();
+  const PoolLayout& hl = prefix_tier ? prefix_host.layout : host.layout;
+  uint8_t* const hp = prefix_tier ? prefix_host.pool_dev : host.pool_dev;
+  const PoolLayout& a = to_host ? mem.pool : hl;
+  const PoolLayout& b = to_host ? hl : mem.pool;
+  p.src = to_host ? mem.pools.get() : hp;
+  p.dst = to_host ? hp : mem.pools.get();
   p.src_layer_stride = a.layer_bytes;
   p.dst_layer_stride = b.layer_bytes;
   for (int r = 0; r < 4; ++r) {
@@ -58,7 +60,7 @@ absl::Status KVCacheState::TakeEvent(int* out) {
 
 absl::Status KVCacheState::EnqueueSwapCopy(const std::vector<int32_t>& pages,
                                            const std::vector<int32_t>& host_ids, bool to_host,
-                                           Stream stream, int* event) {
+                                           Stream stream, int* event, bool prefix_tier) {
   int e = -1;
   FP4KV_RETURN_IF_ERROR(TakeEvent(&e));
   absl::Status st = [&]() -> absl::Status {
@@ -78,8 +80,9 @@ absl::Status KVCacheState::EnqueueSwapCopy(const std::vector<int32_t>& pages,
     FP4KV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(d_ids, ids.data(), ids.size() * sizeof(int32_t),
                                                cudaMemcpyHostToDevice, host.copy_stream));
     const Stream side = reinterpret_cast<Stream>(host.copy_stream);
-    FP4KV_RETURN_IF_ERROR(LaunchPageCopy(
-        to_host ? PoolToHost(d_ids, d_ids + n, n) : HostToPool(d_ids + n, d_ids, n), side));
+    FP4KV_RETURN_IF_ERROR(LaunchPageCopy(to_host ? HostCopy(d_ids, d_ids + n, n, true, prefix_tier)
+                                                 : HostCopy(d_ids + n, d_ids, n, false, prefix_tier),
+                                         side));
     FP4KV_CUDA_RETURN_IF_ERROR(cudaEventRecord(host.swap_events[e], host.copy_stream));
     return absl::OkStatus();
   }();
@@ -105,13 +108,14 @@ void KVCacheState::FinishOut(SwapOutCopy& c) {
   if (c.event >= 0) host.free_events.push_back(c.event);
 }
 
-void KVCacheState::DropPages(const int32_t* pages, size_t n) {
+void KVCacheState::DropPages(const int32_t* pages, size_t n, int priority) {
   const int slots = options.step_slots;
   RetireEntry* e = nullptr;
   // Last page first: of pages that become cached, the deepest is evicted first.
   const uint64_t ready = step.step_serial + static_cast<uint64_t>(slots);
   for (size_t j = n; j-- > 0;) {
     const int32_t page = pages[j];
+    allocator.RaisePriority(page, priority);
     if (slots > 1) host.retire_ready[page] = ready;  // extends an entry that holds it
     if (slots == 1 || allocator.RefCount(page) > 1) {
       allocator.Release(page);
@@ -426,6 +430,7 @@ absl::Status KVCache::SwapIn(SequenceId seq, Stream stream) {
   FP4KV_RETURN_IF_ERROR(s.MakeAvailable(n, "SwapIn"));
   internal::ScopedDevice scoped;
   FP4KV_RETURN_IF_ERROR(scoped.Set(s.options.device));
+  FP4KV_RETURN_IF_ERROR(s.DemoteForAllocation(n, stream));
   std::vector<int32_t> pages;  // n: at most the pool's free pages (MakeAvailable)
   pages.reserve(static_cast<size_t>(n));
   for (int64_t i = 0; i < n; ++i) pages.push_back(s.allocator.Allocate());

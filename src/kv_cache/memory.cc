@@ -112,6 +112,11 @@ absl::StatusOr<Capacity> PlanCapacity(const CapacityInput& in) {
   if (cuda && in.prefix_cache) {
     host_fixed = SatAdd(host_fixed, SatMul(8 * (in.step_slots + 1), in.max_tokens_per_step));
   }
+  if (in.prefix_host_pages > 0) {
+    const int64_t per_page = SatAdd(SatAdd(pool_per_page, 128), SatMul(4, g.page_size));
+    host_fixed = SatAdd(host_fixed, SatAdd(SatMul(in.prefix_host_pages, per_page),
+                                           SatMul(4 * kRegionAlign, L)));
+  }
   if (in.host_pages > 0) {
     host_fixed = SatAdd(host_fixed, SatAdd(SatMul(in.host_pages, SatAdd(pool_per_page, 4)),
                                            SatMul(4 * kRegionAlign, L)));

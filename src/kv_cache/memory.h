@@ -244,6 +244,9 @@ struct CapacityInput {
   bool events = false;  // KV events kept (KVEventQueue::Reserve's bytes a page)
   int64_t max_seqs_per_step = 0, max_tokens_per_step = 0, max_pages_per_seq = 0;
   int64_t host_pages = 0;  // host tier
+  // Host tier of the prefix cache (PrefixCacheOptions::host_bytes): its pool
+  // and per-page bookkeeping (links, hash, token ids, index).
+  int64_t prefix_host_pages = 0;
   int64_t step_slots = 1;  // KVCacheOptions::step_slots
   int64_t budget = 0;      // memory_budget_bytes (0: num_pages was given)
 };

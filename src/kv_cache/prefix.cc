@@ -12,9 +12,11 @@ using internal::KVCacheState;
 namespace internal {
 
 void KVCacheState::MatchPages(absl::Span<const int32_t> prompt, absl::string_view key,
-                              std::vector<BlockHash>* hashes, std::vector<int32_t>* pages) const {
+                              std::vector<BlockHash>* hashes, std::vector<int32_t>* pages,
+                              std::vector<int32_t>* host) const {
   hashes->clear();
   pages->clear();
+  host->clear();
   if (!prefix.enabled || prompt.empty()) return;
   const int ps = geometry.page_size;
   const int64_t max_pages =
@@ -24,9 +26,11 @@ void KVCacheState::MatchPages(absl::Span<const int32_t> prompt, absl::string_vie
         HashPage(hashes->empty() ? nullptr : &hashes->back(),
                  prompt.subspan(static_cast<size_t>(i) * ps, ps), key, &prefix.hash_scratch);
     const int32_t page = allocator.Lookup(h);
-    if (page < 0) break;
+    const int32_t hp = page < 0 ? HostLookup(h) : -1;
+    if (page < 0 && hp < 0) break;
     hashes->push_back(h);
     pages->push_back(page);
+    host->push_back(hp);
   }
 }
 
@@ -152,6 +156,7 @@ absl::Span<const int32_t> KVCacheState::PageTokens(int32_t page) const {
 void KVCacheState::ClearPrefixIndex() {
   if (!prefix.enabled) return;
   FlushIndex();  // their hashes are still needed; their index entries go now
+  ClearHostPrefix();  // before the clear event, which covers both tiers
   allocator.ClearIndex();
 }
 
@@ -167,20 +172,31 @@ absl::StatusOr<PrefixSequence> KVCache::CreateSequenceFromPrefix(absl::Span<cons
   }
   s.FlushIndex();
   s.PollSwaps();
-  s.MatchPages(prompt, extra_key, &s.prefix.match_hashes, &s.prefix.match_pages);
+  s.MatchPages(prompt, extra_key, &s.prefix.match_hashes, &s.prefix.match_pages,
+               &s.prefix.match_host);
+  s.FitMatch();
+  internal::ScopedDevice scoped;
+  FP4KV_RETURN_IF_ERROR(scoped.Set(s.options.device));
   const SequenceId id = s.NewSequence();
   KVCacheState::Sequence& q = *s.Find(id);
   const int64_t tokens = static_cast<int64_t>(s.prefix.match_pages.size()) * s.geometry.page_size;
-  for (int32_t page : s.prefix.match_pages) s.allocator.Retain(page);  // revives cached ones
+  const int64_t promoted_before = s.prefix_host.promotions;
+  q.chain.Reset(true, extra_key);
+  // Retains the device pages (reviving cached ones) and promotes the host
+  // ones into new device pages.
+  if (absl::Status st = s.PromoteInto(q, prompt); !st.ok()) {
+    (void)ReleaseSequence(id);
+    return st;
+  }
+  const int64_t host_tokens = (s.prefix_host.promotions - promoted_before) * s.geometry.page_size;
   q.pages.assign(s.prefix.match_pages.begin(), s.prefix.match_pages.end());
   q.length = tokens;
-  q.chain.Reset(true, extra_key);
   q.chain.hashes.assign(s.prefix.match_hashes.begin(), s.prefix.match_hashes.end());
   q.chain.ids_known = tokens;
   ++s.prefix.queries;
   s.prefix.query_tokens += static_cast<int64_t>(prompt.size());
   s.prefix.hit_tokens += tokens;
-  return PrefixSequence{id, tokens};
+  return PrefixSequence{id, tokens, host_tokens};
 }
 
 PrefixMatch KVCache::MatchPrefix(absl::Span<const int32_t> prompt,
@@ -188,11 +204,21 @@ PrefixMatch KVCache::MatchPrefix(absl::Span<const int32_t> prompt,
   if (state_ == nullptr) return PrefixMatch();
   KVCacheState& s = *state_;
   s.FlushIndex();  // logically part of the earlier steps
-  s.MatchPages(prompt, extra_key, &s.prefix.match_hashes, &s.prefix.match_pages);
+  s.MatchPages(prompt, extra_key, &s.prefix.match_hashes, &s.prefix.match_pages,
+               &s.prefix.match_host);
+  s.FitMatch();
   PrefixMatch m;
   m.pages = static_cast<int64_t>(s.prefix.match_pages.size());
   m.tokens = m.pages * s.geometry.page_size;
-  for (int32_t page : s.prefix.match_pages) m.pages_evictable += s.allocator.RefCount(page) == 0;
+  for (int32_t page : s.prefix.match_pages) {
+    if (page < 0) {
+      ++m.pages_host;
+    } else {
+      m.pages_evictable += s.allocator.RefCount(page) == 0;
+    }
+  }
+  m.tokens_host = m.pages_host * s.geometry.page_size;
+  m.tokens_gpu = m.tokens - m.tokens_host;
   return m;
 }
 

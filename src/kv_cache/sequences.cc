@@ -78,7 +78,7 @@ int64_t KVCacheState::TokensResident() const {
 }
 
 void KVCacheState::ReleasePages(Sequence& q) {
-  DropPages(q.pages.data(), q.pages.size());
+  DropPages(q.pages.data(), q.pages.size(), q.priority);
   q.pages.clear();
   ++q.epoch;
 }
@@ -102,6 +102,7 @@ SequenceId KVCacheState::NewSequence() {
   q.length = 0;
   q.pages.clear();
   q.chain.Reset(s.prefix.enabled, {});
+  q.priority = 0;
   ++q.epoch;
   ++s.sequences.live;
   q.id = s.sequences.next_id++;
@@ -128,6 +129,7 @@ absl::StatusOr<SequenceId> KVCache::ForkSequence(SequenceId parent) {
   c.length = p.length;
   c.pages = p.pages;
   c.chain = p.chain;
+  c.priority = p.priority;
   for (int32_t page : c.pages) s.allocator.Retain(page);
   c.swapin_event = p.swapin_event;  // its pages arrive with the parent's copy
   if (c.swapin_event >= 0) ++s.host.event_refs[c.swapin_event];
@@ -149,7 +151,7 @@ absl::Status KVCache::Truncate(SequenceId seq, int64_t new_len) {
   if (keep < q->pages.size()) {
     // Last page first (DropPages): of pages that become cached, the deepest
     // is evicted first.
-    s.DropPages(q->pages.data() + keep, q->pages.size() - keep);
+    s.DropPages(q->pages.data() + keep, q->pages.size() - keep, q->priority);
     q->pages.resize(keep);
     ++q->epoch;
   }
@@ -183,7 +185,7 @@ absl::Status KVCache::ReleaseSequence(SequenceId seq) {
   s.DropSwapIn(*q);
   // Last page first (DropPages): of pages that become cached, the deepest
   // is evicted first.
-  s.DropPages(q->pages.data(), q->pages.size());
+  s.DropPages(q->pages.data(), q->pages.size(), q->priority);
   q->pages.clear();  // keeps the capacity for the next sequence in this slot
   q->chain.Reset(false, {});
   q->length = 0;
@@ -192,6 +194,18 @@ absl::Status KVCache::ReleaseSequence(SequenceId seq) {
   s.sequences.free_slots.push_back(s.sequences.slot_of[seq]);
   s.sequences.slot_of.erase(seq);
   --s.sequences.live;
+  return absl::OkStatus();
+}
+
+absl::Status KVCache::SetRetentionPriority(SequenceId seq, int priority) {
+  FP4KV_KV_RETURN_IF_MOVED_FROM();
+  KVCacheState::Sequence* q = state_->Find(seq);
+  if (q == nullptr) return KVCacheState::Unknown("seq", seq);
+  if (priority < 0 || priority > kMaxRetentionPriority) {
+    return absl::InvalidArgumentError(absl::StrCat("priority: expected 0 .. ",
+                                                   kMaxRetentionPriority, ", got ", priority));
+  }
+  q->priority = priority;
   return absl::OkStatus();
 }
 

@@ -11,6 +11,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
@@ -49,6 +50,8 @@ struct Sequence {
   // Bumped by Truncate: token ids given for positions before a truncation
   // (SetTokenIds from device memory, still in flight) do not apply after it.
   uint64_t truncations = 0;
+  // Retention priority (KVCache::SetRetentionPriority) the pages it drops get.
+  int priority = 0;
 };
 
 // The sequences (owner: sequences.cc). Ids count up from 1 and are never
@@ -171,7 +174,8 @@ struct PrefixState {
   int64_t queries = 0, query_tokens = 0, hit_tokens = 0;
   mutable std::vector<uint8_t> hash_scratch;
   mutable std::vector<BlockHash> match_hashes;
-  mutable std::vector<int32_t> match_pages;
+  mutable std::vector<int32_t> match_pages;  // device page, or -1: host page in match_host
+  mutable std::vector<int32_t> match_host;   // host page of the prefix tier, or -1
   // Token id of every slot (page * page_size + entry) written by a tracked
   // sequence: a page's ids travel with it (forks, matches, truncations).
   // Allocated only with prefix caching on.
@@ -265,6 +269,39 @@ struct HostTierState {
   HostVector<uint64_t> retire_ready;
   int64_t bytes_swapped_out = 0, bytes_swapped_in = 0;
 };
+// The host tier of the prefix cache (owner: prefix_host.cc): host pages laid
+// out like the pools, each free or cached. Invariants: free pages +
+// cached pages == pages_total; a cached page is on the LRU of its priority
+// (head: least recently used) and its hash maps to it in `index`; a free
+// page is in neither. Room is made by dropping the least recently used page
+// of the lowest priority, never one of a priority above the incoming page's
+// (that one is dropped instead). A hash may also be indexed on the device (the tiers are not
+// exclusive: a prefix recomputed while its demoted copy is on the host);
+// matches take the device page first.
+struct PrefixHostState {
+  int64_t pages_total = 0;  // 0: no host tier of the prefix cache
+  PoolLayout layout;
+  Memory pool;
+  uint8_t* pool_dev = nullptr;      // its device address (CUDA) or itself
+  HostVector<int32_t> free_pages;   // stack
+  HostVector<int32_t> prev, next;   // LRU links (-1 ends), one LRU per priority
+  HostVector<uint8_t> cached;       // per page
+  HostVector<uint8_t> prio;         // per page: the retention priority it was demoted with
+  HostVector<uint64_t> batch;       // per page: the demotion batch that wrote it last
+  HostVector<int32_t> batch_pos;    // per page: its entry in that batch
+  uint64_t batches = 0;
+  int32_t head[PagePool::kPriorities] = {-1, -1, -1, -1};
+  int32_t tail[PagePool::kPriorities] = {-1, -1, -1, -1};
+  int64_t cached_count = 0;
+  HostVector<BlockHash> hash;       // per page
+  HostVector<int32_t> tokens;       // [pages_total * page_size] token ids
+  absl::flat_hash_map<BlockHash, int32_t, BlockHashHasher> index;
+  // CUDA: a promotion copy (host tier event) the next PrepareStep's stream
+  // waits for (sequences that share promoted pages need not hold its event).
+  int pending_event = -1;
+  int64_t demotions = 0, promotions = 0, evictions = 0, hit_tokens = 0;
+};
+
 // The whole state of a KVCache; heap-allocated so that its address (held by
 // the bound op objects) survives moves of the KVCache. The methods are defined
 // in the file of the group they change.
@@ -340,10 +377,14 @@ class KVCacheState {
   PagePool allocator;  // src/page_pool: free / cached / used pages
   ImageState images;
   HostTierState host;
+  PrefixHostState prefix_host;
 
   int64_t PageBytesAllLayers() const;
 
-  PageCopyParams HostCopy(const int32_t* src, const int32_t* dst, int64_t n, bool to_host) const;
+  // prefix_tier: between the pool and the host tier of the prefix cache
+  // (prefix_host) instead of the swap host tier (host).
+  PageCopyParams HostCopy(const int32_t* src, const int32_t* dst, int64_t n, bool to_host,
+                          bool prefix_tier = false) const;
   PageCopyParams PoolToHost(const int32_t* pages, const int32_t* host, int64_t n) const;
   PageCopyParams HostToPool(const int32_t* host, const int32_t* pages, int64_t n) const;
 
@@ -351,9 +392,40 @@ class KVCacheState {
 
   // Copies pages between the pool and the host tier on the copy stream,
   // after the work on `stream` so far; *event is recorded after the copy.
+  // n <= max_pages_per_seq pages (the room of the swap ids); prefix_tier:
+  // host pages of prefix_host.
   absl::Status EnqueueSwapCopy(const std::vector<int32_t>& pages,
                                const std::vector<int32_t>& host_ids, bool to_host, Stream stream,
-                               int* event);
+                               int* event, bool prefix_tier = false);
+
+  // --- host tier of the prefix cache (prefix_host.cc)
+  // Before n pages are allocated: with a host tier of the prefix cache,
+  // evicts the cached pages those allocations would evict (least recently
+  // used first) and demotes them (a page whose hash the host tier holds
+  // only becomes its most recently used; the host tier drops its least
+  // recently used pages for room, and keeps at most as many of a batch as
+  // it can hold, the most recently used), copying them on the copy stream
+  // after the work on `stream` and making `stream` wait for the copy; on
+  // the CPU device the copy is done at once. Without a host tier: nothing
+  // (Allocate evicts and drops). Call after every check of the caller
+  // passed: it changes the pool.
+  absl::Status DemoteForAllocation(int64_t n, Stream stream);
+  // The host page holding `hash`, or -1.
+  int32_t HostLookup(const BlockHash& hash) const;
+  // Host LRU: unlinks a cached host page (it stays cached until freed).
+  void HostLruUnlink(int32_t h);
+  void HostLruPushBack(int32_t h);
+  // Empties the host tier of the prefix cache (no event: the caller's
+  // kAllBlocksCleared covers it).
+  void ClearHostPrefix();
+  // The promotion of matched host pages (match_pages[i] < 0) of q into new
+  // device pages; see KVCache::CreateSequenceFromPrefix.
+  absl::Status PromoteInto(Sequence& q, absl::Span<const int32_t> prompt);
+  // Pages of the match (prefix.match_*) that a promotion needs and fits:
+  // trims the match before its first host page when it does not fit.
+  void FitMatch();
+  // Checks prefix_host's invariants (CheckInvariants).
+  absl::Status CheckHostPrefix() const;
 
   // A new empty sequence (KVCache::CreateSequence).
   SequenceId NewSequence();
@@ -365,7 +437,9 @@ class KVCacheState {
   // slot, or for a page held elsewhere too; otherwise the reference moves to
   // a retire entry of the current step (ready at PrepareStep step_serial +
   // step_slots), so that no step in flight sees its page reused.
-  void DropPages(const int32_t* pages, size_t n);
+  // `priority`: the retention priority the dropping holder gives the pages
+  // (PagePool::RaisePriority).
+  void DropPages(const int32_t* pages, size_t n, int priority = 0);
   // The released-page entry (the newest) that goes at step_serial `ready`.
   RetireEntry& HoldEntry(uint64_t ready);
 
@@ -438,9 +512,11 @@ class KVCacheState {
   bool Calibrated();
 
   // The longest indexed prefix of `prompt` in whole pages, leaving at least
-  // one token: their hashes and pages (into the given vectors).
+  // one token: their hashes and pages (into the given vectors): a device
+  // page, else (pages -1) the host page of the prefix tier in `host`.
   void MatchPages(absl::Span<const int32_t> prompt, absl::string_view key,
-                  std::vector<BlockHash>* hashes, std::vector<int32_t>* pages) const;
+                  std::vector<BlockHash>* hashes, std::vector<int32_t>* pages,
+                  std::vector<int32_t>* host) const;
 
   // After a committed append of entry `e` to `q` (its slots at h_slots[tok0
   // ..]): records the token ids with the pages and queues the sequence when

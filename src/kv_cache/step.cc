@@ -154,10 +154,21 @@ absl::StatusOr<StepInfo> KVCache::PrepareStep(absl::Span<const StepEntry> entrie
       FP4KV_RETURN_IF_ERROR(s.OrderAfterSwapIn(q, stream));
       s.DropSwapIn(q);
     }
+    // Pages promoted from the host tier of the prefix cache that sequences
+    // other than their promoter may share: the step's stream waits too.
+    if (int& e = s.prefix_host.pending_event; e >= 0) {
+      FP4KV_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(
+          reinterpret_cast<cudaStream_t>(stream), s.host.swap_events[e], 0));
+      if (--s.host.event_refs[e] == 0) s.host.free_events.push_back(e);
+      e = -1;
+    }
   }
 
   // Copies on write first: undone if one cannot be enqueued.
   const int64_t evictions_before = s.allocator.evictions();
+  // Cached pages the allocations below evict go to the host tier of the
+  // prefix cache (copied before this step's work on `stream` rewrites them).
+  FP4KV_RETURN_IF_ERROR(s.DemoteForAllocation(need, stream));
   s.step.cow_dst.clear();
   for (size_t c = 0; c < s.step.cow_src.size(); ++c) {
     const int32_t dst = s.allocator.Allocate();

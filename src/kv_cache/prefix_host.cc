@@ -1,0 +1,268 @@
+// KVCache: the host tier of the prefix cache. Cached pages that allocations
+// evict are demoted into host pages; CreateSequenceFromPrefix promotes them
+// back. Every decision here is a function of the calls alone (LRU order,
+// counts), never of when a copy finishes.
+#include <algorithm>
+
+#include "src/kv_cache/state.h"
+
+namespace fp4kv {
+namespace internal {
+
+int32_t KVCacheState::HostLookup(const BlockHash& hash) const {
+  if (prefix_host.pages_total == 0) return -1;
+  auto it = prefix_host.index.find(hash);
+  return it == prefix_host.index.end() ? -1 : it->second;
+}
+
+void KVCacheState::HostLruUnlink(int32_t h) {
+  PrefixHostState& t = prefix_host;
+  const int k = t.prio[h];
+  const int32_t p = t.prev[h], n = t.next[h];
+  (p >= 0 ? t.next[p] : t.head[k]) = n;
+  (n >= 0 ? t.prev[n] : t.tail[k]) = p;
+  t.prev[h] = t.next[h] = -1;
+}
+
+void KVCacheState::HostLruPushBack(int32_t h) {
+  PrefixHostState& t = prefix_host;
+  const int k = t.prio[h];
+  t.prev[h] = t.tail[k];
+  t.next[h] = -1;
+  (t.tail[k] >= 0 ? t.next[t.tail[k]] : t.head[k]) = h;
+  t.tail[k] = h;
+}
+
+void KVCacheState::ClearHostPrefix() {
+  PrefixHostState& t = prefix_host;
+  if (t.pages_total == 0) return;
+  for (int k = 0; k < PagePool::kPriorities; ++k) {
+    while (t.head[k] >= 0) {
+      const int32_t h = t.head[k];
+      HostLruUnlink(h);
+      t.cached[h] = 0;
+      t.free_pages.push_back(h);
+    }
+  }
+  t.cached_count = 0;
+  t.index.clear();
+}
+
+absl::Status KVCacheState::DemoteForAllocation(int64_t n, Stream stream) {
+  PrefixHostState& t = prefix_host;
+  if (t.pages_total == 0 || !prefix.enabled) return absl::OkStatus();
+  const int64_t evict =
+      std::min<int64_t>(std::max<int64_t>(0, n - allocator.free_count()), allocator.cached_count());
+  if (evict == 0) return absl::OkStatus();
+  // Pages evicted in order: lowest priority first, least recently used
+  // within one. Each takes a free host page, else the host tier's least
+  // recently used page of the lowest priority up to its own, else it is
+  // dropped. A host page taken from a page of this same batch cancels that
+  // page's copy: only the last page a batch gives a host page is copied.
+  const uint64_t batch = ++t.batches;
+  std::vector<int32_t> dev, hosts;
+  const int ps = geometry.page_size;
+  for (int64_t i = 0; i < evict; ++i) {
+    BlockHash h;
+    int prio = 0;
+    const int32_t page = allocator.EvictLru(&h, &prio);
+    const int32_t have = HostLookup(h);
+    if (have >= 0) {  // already on the host: now its most recently used page
+      HostLruUnlink(have);
+      t.prio[have] = static_cast<uint8_t>(std::max<int>(t.prio[have], prio));
+      HostLruPushBack(have);
+      continue;
+    }
+    int32_t hp = -1;
+    if (!t.free_pages.empty()) {
+      hp = t.free_pages.back();
+      t.free_pages.pop_back();
+    } else {
+      for (int k = 0; k <= prio && hp < 0; ++k) hp = t.head[k];
+      if (hp < 0) continue;  // dropped: no room at or below its priority
+      if (t.batch[hp] == batch) dev[t.batch_pos[hp]] = -1;  // its copy is cancelled
+      HostLruUnlink(hp);
+      t.index.erase(t.hash[hp]);
+      prefix.events.Removed(t.hash[hp], KVMedium::kHost);
+      t.cached[hp] = 0;
+      --t.cached_count;
+      ++t.evictions;
+    }
+    t.hash[hp] = h;
+    t.prio[hp] = static_cast<uint8_t>(prio);
+    t.batch[hp] = batch;
+    t.batch_pos[hp] = static_cast<int32_t>(dev.size());
+    t.cached[hp] = 1;
+    ++t.cached_count;
+    t.index[h] = hp;
+    HostLruPushBack(hp);
+    const absl::Span<const int32_t> ids = PageTokens(page);
+    std::copy(ids.begin(), ids.end(), t.tokens.begin() + static_cast<int64_t>(hp) * ps);
+    prefix.events.Stored(h, nullptr, ids, ps, {}, /*continues=*/false, KVMedium::kHost);
+    dev.push_back(page);
+    hosts.push_back(hp);
+  }
+  size_t kept = 0;
+  for (size_t i = 0; i < dev.size(); ++i) {
+    if (dev[i] < 0) continue;
+    dev[kept] = dev[i];
+    hosts[kept++] = hosts[i];
+  }
+  dev.resize(kept);
+  hosts.resize(kept);
+  t.demotions += static_cast<int64_t>(dev.size());
+  if (dev.empty()) return absl::OkStatus();
+  if (!cuda) {
+    ReferencePageCopy(HostCopy(dev.data(), hosts.data(), static_cast<int64_t>(dev.size()), true,
+                               /*prefix_tier=*/true));
+    return absl::OkStatus();
+  }
+  // Batches of at most max_pages_per_seq pages (the room of the swap ids),
+  // all on the copy stream after the work on `stream`; then `stream` (which
+  // rewrites the pages) waits for them. No host wait.
+  const size_t chunk = static_cast<size_t>(options.max_pages_per_seq);
+  for (size_t b = 0; b < dev.size(); b += chunk) {
+    const size_t e = std::min(dev.size(), b + chunk);
+    std::vector<int32_t> d(dev.begin() + b, dev.begin() + e), h(hosts.begin() + b, hosts.begin() + e);
+    int event = -1;
+    FP4KV_RETURN_IF_ERROR(EnqueueSwapCopy(d, h, /*to_host=*/true, stream, &event,
+                                          /*prefix_tier=*/true));
+    host.free_events.push_back(event);  // stream order carries it; nothing waits on the event
+  }
+  return OrderAfterCopies(stream);
+}
+
+void KVCacheState::FitMatch() {
+  std::vector<int32_t>& pages = prefix.match_pages;
+  int64_t host_pages = 0, revived = 0;
+  size_t first_host = pages.size();
+  for (size_t i = 0; i < pages.size(); ++i) {
+    if (pages[i] < 0) {
+      ++host_pages;
+      first_host = std::min(first_host, i);
+    } else if (allocator.RefCount(pages[i]) == 0) {
+      ++revived;
+    }
+  }
+  if (host_pages == 0) return;
+  if (host_pages <= allocator.available_count() - revived) return;
+  pages.resize(first_host);
+  prefix.match_hashes.resize(first_host);
+  prefix.match_host.resize(first_host);
+}
+
+absl::Status KVCacheState::PromoteInto(Sequence& q, absl::Span<const int32_t> prompt) {
+  PrefixHostState& t = prefix_host;
+  std::vector<int32_t>& pages = prefix.match_pages;
+  const std::vector<int32_t>& hostm = prefix.match_host;
+  const int ps = geometry.page_size;
+  for (int32_t page : pages) {
+    if (page >= 0) allocator.Retain(page);  // revives cached ones: off the LRU
+  }
+  // The host pages to promote leave the host LRU first, so that demotions
+  // for their device pages cannot take them.
+  std::vector<int32_t> src, dst;
+  for (size_t i = 0; i < pages.size(); ++i) {
+    if (pages[i] >= 0) continue;
+    const int32_t h = hostm[i];
+    HostLruUnlink(h);
+    t.index.erase(t.hash[h]);
+    prefix.events.Removed(t.hash[h], KVMedium::kHost);
+    t.cached[h] = 0;
+    --t.cached_count;
+    src.push_back(h);
+  }
+  if (src.empty()) return absl::OkStatus();
+  const int64_t n = static_cast<int64_t>(src.size());
+  const Stream stream = step.step_serial > 0 ? step.cur().stream : nullptr;
+  absl::Status st = DemoteForAllocation(n, stream);
+  for (int64_t i = 0; i < n; ++i) dst.push_back(allocator.Allocate());
+  int event = -1;
+  if (st.ok() && cuda) {
+    const size_t chunk = static_cast<size_t>(options.max_pages_per_seq);
+    for (size_t b = 0; st.ok() && b < src.size(); b += chunk) {
+      const size_t e = std::min(src.size(), b + chunk);
+      std::vector<int32_t> d(dst.begin() + b, dst.begin() + e), h(src.begin() + b, src.begin() + e);
+      if (event >= 0) host.free_events.push_back(event);  // a later one covers it
+      event = -1;
+      st = EnqueueSwapCopy(d, h, /*to_host=*/false, stream, &event, /*prefix_tier=*/true);
+    }
+  } else if (st.ok()) {
+    ReferencePageCopy(HostCopy(src.data(), dst.data(), n, false, /*prefix_tier=*/true));
+  }
+  // The host pages go back (their copies are ordered before any later copy
+  // that rewrites them: the copy stream runs in order).
+  for (int32_t h : src) t.free_pages.push_back(h);
+  if (!st.ok()) {
+    // A CUDA error enqueueing the copies: the promoted pages are dropped.
+    for (int32_t p : dst) allocator.Release(p);
+    for (int32_t page : pages) {
+      if (page >= 0) allocator.Release(page);
+    }
+    return st;
+  }
+  size_t k = 0;
+  for (size_t i = 0; i < pages.size(); ++i) {
+    if (pages[i] >= 0) continue;
+    const int32_t page = dst[k++];
+    pages[i] = page;
+    const int64_t base = static_cast<int64_t>(page) * ps;
+    std::copy(prompt.begin() + i * ps, prompt.begin() + (i + 1) * ps,
+              prefix.page_tokens.begin() + base);
+    std::fill(prefix.page_known.begin() + base, prefix.page_known.begin() + base + ps, uint8_t{1});
+    if (allocator.Register(page, prefix.match_hashes[i])) {
+      prefix.events.Stored(prefix.match_hashes[i], i > 0 ? &prefix.match_hashes[i - 1] : nullptr,
+                           PageTokens(page), ps, q.chain.extra_key, /*continues=*/false);
+    }
+  }
+  t.promotions += n;
+  t.hit_tokens += n * ps;
+  if (event >= 0) {
+    q.swapin_event = event;
+    host.event_refs[event] = 1;
+    if (t.pending_event >= 0 && --host.event_refs[t.pending_event] == 0) {
+      host.free_events.push_back(t.pending_event);
+    }
+    t.pending_event = event;
+    ++host.event_refs[event];
+  }
+  return absl::OkStatus();
+}
+
+absl::Status KVCacheState::CheckHostPrefix() const {
+  const PrefixHostState& t = prefix_host;
+  if (t.pages_total == 0) return absl::OkStatus();
+  int64_t cached = 0, linked = 0;
+  for (int64_t h = 0; h < t.pages_total; ++h) cached += t.cached[h];
+  for (int k = 0; k < PagePool::kPriorities; ++k) {
+    for (int32_t h = t.head[k], prev = -1; h >= 0; prev = h, h = t.next[h]) {
+      if (!t.cached[h] || t.prev[h] != prev || t.prio[h] != k || ++linked > t.pages_total) {
+        return absl::InternalError(
+            absl::StrCat("host prefix page ", h, ": LRU list ", k, " broken (cached ",
+                         int{t.cached[h]}, ", priority ", int{t.prio[h]}, ")"));
+      }
+      auto it = t.index.find(t.hash[h]);
+      if (it == t.index.end() || it->second != h) {
+        return absl::InternalError(absl::StrCat("host prefix page ", h, ": its hash ",
+                                                t.hash[h].ToHex(), " does not map to it"));
+      }
+    }
+  }
+  for (int32_t h : t.free_pages) {
+    if (h < 0 || h >= t.pages_total || t.cached[h]) {
+      return absl::InternalError(absl::StrCat("host prefix page ", h, ": free but cached"));
+    }
+  }
+  if (cached != t.cached_count || linked != cached ||
+      static_cast<int64_t>(t.index.size()) != cached ||
+      cached + static_cast<int64_t>(t.free_pages.size()) != t.pages_total) {
+    return absl::InternalError(absl::StrCat(
+        "host prefix tier: ", cached, " cached pages (counted ", t.cached_count, ", ", linked,
+        " on the LRU, ", t.index.size(), " indexed) and ", t.free_pages.size(), " free of ",
+        t.pages_total));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace internal
+}  // namespace fp4kv
