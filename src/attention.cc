@@ -90,9 +90,9 @@ absl::StatusOr<DecodeAttention> DecodeAttention::Create(const Options& o) {
   }
   FP4KV_RETURN_IF_ERROR(CheckAtLeast(o.max_batch, 1, "options.max_batch"));
   FP4KV_RETURN_IF_ERROR(CheckAtLeast(o.max_pages_per_seq, 1, "options.max_pages_per_seq"));
-  if (o.max_q_len < 1 || o.max_q_len > 16) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("options.max_q_len: expected 1 .. 16, got ", o.max_q_len));
+  if (o.max_q_len < 1 || o.max_q_len > kMaxAttentionQLen) {
+    return absl::InvalidArgumentError(absl::StrCat("options.max_q_len: expected 1 .. ",
+                                                   kMaxAttentionQLen, ", got ", o.max_q_len));
   }
   FP4KV_RETURN_IF_ERROR(CheckNonNegative(o.sm_scale, "options.sm_scale", "1 / sqrt(head_dim_k)"));
   FP4KV_RETURN_IF_ERROR(CheckNonNegative(o.logits_soft_cap, "options.logits_soft_cap", "off"));

@@ -5,6 +5,7 @@
 #ifndef FP4KV_SRC_ATTENTION_PARAMS_H_
 #define FP4KV_SRC_ATTENTION_PARAMS_H_
 
+#include <climits>
 #include <cstdint>
 
 #include "absl/status/status.h"
@@ -68,6 +69,11 @@ struct AttentionParams {
   bool merge_overlaps = false;  // see AttentionKernelSetup
   AttentionFamily family = AttentionFamily::kRowsInM;  // see AttentionKernelSetup
   int ctas_per_sm = 0;  // see AttentionKernelSetup; 0: the kernel's own bound
+  // Set by the CUDA launcher per kernel (the CPU reference ignores them): a
+  // kernel takes only the requests whose clamped q_len lies in
+  // [kernel_q_min, kernel_q_max]; the others belong to the other kernel of
+  // the same Run (decode: q_len <= kDecodeRowsQLen, prefill: longer).
+  int kernel_q_min = 0, kernel_q_max = INT_MAX;
 
   // Reference only (tests): when set, the CPU reference also stores every
   // output element unrounded here, [total_q, Hq, Dv] with out's strides.

@@ -35,8 +35,12 @@
 //     masked out (zero weight, never read). A query that attends no token
 //     writes out = 0 and lse = -inf (with sinks too).
 //
-// Prefill of long prompts is compute-bound and stays with the materializer or
-// dequantizer plus the server's own prefill kernel.
+// Any number of new tokens per request (1 .. max_q_len, a capacity up to
+// kMaxAttentionQLen): decode rows, speculative rows, prefill chunks over a
+// cached prefix and whole prompts, mixed in one call. On CUDA, requests of
+// at most kDecodeRowsQLen new tokens run on the decode kernels (split over
+// the keys); longer ones on the prefill kernel (query tiles of 64 rows, each
+// K/V tile decoded once per CTA into shared memory), in the same Run().
 //
 // Thread safety: immutable after Create(); Run() may be called concurrently
 // on different workspaces and outputs.
@@ -52,6 +56,12 @@
 #include "fp4kv/tensor.h"
 
 namespace fp4kv {
+
+// Largest options.max_q_len.
+inline constexpr int kMaxAttentionQLen = 1 << 20;
+// On CUDA, requests with at most this many new tokens take the decode
+// kernels; longer ones the prefill kernel.
+inline constexpr int kDecodeRowsQLen = 16;
 
 struct DecodeAttentionArgs {
   TensorView q;             // [total_q, Hq, Dk] f16/bf16, inner dim contiguous, 16-byte rows
@@ -81,7 +91,7 @@ class DecodeAttention {
     DType table_dtype = DType::kI32;   // of block_tables
     int max_batch = 0;                 // largest B
     int max_pages_per_seq = 0;         // largest block-table width
-    int max_q_len = 1;                 // 1 .. 16
+    int max_q_len = 1;                 // 1 .. kMaxAttentionQLen: new tokens per request
     float sm_scale = 0.0f;             // 0: 1 / sqrt(head_dim_k)
     float logits_soft_cap = 0.0f;      // 0: off
     int window_left = -1;              // -1: off; else keys at p - window_left .. p

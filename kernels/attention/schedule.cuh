@@ -105,7 +105,9 @@ __device__ __forceinline__ AttnRequest GetAttnRequest(const internal::AttentionP
     const int first = r.len - r.q_len - p.window_left;
     r.lo = first > 0 ? first : 0;
   }
-  r.span = (r.len > 0 && r.q_len > 0) ? r.len - r.lo : 0;
+  r.span = (r.len > 0 && r.q_len > 0 && r.q_len >= p.kernel_q_min && r.q_len <= p.kernel_q_max)
+               ? r.len - r.lo
+               : 0;
   r.mtiles = (p.group * r.q_len + kAttnTile - 1) / kAttnTile;
   return r;
 }
