@@ -25,6 +25,11 @@ absl::Status PrepareDecodeAttentionDim(const DecodeAttention::Options& o,
                                        AttentionKernelSetup* out);
 template <int D>
 absl::Status LaunchDecodeAttentionDim(const AttentionParams& p, Stream stream);
+// kernels/attention_prefill_d{64,128,256}.cu (kernels/attention/prefill.cuh).
+template <int D>
+absl::Status PrepareAttentionPrefillDim(const DecodeAttention::Options& o, int* ctas_per_sm);
+template <int D>
+absl::Status LaunchAttentionPrefillDim(const AttentionParams& p, Stream stream);
 
 namespace {
 
@@ -42,6 +47,20 @@ absl::Status ChooseFamily(AttentionFamily* family) {
   }
   return absl::InvalidArgumentError(absl::StrCat(
       "FP4KV_ATTENTION_KERNEL: expected tokens_in_m or rows_in_m, got \"", env, "\""));
+}
+
+absl::Status LaunchPrefill(const AttentionParams& p, Stream stream) {
+  switch (p.v.head_dim) {
+    case 64:
+      return LaunchAttentionPrefillDim<64>(p, stream);
+    case 128:
+      return LaunchAttentionPrefillDim<128>(p, stream);
+    case 256:
+      return LaunchAttentionPrefillDim<256>(p, stream);
+    default:
+      return absl::UnimplementedError(
+          absl::StrCat("DecodeAttention on CUDA: head_dim ", p.v.head_dim, " (64, 128, 256)"));
+  }
 }
 
 }  // namespace
@@ -68,13 +87,18 @@ absl::Status PrepareDecodeAttention(const DecodeAttention::Options& o,
   // Initialized from a lambda: nvcc warns (#2810) on assigning to a Status.
   absl::Status st = [&]() -> absl::Status {
     FP4KV_RETURN_IF_ERROR(ChooseFamily(&out->family));
+    const bool prefill = o.max_q_len > kDecodeRowsQLen;
+    int* pc = &out->prefill_ctas_per_sm;
     switch (o.geometry.head_dim_v) {
       case 64:
-        return PrepareDecodeAttentionDim<64>(o, out);
+        FP4KV_RETURN_IF_ERROR(PrepareDecodeAttentionDim<64>(o, out));
+        return prefill ? PrepareAttentionPrefillDim<64>(o, pc) : absl::OkStatus();
       case 128:
-        return PrepareDecodeAttentionDim<128>(o, out);
+        FP4KV_RETURN_IF_ERROR(PrepareDecodeAttentionDim<128>(o, out));
+        return prefill ? PrepareAttentionPrefillDim<128>(o, pc) : absl::OkStatus();
       case 256:
-        return PrepareDecodeAttentionDim<256>(o, out);
+        FP4KV_RETURN_IF_ERROR(PrepareDecodeAttentionDim<256>(o, out));
+        return prefill ? PrepareAttentionPrefillDim<256>(o, pc) : absl::OkStatus();
       default:
         return absl::UnimplementedError(absl::StrCat("DecodeAttention on CUDA: head_dim ",
                                                      o.geometry.head_dim_v, " (64, 128, 256)"));
@@ -117,13 +141,27 @@ absl::Status LaunchDecodeAttention(const AttentionParams& p, Stream stream) {
     return absl::InvalidArgumentError(
         absl::StrCat("DecodeAttention: workspace of ", p.workspace_bytes, " bytes, needs ", need));
   }
+  if (p.max_q_len > kDecodeRowsQLen) {
+    // Long requests on the prefill kernel, then the rest on the decode
+    // kernels (each skips the other's requests), in stream order.
+    if (p.prefill_ctas_per_sm <= 0) {
+      return absl::InvalidArgumentError(
+          "DecodeAttention: the prefill kernel was not prepared (max_q_len > 16 needs an op "
+          "from Create() with that max_q_len)");
+    }
+    AttentionParams pp = p;
+    pp.kernel_q_min = kDecodeRowsQLen + 1;
+    FP4KV_RETURN_IF_ERROR(LaunchPrefill(pp, stream));
+  }
+  AttentionParams dp = p;
+  dp.kernel_q_max = kDecodeRowsQLen;
   switch (p.v.head_dim) {
     case 64:
-      return LaunchDecodeAttentionDim<64>(p, stream);
+      return LaunchDecodeAttentionDim<64>(dp, stream);
     case 128:
-      return LaunchDecodeAttentionDim<128>(p, stream);
+      return LaunchDecodeAttentionDim<128>(dp, stream);
     case 256:
-      return LaunchDecodeAttentionDim<256>(p, stream);
+      return LaunchDecodeAttentionDim<256>(dp, stream);
     default:
       return absl::UnimplementedError(
           absl::StrCat("DecodeAttention on CUDA: head_dim ", p.v.head_dim, " (64, 128, 256)"));

@@ -120,7 +120,8 @@ absl::StatusOr<DecodeAttention> DecodeAttention::Create(const Options& o) {
     FP4KV_RETURN_IF_ERROR(internal::PrepareDecodeAttention(o, &setup));
   }
   return DecodeAttention(o, num_sms, workspace_bytes, setup.merge_overlaps,
-                         static_cast<int>(setup.family), setup.ctas_per_sm);
+                         static_cast<int>(setup.family), setup.ctas_per_sm,
+                         setup.prefill_ctas_per_sm);
 }
 
 namespace internal {
@@ -260,6 +261,7 @@ absl::Status DecodeAttentionRunner::Run(const DecodeAttention& op, const DecodeA
   p->merge_overlaps = op.merge_overlaps_;
   p->family = static_cast<AttentionFamily>(op.family_);
   p->ctas_per_sm = op.ctas_per_sm_;
+  p->prefill_ctas_per_sm = op.prefill_ctas_per_sm_;
   if (!op.options_.device.is_cuda()) {
     ReferenceDecodeAttention(*p);
     return absl::OkStatus();

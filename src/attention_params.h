@@ -74,6 +74,9 @@ struct AttentionParams {
   // [kernel_q_min, kernel_q_max]; the others belong to the other kernel of
   // the same Run (decode: q_len <= kDecodeRowsQLen, prefill: longer).
   int kernel_q_min = 0, kernel_q_max = INT_MAX;
+  // Resident CTAs of the prefill kernel per SM (found at Create() when
+  // max_q_len > kDecodeRowsQLen; its persistent grid is num_sms times this).
+  int prefill_ctas_per_sm = 0;
 
   // Reference only (tests): when set, the CPU reference also stores every
   // output element unrounded here, [total_q, Hq, Dv] with out's strides.
@@ -151,6 +154,9 @@ struct AttentionKernelSetup {
   // num_sms times this, so a large max_batch shrinks the grid instead of
   // leaving a tail wave.
   int ctas_per_sm = 0;
+  // Resident CTAs per SM of the prefill kernel (0: not prepared, max_q_len
+  // <= kDecodeRowsQLen).
+  int prefill_ctas_per_sm = 0;
 };
 
 // Create()-time setup on options.device: raises the selected kernel's dynamic

@@ -191,6 +191,40 @@ INSTANTIATE_TEST_SUITE_P(Fp8KeyRealKv, GpuAttentionRealKvTest,
                          ::testing::ValuesIn(testing::WithFp8Keys(testing::RealKvSweep())),
                          [](const auto& info) { return info.param.Name(); });
 
+// Requests of more than kDecodeRowsQLen new tokens (the prefill kernel),
+// alone and beside decode-sized ones, a first set; PrefillSweep covers the
+// full list.
+std::vector<AttentionSpec> PrefillSmokeSpecs() {
+  std::vector<AttentionSpec> out;
+  const int dims[] = {64, 128, 256};
+  for (int i = 0; i < 6; ++i) {
+    AttentionSpec s;
+    s.batch = i % 2 ? 3 : 1;
+    s.group = i % 3 == 0 ? 4 : (i % 3 == 1 ? 1 : 7);
+    s.num_kv_heads = 2;
+    s.head_dim = dims[i % 3];
+    s.page_size = i < 3 ? 16 : 17;
+    s.layout = i % 2 ? Layout::kHND : Layout::kNHD;
+    s.dtype = i % 4 == 1 ? DType::kF16 : DType::kBF16;
+    s.q_len = i % 2 ? 40 : 129;
+    s.min_seq_len = s.batch == 1 ? 300 : 1;
+    s.max_seq_len = 300;
+    s.lse = true;
+    s.sinks = i == 4;
+    s.soft_cap = i == 2 ? 30.0f : 0.0f;
+    s.window_left = i == 5 ? 50 : -1;
+    s.oob_pages = i == 3;
+    out.push_back(s);
+  }
+  return out;
+}
+
+INSTANTIATE_TEST_SUITE_P(PrefillSmoke, GpuAttentionTest, ::testing::ValuesIn(PrefillSmokeSpecs()),
+                         [](const auto& info) { return info.param.Name(); });
+INSTANTIATE_TEST_SUITE_P(Fp8KeyPrefillSmoke, GpuAttentionTest,
+                         ::testing::ValuesIn(testing::WithFp8Keys(PrefillSmokeSpecs())),
+                         [](const auto& info) { return info.param.Name(); });
+
 // The public FP8 key readers of page_reader.cuh over all 256 codes, laid
 // out as one key row of a pool: Fp8KeyWordToHalf2 (times Fp8KeyHalfScale())
 // and LoadFp8KeyFloat must give e4m3(code) exactly for every finite code.

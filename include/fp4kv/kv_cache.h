@@ -456,12 +456,17 @@ struct ScaleEventCounts {
   uint64_t v_saturated = 0, v_underflow = 0;
 };
 
-// Options of a cache's decode attention (KVCache::attention); the geometry,
+// Options of a cache's attention (KVCache::attention); the geometry,
 // capacities and table dtype come from the cache.
 struct CacheAttentionOptions {
   int num_qo_heads = 0;            // a positive multiple of the cache's num_kv_heads
   DType dtype = DType::kBF16;      // of q and out
-  int max_q_len = 1;               // > 1: q rows follow the step's token_indptr
+  // Capacity of new tokens per entry, 1 .. kMaxAttentionQLen: decode rows,
+  // speculative rows and prefill chunks over a cached prefix alike (> 1: q
+  // rows follow the step's token_indptr). On CUDA, entries of at most
+  // kDecodeRowsQLen tokens run on the decode kernels, longer ones on the
+  // prefill kernel, in the same Run().
+  int max_q_len = 1;
   float sm_scale = 0.0f;           // 0: 1 / sqrt(head_dim_k)
   float logits_soft_cap = 0.0f;    // 0: off
   int window_left = -1;            // -1: off

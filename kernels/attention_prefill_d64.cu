@@ -1,0 +1,9 @@
+// Prefill attention kernels of head dim 64 (kernels/attention/prefill.cuh),
+// one translation unit per head dim.
+#include "kernels/attention/prefill.cuh"
+
+namespace fp4kv {
+namespace internal {
+FP4KV_INSTANTIATE_ATTENTION_PREFILL_DIM(64)
+}  // namespace internal
+}  // namespace fp4kv
