@@ -51,6 +51,22 @@
 //                                tier's LRU and index, matching, enqueueing)
 //       wall_us                  not held: from the calls until the stream
 //                                is done (median of 5 runs)
+//   BM_DecodeStepPromotion/<seqs>/<pages>/<promotion>: CUDA only. One decode
+//     step of 64 sequences (contexts 2k-8k, pages scattered; 1 new token
+//     each; append + NVFP4 decode attention, 32 query heads, bf16, in all 32
+//     layers of the shape above; given scales, no rows appended before, one
+//     input set), captured once as a CUDA graph, beside a promotion of a
+//     prompt's 4096 pages (2.25 GiB) on the cache's copy stream. Each run
+//     demotes the prompt's pages first (not timed), then runs step a and
+//     step b. promotion 0: none (the step alone). 1: CreateSequenceFromPrefix
+//     between step b's PrepareStep and its graph launch, so the copy runs
+//     during step b. 2: CreateSequenceFromPrefix after step a's launch (a
+//     serving loop admitting a request while a step runs): step b's
+//     PrepareStep makes its stream wait for the promotion. Counters (medians
+//     of 20 runs after 2 warm-up runs, CUDA events on the step's stream):
+//       graph_us   step b's graph replay alone (events around the launch)
+//       period_us  from the end of step a's graph to the end of step b's:
+//                  what the promotion adds to the step's latency
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -492,16 +508,23 @@ absl::StatusOr<SequenceId> StepNew(KVCache& c, int64_t n, const std::vector<int3
   return *id;
 }
 
-// Moves the device pages of `prompt` to the host tier: a sequence without
-// token ids takes every free and cached page (evicting, so demoting, the
-// cached ones), then is released (its pages go back free).
+// Demotes every cached page: sequences without token ids (their pages are
+// never cached), of at most max_pages_per_seq pages each, take every free
+// and cached page (evicting, so demoting, the cached ones), then are
+// released (their pages go back free).
 absl::Status DemoteAllCached(KVCache& c, Stream stream) {
   const KVCacheStats st = c.Stats();
-  const int64_t pages = st.pages_free + st.pages_cached;
-  absl::StatusOr<SequenceId> filler =
-      StepNew(c, pages * c.options().geometry.page_size, nullptr, stream);
-  if (!filler.ok()) return filler.status();
-  return c.ReleaseSequence(*filler);
+  const int ps = c.options().geometry.page_size;
+  std::vector<SequenceId> fillers;
+  for (int64_t left = st.pages_free + st.pages_cached; left > 0;) {
+    const int64_t n = std::min<int64_t>(left, c.options().max_pages_per_seq);
+    absl::StatusOr<SequenceId> filler = StepNew(c, n * ps, nullptr, stream);
+    if (!filler.ok()) return filler.status();
+    fillers.push_back(*filler);
+    left -= n;
+  }
+  for (SequenceId id : fillers) FP4KV_BENCH_RETURN_IF_ERROR(c.ReleaseSequence(id));
+  return absl::OkStatus();
 }
 
 // The common counters of the two bandwidth cases.
@@ -534,7 +557,8 @@ absl::Status PinnedCopyMs(GatedTimer& timer, int64_t bytes, bool to_host, double
   if (d == nullptr || !host.Alloc(bytes)) {
     return absl::ResourceExhaustedError("baseline buffers: allocation failed");
   }
-  if (cudaMemset(d, 0x5a, static_cast<size_t>(bytes)) != cudaSuccess) {
+  if (cudaMemset(d, 0x5a, static_cast<size_t>(bytes)) != cudaSuccess ||
+      cudaDeviceSynchronize() != cudaSuccess) {
     return absl::InternalError("cudaMemset failed");
   }
   const cudaStream_t s = timer.stream();
@@ -759,6 +783,204 @@ BENCHMARK(BM_PrefixHostPromote)
     ->Arg(64)
     ->Arg(4096)
     ->Iterations(kTierRuns)
+    ->UseManualTime()
+    ->Unit(benchmark::kMicrosecond);
+
+// One graph-replayed decode step (append + NVFP4 decode attention in every
+// layer) beside a promotion; see the header comment.
+void BM_DecodeStepPromotion(benchmark::State& state) {
+  if (!bench::HaveGpu()) {
+    state.SkipWithError("no CUDA GPU");
+    return;
+  }
+  const int seqs = static_cast<int>(state.range(0));
+  const int pages = static_cast<int>(state.range(1));
+  const int mode = static_cast<int>(state.range(2));  // 0 alone, 1 in flight, 2 before the step
+  const int64_t tokens = int64_t{pages} * kPageSize;
+  constexpr int kWarmupRuns = 2;
+  const int runs = kWarmupRuns + static_cast<int>(state.max_iterations);
+  cudaStream_t cs = nullptr;
+  if (cudaStreamCreateWithFlags(&cs, cudaStreamNonBlocking) != cudaSuccess) {
+    state.SkipWithError("cudaStreamCreate failed");
+    return;
+  }
+  const Stream stream = reinterpret_cast<Stream>(cs);
+  const Device dev = Device::Cuda(0);
+  CacheGeometry g;
+  g.num_kv_heads = kTierHeads;
+  g.head_dim_k = g.head_dim_v = kTierDim;
+  // The decode cache of BM_DecodeStepGraph (kv_cache_bench.cc; prefill
+  // steps of 4096 tokens) with given scales and no rows appended, as in
+  // BM_OverlapDecodeLoop, room for the prompt's pages (and its last
+  // token's) and a host tier for them.
+  const bench::OptionsTweak tweak = [&](KVCacheOptions& o) {
+    o.k_global_scales.assign(kTierLayers, 0.05f);
+    o.v_global_scales.assign(kTierLayers, 0.05f);
+    o.geometry.num_pages += pages + 1;
+    o.max_pages_per_seq = std::max(o.max_pages_per_seq, pages + 1);
+    o.prefix_cache.enabled = true;
+    o.prefix_cache.host_bytes = int64_t{pages} * TierPageBytes();
+  };
+  // Two steps a run, one to capture the graph.
+  bench::DecodeSetup s = bench::MakeDecodeSetup(g, kTierLayers, seqs, 2 * runs + 8,
+                                                /*step_tokens=*/4096, dev, stream, nullptr, tweak);
+  if (!s.cache.ok()) {
+    state.SkipWithError(s.cache.status().ToString().c_str());
+    (void)cudaStreamDestroy(cs);
+    return;
+  }
+  KVCache& c = *s.cache;
+  std::string error;  // the first failure; the case is skipped with it
+  auto check = [&error](bool ok, const std::string& what) {
+    if (!ok && error.empty()) error = what;
+    return error.empty();
+  };
+#define PROMO_CUDA(call) check((call) == cudaSuccess, #call " failed")
+  absl::StatusOr<CacheAppender> app = c.appender(DType::kBF16);
+  CacheAttentionOptions ao;
+  ao.num_qo_heads = kTierQoHeads;
+  absl::StatusOr<CacheAttention> att = c.attention(ao);
+  check(app.ok(), app.status().ToString());
+  check(att.ok(), att.status().ToString());
+  // One input set: per layer K, V [seqs, H, D] and q [seqs, Hq, D], bf16.
+  const int64_t kv_halves = int64_t{seqs} * kTierHeads * kTierDim;
+  const int64_t q_halves = int64_t{seqs} * kTierQoHeads * kTierDim;
+  const int64_t in_halves = kTierLayers * (2 * kv_halves + q_halves);
+  const int64_t ws_bytes = att.ok() ? att->WorkspaceBytes() : 0;
+  bench::DeviceBuffers mem;
+  void* d_in = mem.Alloc(in_halves * 2);
+  void* d_out = mem.Alloc(q_halves * 2);
+  void* d_ws = mem.Alloc(ws_bytes);
+  check(d_in != nullptr && d_out != nullptr && d_ws != nullptr, "allocation failed");
+  if (error.empty()) check(bench::UploadRandomBf16(d_in, in_halves, 5), "input upload failed");
+  auto input = [&](int l, int which) {
+    uint16_t* base = static_cast<uint16_t*>(d_in) + l * (2 * kv_halves + q_halves);
+    if (which < 2) {
+      return TensorView::Contiguous(base + which * kv_halves, DType::kBF16,
+                                    {seqs, kTierHeads, kTierDim}, dev);
+    }
+    return TensorView::Contiguous(base + 2 * kv_halves, DType::kBF16,
+                                  {seqs, kTierQoHeads, kTierDim}, dev);
+  };
+  const TensorView out =
+      TensorView::Contiguous(d_out, DType::kBF16, {seqs, kTierQoHeads, kTierDim}, dev);
+  // The prompt whose `pages` pages are promoted: prefilled once (token ids
+  // given, so its full pages are cached when it is released).
+  const std::vector<int32_t> prompt = FreshTokens(tokens + 1);
+  if (error.empty()) {
+    absl::StatusOr<SequenceId> p = StepNew(c, tokens + 1, &prompt, stream);
+    const absl::Status st = p.ok() ? c.ReleaseSequence(*p) : p.status();
+    check(st.ok(), st.ToString());
+  }
+  // The step's graph, captured once after a PrepareStep.
+  cudaGraphExec_t exec = nullptr;
+  auto prepare = [&]() {
+    absl::StatusOr<StepInfo> info = c.PrepareStep(s.entries, stream);
+    return check(info.ok(), info.status().ToString());
+  };
+  if (error.empty() && prepare()) {
+    cudaGraph_t graph = nullptr;
+    if (PROMO_CUDA(cudaStreamBeginCapture(cs, cudaStreamCaptureModeThreadLocal))) {
+      absl::Status st;
+      for (int l = 0; l < kTierLayers && st.ok(); ++l) {
+        st = app->Run(l, input(l, 0), input(l, 1), stream);
+        if (st.ok()) st = att->Run(l, input(l, 2), out, d_ws, ws_bytes, stream);
+      }
+      const bool ended = PROMO_CUDA(cudaStreamEndCapture(cs, &graph));
+      if (ended && check(st.ok(), st.ToString())) {
+        PROMO_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+      }
+      if (graph != nullptr) (void)cudaGraphDestroy(graph);
+    }
+    if (error.empty()) PROMO_CUDA(cudaGraphLaunch(exec, cs));
+    PROMO_CUDA(cudaStreamSynchronize(cs));
+  }
+  cudaEvent_t end_a = nullptr, start_b = nullptr, end_b = nullptr;
+  PROMO_CUDA(cudaEventCreate(&end_a));
+  PROMO_CUDA(cudaEventCreate(&start_b));
+  PROMO_CUDA(cudaEventCreate(&end_b));
+  // The promotion: CreateSequenceFromPrefix of the prompt, whose pages are
+  // all on the host tier.
+  absl::StatusOr<PrefixSequence> promoted = absl::UnknownError("none");
+  auto promote = [&]() {
+    promoted = c.CreateSequenceFromPrefix(prompt);
+    if (!check(promoted.ok(), promoted.status().ToString())) return false;
+    return check(
+        promoted->host_tokens == tokens,
+        absl::StrCat("expected ", tokens, " tokens promoted, got ", promoted->host_tokens));
+  };
+  // One run: the prompt's pages demoted (not timed), then steps a and b;
+  // graph_ms: step b's replay, period_ms: from the end of a to the end of b.
+  auto run = [&](double* graph_ms, double* period_ms) {
+    absl::Status st = DemoteAllCached(c, stream);
+    if (!check(st.ok(), st.ToString()) || !PROMO_CUDA(cudaStreamSynchronize(cs))) return;
+    if (mode != 0) {
+      const PrefixMatch m = c.MatchPrefix(prompt);
+      if (!check(m.pages_host == pages, "the prompt's pages are not all on the host tier")) return;
+    }
+    if (!prepare() || !PROMO_CUDA(cudaGraphLaunch(exec, cs)) ||
+        !PROMO_CUDA(cudaEventRecord(end_a, cs))) {
+      return;
+    }
+    if (mode == 2 && !promote()) return;  // the next PrepareStep waits for it
+    if (!prepare()) return;
+    if (mode == 1 && !promote()) return;  // after the step's upload: beside the step
+    if (!PROMO_CUDA(cudaEventRecord(start_b, cs)) || !PROMO_CUDA(cudaGraphLaunch(exec, cs)) ||
+        !PROMO_CUDA(cudaEventRecord(end_b, cs)) || !PROMO_CUDA(cudaEventSynchronize(end_b))) {
+      return;
+    }
+    float g_ms = 0, p_ms = 0;
+    if (!PROMO_CUDA(cudaEventElapsedTime(&g_ms, start_b, end_b)) ||
+        !PROMO_CUDA(cudaEventElapsedTime(&p_ms, end_a, end_b))) {
+      return;
+    }
+    *graph_ms = g_ms;
+    *period_ms = p_ms;
+    if (mode != 0) {
+      st = c.SynchronizeSwaps();  // the promotion is done
+      if (st.ok()) st = c.ReleaseSequence(promoted->seq);
+      check(st.ok(), st.ToString());
+    }
+  };
+  std::vector<double> graph_us, period_us;
+  for (int r = 0; r < kWarmupRuns && error.empty(); ++r) {
+    double gm = 0, pm = 0;
+    run(&gm, &pm);
+  }
+  for (auto _ : state) {
+    if (!error.empty()) break;
+    double gm = 0, pm = 0;
+    run(&gm, &pm);
+    state.SetIterationTime(gm * 1e-3);
+    graph_us.push_back(gm * 1e3);
+    period_us.push_back(pm * 1e3);
+  }
+  if (error.empty()) {
+    const absl::Status st = c.CheckInvariants();
+    check(st.ok(), st.ToString());
+  }
+#undef PROMO_CUDA
+  if (!error.empty()) state.SkipWithError(error.c_str());
+  (void)cudaStreamSynchronize(cs);
+  state.counters["graph_us"] = Median(graph_us);
+  state.counters["period_us"] = Median(period_us);
+  state.counters["seqs"] = seqs;
+  state.counters["pages"] = pages;
+  state.counters["promoted_MB"] =
+      mode == 0 ? 0.0 : static_cast<double>(pages) * static_cast<double>(TierPageBytes()) / 1e6;
+  state.counters["layers"] = kTierLayers;
+  if (exec != nullptr) (void)cudaGraphExecDestroy(exec);
+  for (cudaEvent_t e : {end_a, start_b, end_b}) {
+    if (e != nullptr) (void)cudaEventDestroy(e);
+  }
+  (void)cudaStreamDestroy(cs);
+}
+BENCHMARK(BM_DecodeStepPromotion)
+    ->ArgNames({"seqs", "pages", "promotion"})
+    ->Args({64, 4096, 0})
+    ->Args({64, 4096, 1})
+    ->Args({64, 4096, 2})
+    ->Iterations(20)
     ->UseManualTime()
     ->Unit(benchmark::kMicrosecond);
 
