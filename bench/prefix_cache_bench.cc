@@ -64,7 +64,7 @@
 //     serving loop admitting a request while a step runs): step b's
 //     PrepareStep makes its stream wait for the promotion. Counters (medians
 //     of 20 runs after 2 warm-up runs, CUDA events on the step's stream):
-//       graph_us   step b's graph replay alone (events around the launch)
+//       graph_us   step b's graph replay (events around its launch)
 //       period_us  from the end of step a's graph to the end of step b's:
 //                  what the promotion adds to the step's latency
 #include <cuda_runtime_api.h>
