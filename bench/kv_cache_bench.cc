@@ -1,10 +1,10 @@
 // KVCache benchmarks.
 //
-// Every cache below is made the same way (MakeDecodeSetup): its free pages
-// are first scattered (bench/scatter_pages.h), so every sequence's pages are
-// a random subset of the pool in random order, then `seqs` sequences get
-// random contexts of 2k-8k tokens by chunked prefill steps that pack several
-// sequences each.
+// Every cache below is made the same way (MakeDecodeSetup,
+// bench/decode_setup.h): its free pages are first scattered
+// (bench/scatter_pages.h), so every sequence's pages are a random subset of
+// the pool in random order, then `seqs` sequences get random contexts of
+// 2k-8k tokens by chunked prefill steps that pack several sequences each.
 //
 //   BM_PrepareStepDecode/<cpu|cuda>/<order>: host time of PrepareStep for 256
 //     decode sequences (1 new token each, contexts 2k-8k tokens, page size
@@ -64,6 +64,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/decode_setup.h"
 #include "bench/host_stats.h"
 #include "bench/scatter_pages.h"
 #include "benchmark/benchmark.h"
@@ -74,139 +75,30 @@ namespace fp4kv {
 namespace {
 
 constexpr int kDecodeSeqs = 256;
-constexpr int kPageSize = 16;
-constexpr int kMinContext = 2048;
-constexpr int kMaxContext = 8192;
+constexpr int kPageSize = bench::kDecodePageSize;
+constexpr int kMinContext = bench::kMinDecodeContext;
+constexpr int kMaxContext = bench::kMaxDecodeContext;
 // Step capacity in tokens: a decode step's K/V input buffer (the captured
 // appender covers all of it; padding rows are skipped).
 constexpr int kStepTokens = 512;
 
-bool HaveGpu() {
-  int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return false;
-  }
-  return n > 0;
-}
-
+using bench::AdjacentPageFraction;
+using bench::DecodeSetup;
+using bench::DeviceBuffers;
+using bench::HaveGpu;
+using bench::MakeDecodeSetup;
 using bench::Median;
+using bench::OptionsTweak;
 using bench::Percentile;
+using bench::PrefillAppend;
+using bench::RandomBf16Pool;
+using bench::UploadRandomBf16;
 
 #define FP4KV_BENCH_RETURN_IF_ERROR(expr)   \
   do {                                      \
     const absl::Status st_ = (expr);        \
     if (!st_.ok()) return st_;              \
   } while (0)
-
-// Appends the rows of one prefill step in every layer (GPU cases); null:
-// nothing is appended (host cases, where the pool bytes do not matter).
-using PrefillAppend = std::function<absl::Status(KVCache&, const StepInfo&, int step)>;
-
-// A cache whose `seqs` sequences hold random contexts in [kMinContext,
-// kMaxContext], with room for `growth` more tokens each; pages scattered
-// first. Prefill steps carry up to `step_tokens` tokens of several
-// sequences (max_tokens_per_step).
-struct DecodeSetup {
-  absl::StatusOr<KVCache> cache = absl::UnknownError("unset");
-  std::vector<StepEntry> entries;
-};
-
-// Options the caller adjusts before Create (step slots, scales); contexts
-// in [min_context, max_context].
-using OptionsTweak = std::function<void(KVCacheOptions&)>;
-
-DecodeSetup MakeDecodeSetup(const CacheGeometry& shape, int layers, int seqs, int growth,
-                            int step_tokens, Device device, Stream stream,
-                            const PrefillAppend& append = nullptr,
-                            const OptionsTweak& tweak = nullptr, int min_context = kMinContext,
-                            int max_context = kMaxContext) {
-  DecodeSetup s;
-  std::mt19937 rng(42);
-  std::uniform_int_distribution<int> ctx(min_context, max_context);
-  std::vector<int> contexts(seqs);
-  int64_t pages = 0;
-  for (int& c : contexts) {
-    c = ctx(rng);
-    pages += (c + growth + kPageSize - 1) / kPageSize;
-  }
-  KVCacheOptions o;
-  o.num_layers = layers;
-  o.geometry = shape;
-  o.geometry.page_size = kPageSize;
-  o.geometry.num_pages = pages;
-  o.max_pages_per_seq = (max_context + growth + kPageSize - 1) / kPageSize;
-  o.device = device;
-  o.max_seqs_per_step = seqs;
-  o.max_tokens_per_step = step_tokens;
-  if (tweak) tweak(o);
-  s.cache = KVCache::Create(o);
-  if (!s.cache.ok()) return s;
-  if (absl::Status st = bench::ScatterFreePages(*s.cache, 1234, stream); !st.ok()) {
-    s.cache = st;
-    return s;
-  }
-  std::vector<SequenceId> ids(seqs);
-  for (int i = 0; i < seqs; ++i) {
-    absl::StatusOr<SequenceId> id = bench::NewSequence(*s.cache);
-    if (!id.ok()) {
-      s.cache = id.status();
-      return s;
-    }
-    ids[i] = *id;
-    s.entries.push_back({*id, 1});
-  }
-  // Chunked prefill: each step takes the next tokens of the sequences in
-  // order until step_tokens are used.
-  std::vector<int> left = contexts;
-  std::vector<StepEntry> step;
-  std::vector<int> rows;  // step entry -> sequence index
-  int next = 0;
-  for (int n_step = 0; next < seqs; ++n_step) {
-    step.clear();
-    rows.clear();
-    int budget = step_tokens;
-    for (int i = next; i < seqs && budget > 0; ++i) {
-      const int n = std::min(budget, left[i]);
-      step.push_back({ids[i], n});
-      rows.push_back(i);
-      budget -= n;
-    }
-    absl::StatusOr<StepInfo> info = s.cache->PrepareStep(step, stream);
-    absl::Status st = info.status();
-    if (st.ok() && append) st = append(*s.cache, *info, n_step);
-    if (!st.ok()) {
-      s.cache = st;
-      return s;
-    }
-    for (size_t j = 0; j < step.size(); ++j) left[rows[j]] -= step[j].num_new_tokens;
-    while (next < seqs && left[next] == 0) ++next;
-  }
-  for (int i = 0; i < seqs; ++i) {
-    absl::StatusOr<int64_t> len = s.cache->SequenceLength(ids[i]);
-    if (!len.ok() || *len != contexts[i]) {
-      s.cache = absl::InternalError("prefill: a sequence did not get its context length");
-      return s;
-    }
-  }
-  return s;
-}
-
-// The fraction of consecutive block-table entries that are consecutive
-// pages (page j + 1 == page j + 1): about 0 for a scattered pool, 1 for
-// pages handed out in ascending order.
-double AdjacentPageFraction(const KVCache& c, const std::vector<StepEntry>& entries) {
-  int64_t pairs = 0, adjacent = 0;
-  for (const StepEntry& e : entries) {
-    absl::StatusOr<absl::Span<const int32_t>> pages = c.SequencePages(e.seq);
-    if (!pages.ok()) continue;
-    for (size_t j = 1; j < pages->size(); ++j) {
-      ++pairs;
-      adjacent += (*pages)[j] == (*pages)[j - 1] + 1;
-    }
-  }
-  return pairs == 0 ? 0.0 : static_cast<double>(adjacent) / static_cast<double>(pairs);
-}
 
 void BM_PrepareStepDecode(benchmark::State& state) {
   const bool cuda = state.range(0) == 1;
@@ -326,75 +218,6 @@ void BM_CacheAllocateRelease(benchmark::State& state) {
 BENCHMARK(BM_CacheAllocateRelease)->Arg(1)->Arg(16)->Arg(256);
 
 // ----------------------------------------------------------------- GPU step
-// Random bf16 bits like bench_util.cuh's FillHalvesKernel: magnitudes over
-// 2^-8..2^4 per 16-value block, random signs, never zero. One host pool,
-// made once; device buffers are filled with windows of it at varying
-// offsets.
-const std::vector<uint16_t>& RandomBf16Pool() {
-  static const std::vector<uint16_t> pool = [] {
-    std::vector<uint16_t> p(size_t{1} << 24);
-    uint64_t x = 0x9e3779b97f4a7c15ull;
-    auto next = [&x] {  // splitmix64
-      uint64_t z = (x += 0x9e3779b97f4a7c15ull);
-      z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-      z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-      return z ^ (z >> 31);
-    };
-    int octave = 0;
-    for (size_t i = 0; i < p.size(); ++i) {
-      const uint64_t h = next();
-      if (i % 16 == 0) octave = static_cast<int>(h >> 40) % 13 - 8;
-      const float m = 1.0f + static_cast<float>(h & 0xffff) / 65536.0f;
-      float v = std::ldexp(m, octave - static_cast<int>((h >> 16) & 3));
-      if ((h >> 20) & 1) v = -v;
-      p[i] = FloatToBf16Bits(v);
-    }
-    return p;
-  }();
-  return pool;
-}
-
-// Fills `halves` bf16 values at d with the pool from a seed-dependent
-// offset (wrapping).
-bool UploadRandomBf16(void* d, int64_t halves, uint64_t seed) {
-  const std::vector<uint16_t>& pool = RandomBf16Pool();
-  const int64_t n = static_cast<int64_t>(pool.size());
-  int64_t from = static_cast<int64_t>((seed * 0x9e3779b97f4a7c15ull) >> 40) % n;
-  int64_t done = 0;
-  while (done < halves) {
-    const int64_t len = std::min(halves - done, n - from);
-    if (cudaMemcpy(static_cast<uint16_t*>(d) + done, pool.data() + from, len * 2,
-                   cudaMemcpyHostToDevice) != cudaSuccess) {
-      return false;
-    }
-    done += len;
-    from = (from + len) % n;
-  }
-  return true;
-}
-
-// Device allocations of one benchmark case, freed at its end.
-class DeviceBuffers {
- public:
-  DeviceBuffers() = default;
-  DeviceBuffers(const DeviceBuffers&) = delete;
-  DeviceBuffers& operator=(const DeviceBuffers&) = delete;
-  ~DeviceBuffers() {
-    for (void* p : ptrs_) (void)cudaFree(p);
-  }
-  void* Alloc(int64_t bytes) {
-    void* p = nullptr;
-    if (cudaMalloc(&p, static_cast<size_t>(std::max<int64_t>(bytes, 256))) != cudaSuccess) {
-      return nullptr;
-    }
-    ptrs_.push_back(p);
-    return p;
-  }
-
- private:
-  std::vector<void*> ptrs_;
-};
-
 constexpr int kPrefillTokens = 4096;     // rows per prefill append call
 constexpr int64_t kPrefillSrcRows = 16384;  // random K/V rows the prefill draws from
 
