@@ -38,14 +38,36 @@ struct Want {
   std::vector<uint8_t> blob;
   std::vector<double> exact;
 };
-Want Reference(const AttentionCase& c) {
-  Want w;
-  w.blob = testing::ReferenceAttentionOutputs(c, &w.exact);
-  return w;
+
+// The reference of the last few input states, by their bytes and fixed
+// scale values: both kernel families run the same states (the eager inputs
+// and the rewrites of the same seeds), and the long prefill cases' reference
+// costs seconds.
+struct CachedWant {
+  std::string name;
+  std::vector<uint8_t> in;
+  float k_scale = 0, v_scale = 0;
+  Want want;
+};
+
+const Want& Reference(const AttentionCase& c) {
+  static std::vector<CachedWant>* cache = new std::vector<CachedWant>();
+  const std::string name = c.spec.Name();
+  for (const CachedWant& w : *cache) {
+    if (w.name == name && w.k_scale == c.k_scale.value && w.v_scale == c.v_scale.value &&
+        w.in == c.in) {
+      return w.want;
+    }
+  }
+  if (cache->size() >= 4) cache->erase(cache->begin());
+  CachedWant w{name, c.in, c.k_scale.value, c.v_scale.value, Want()};
+  w.want.blob = testing::ReferenceAttentionOutputs(c, &w.want.exact);
+  cache->push_back(std::move(w));
+  return cache->back().want;
 }
 
 std::string Compare(const AttentionCase& c, const std::vector<uint8_t>& got) {
-  const Want w = Reference(c);
+  const Want& w = Reference(c);
   return testing::CompareAttentionOutputs(c, w.blob, got, RelTol(c.spec), kLseTol, &w.exact);
 }
 
@@ -178,6 +200,23 @@ TEST_P(GpuAttentionRealKvTest, MatchesReferenceEagerAndInGraphs) {
 
 INSTANTIATE_TEST_SUITE_P(RealKv, GpuAttentionRealKvTest,
                          ::testing::ValuesIn(testing::RealKvSweep()),
+                         [](const auto& info) { return info.param.Name(); });
+
+// Prefill and extend chunks (more than kDecodeRowsQLen new tokens a
+// request, the prefill kernel's share on CUDA), alone and mixed with decode
+// rows in one Run; the graph captured with one mix of decode and prefill
+// requests replays for the other mixes Rewrite() makes.
+INSTANTIATE_TEST_SUITE_P(PrefillSweep, GpuAttentionTest,
+                         ::testing::ValuesIn(testing::PrefillSweep()),
+                         [](const auto& info) { return info.param.Name(); });
+INSTANTIATE_TEST_SUITE_P(Fp8KeyPrefillSweep, GpuAttentionTest,
+                         ::testing::ValuesIn(testing::WithFp8Keys(testing::PrefillSweep())),
+                         [](const auto& info) { return info.param.Name(); });
+INSTANTIATE_TEST_SUITE_P(PrefillRealKv, GpuAttentionRealKvTest,
+                         ::testing::ValuesIn(testing::PrefillRealKvSweep()),
+                         [](const auto& info) { return info.param.Name(); });
+INSTANTIATE_TEST_SUITE_P(Fp8KeyPrefillRealKv, GpuAttentionRealKvTest,
+                         ::testing::ValuesIn(testing::WithFp8Keys(testing::PrefillRealKvSweep())),
                          [](const auto& info) { return info.param.Name(); });
 
 // FP8 E4M3 keys with NVFP4 values: the same sweeps, the same tolerances.
