@@ -305,8 +305,9 @@ const Cublas& LoadCublas() {
     c->gemm_ex = reinterpret_cast<Cublas::GemmExFn>(dlsym(lib, "cublasGemmEx"));
     if (c->create == nullptr || c->destroy == nullptr || c->set_stream == nullptr ||
         c->gemm_ex == nullptr) {
-      c->error = "cuBLAS lacks cublasCreate_v2 / cublasDestroy_v2 / cublasSetStream_v2 / "
-                 "cublasGemmEx";
+      c->error =
+          "cuBLAS lacks cublasCreate_v2 / cublasDestroy_v2 / cublasSetStream_v2 / "
+          "cublasGemmEx";
     }
     return c;
   }();
@@ -488,9 +489,9 @@ void BM_PrefillAttention(benchmark::State& state) {
   cudaStream_t s;
   BENCH_CUDA(state, cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   auto table_view = [&](int r) {
-    return TensorView::Contiguous(tables.get<int32_t>() + static_cast<int64_t>(r) * requests *
-                                                              max_pages,
-                                  DType::kI32, {requests, max_pages}, d);
+    return TensorView::Contiguous(
+        tables.get<int32_t>() + static_cast<int64_t>(r) * requests * max_pages, DType::kI32,
+        {requests, max_pages}, d);
   };
   int rot = 0;
   auto run = [&] {
@@ -514,9 +515,9 @@ void BM_PrefillAttention(benchmark::State& state) {
   const double flops = 4.0 * kDim * kQoHeads * pairs;
   double kv_tokens = 0.0;
   for (int b = 0; b < requests; ++b) kv_tokens += lens[b];
-  const double bytes =
-      kv_tokens * bytes_per_page / kPage + 2.0 * total_q * kQoHeads * kDim * 2;
-  const double ms = MedianMs(s, [&] { (void)run(); }, kPrefillTimedRuns);
+  const double bytes = kv_tokens * bytes_per_page / kPage + 2.0 * total_q * kQoHeads * kDim * 2;
+  const double ms = MedianMs(
+      s, [&] { (void)run(); }, kPrefillTimedRuns);
   BENCH_CUDA(state, cudaStreamSynchronize(s));
   BENCH_CUDA(state, cudaGetLastError());
 
@@ -530,14 +531,12 @@ void BM_PrefillAttention(benchmark::State& state) {
   auto mat = Materializer::Create({g, DType::kI32, false, d});
   BENCH_CHECK(state, mat.ok(), "Materializer::Create");
   const float fp8_scale = MinFp8Scale(0.01f).value();
-  MaterializeArgs m{table_view(0),
-                    a.seq_lens,
+  MaterializeArgs m{table_view(0), a.seq_lens,
                     TensorView::Contiguous(kvptr.get(), DType::kI32, {requests + 1}, d),
                     TensorView::Contiguous(fp8_pages.get(), DType::kE4M3,
                                            {out_pages, 2, kKvHeads, kPage, kDim}, d),
                     TensorView::Contiguous(fp8_tables.get(), DType::kI32, {requests, max_pages}, d),
-                    a.k_scale,
-                    a.v_scale,
+                    a.k_scale, a.v_scale,
                     // FP8 keys are copied as they are: their FP8 scale is g_k.
                     fp8_keys ? a.k_scale : GlobalScale::Value(fp8_scale),
                     GlobalScale::Value(fp8_scale)};
@@ -552,7 +551,8 @@ void BM_PrefillAttention(benchmark::State& state) {
     BENCH_CHECK(state, st.ok(), ("Materializer::Run: " + st.ToString()).c_str());
     BENCH_CUDA(state, cudaStreamSynchronize(s));
   }
-  const double materialize_ms = MedianMs(s, [&] { (void)materialize(); }, kPrefillTimedRuns);
+  const double materialize_ms = MedianMs(
+      s, [&] { (void)materialize(); }, kPrefillTimedRuns);
   BENCH_CUDA(state, cudaStreamSynchronize(s));
   BENCH_CUDA(state, cudaGetLastError());
 

@@ -437,10 +437,10 @@ std::vector<AttentionSpec> NaivePrefillSpecs(const std::vector<AttentionSpec>& s
 INSTANTIATE_TEST_SUITE_P(PrefillSweep, AttentionSweepTest,
                          ::testing::ValuesIn(NaivePrefillSpecs(testing::PrefillSweep())),
                          [](const auto& info) { return info.param.Name(); });
-INSTANTIATE_TEST_SUITE_P(Fp8KeyPrefillSweep, AttentionSweepTest,
-                         ::testing::ValuesIn(NaivePrefillSpecs(
-                             testing::WithFp8Keys(testing::PrefillSweep()))),
-                         [](const auto& info) { return info.param.Name(); });
+INSTANTIATE_TEST_SUITE_P(
+    Fp8KeyPrefillSweep, AttentionSweepTest,
+    ::testing::ValuesIn(NaivePrefillSpecs(testing::WithFp8Keys(testing::PrefillSweep()))),
+    [](const auto& info) { return info.param.Name(); });
 INSTANTIATE_TEST_SUITE_P(PrefillRealKv, AttentionRealKvTest,
                          ::testing::ValuesIn(testing::PrefillRealKvSweep()),
                          [](const auto& info) { return info.param.Name(); });

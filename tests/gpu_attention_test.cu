@@ -234,7 +234,8 @@ TEST_P(GpuAttentionGraphTest, ReplayEqualsEagerBitForBit) {
   auto op = DecodeAttention::Create(c.Options(cuda));
   ASSERT_TRUE(op.ok()) << op.status();
   testing::DeviceBuffer din(c.in.size()), dout(c.out.size());
-  testing::DeviceBuffer ws(static_cast<size_t>(op->WorkspaceBytes() > 0 ? op->WorkspaceBytes() : 256));
+  testing::DeviceBuffer ws(
+      static_cast<size_t>(op->WorkspaceBytes() > 0 ? op->WorkspaceBytes() : 256));
   ASSERT_TRUE(din.ok() && dout.ok() && ws.ok()) << "cudaMalloc";
   uint8_t* in_dev = static_cast<uint8_t*>(din.get());
   uint8_t* out_dev = static_cast<uint8_t*>(dout.get());

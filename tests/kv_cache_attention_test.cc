@@ -627,7 +627,6 @@ TEST_P(CapturedStepTest, CapturedMixedStepReplaysForLaterSteps) {
   FP4KV_ASSERT_CUDA(cudaStreamDestroy(stream));
 }
 
-
 INSTANTIATE_TEST_SUITE_P(KVCacheAttentionGpu, CapturedStepTest,
                          ::testing::Values(KeyFormat::kNvfp4, KeyFormat::kFp8),
                          [](const ::testing::TestParamInfo<KeyFormat>& i) {
