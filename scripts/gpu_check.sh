@@ -151,6 +151,21 @@ if [ "${SKIP_BENCH:-0}" = 1 ]; then
   note "== benchmarks skipped (SKIP_BENCH=1)"
 else
   note "== benchmarks"
+  # attention_bench's GEMM reference loads cuBLAS at run time (never packed):
+  # the machine's own copy, from the nvidia-cublas wheel or the CUDA toolkit,
+  # unless FP4KV_CUBLAS_LIBRARY names one or the loader finds it already.
+  if [ -z "${FP4KV_CUBLAS_LIBRARY:-}" ] && ! ldconfig -p 2>/dev/null | grep -q 'libcublas\.so'; then
+    for d in $(python3 -c "import nvidia.cublas, os; p = os.path.dirname(nvidia.cublas.__file__); print(os.path.join(p, 'lib'))" 2>/dev/null) \
+             $(python3 -c "import nvidia, os; [print(os.path.join(p, 'cu13', 'lib')) for p in nvidia.__path__]" 2>/dev/null) \
+             /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib; do
+      if [ -e "$d/libcublas.so.13" ]; then
+        # After the carried libraries: libcublasLt is found there, nothing else moves.
+        export FP4KV_CUBLAS_LIBRARY="$d/libcublas.so.13"
+        export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}$d"
+        break
+      fi
+    done
+  fi
   bench_jsons=()
   for exe in $(executables '*_bench'); do
     name=$(basename "$exe")

@@ -78,6 +78,62 @@ TEST(AttentionSweep, CoversTheAdvertisedRanges) {
   for (int n : {caps, windows, sinks, lses, oobs, stacked, ptrs}) EXPECT_GT(n, 0);
 }
 
+TEST(PrefillSweep, CoversTheAdvertisedRanges) {
+  std::set<std::string> names;
+  std::set<int> batches, groups, q_lens, dims, pages, cached;
+  std::set<DType> dtypes, tables;
+  std::set<Layout> layouts;
+  int caps = 0, windows = 0, sinks = 0, lses = 0, oobs = 0, mixed = 0, fewer = 0, padding = 0;
+  int plain = 0;  // no window, soft cap, sinks or lse
+  for (const AttentionSpec& s : testing::PrefillSweep()) {
+    EXPECT_TRUE(names.insert(s.Name()).second) << "duplicate name " << s.Name();
+    for (char ch : s.Name()) {
+      EXPECT_TRUE(std::isalnum(static_cast<unsigned char>(ch)) || ch == '_') << s.Name();
+    }
+    EXPECT_GT(s.q_len, kDecodeRowsQLen) << s.Name();
+    EXPECT_FALSE(s.realkv) << s.Name();
+    batches.insert(s.batch);
+    groups.insert(s.group);
+    q_lens.insert(s.q_len);
+    dims.insert(s.head_dim);
+    pages.insert(s.page_size);
+    dtypes.insert(s.dtype);
+    tables.insert(s.table_dtype);
+    layouts.insert(s.layout);
+    // Cached prefixes a full request of the spec can have.
+    if (s.full_q) {
+      for (int len = s.min_seq_len; len <= s.max_seq_len && len - s.q_len <= 3000; ++len) {
+        if (len >= s.q_len) cached.insert(len - s.q_len);
+      }
+    }
+    caps += s.soft_cap > 0;
+    windows += s.window_left >= 0;
+    sinks += s.sinks;
+    lses += s.lse;
+    oobs += s.oob_pages;
+    mixed += s.mixed_q && s.batch > 1;
+    fewer += !s.full_q && s.min_seq_len < s.q_len;
+    padding += s.padding_rows;
+    plain += s.soft_cap == 0 && s.window_left < 0 && !s.sinks && !s.lse;
+  }
+  for (int b : {1, 3, 8}) EXPECT_TRUE(batches.count(b)) << "batch " << b;
+  for (int g : {1, 4, 7, 8}) EXPECT_TRUE(groups.count(g)) << "group " << g;
+  for (int q : {17, 127, 128, 129, 1000, 4096}) EXPECT_TRUE(q_lens.count(q)) << "q_len " << q;
+  for (int c : {0, 1, 15, 16, 17, 3000}) EXPECT_TRUE(cached.count(c)) << "cached prefix " << c;
+  for (int d : {64, 128, 256}) EXPECT_TRUE(dims.count(d)) << "head_dim " << d;
+  for (int p : {1, 16, 17}) EXPECT_TRUE(pages.count(p)) << "page_size " << p;
+  EXPECT_EQ(dtypes.size(), 2u);
+  EXPECT_EQ(tables.size(), 2u);
+  EXPECT_EQ(layouts.size(), 2u);
+  for (int n : {caps, windows, sinks, lses, oobs, mixed, fewer, padding, plain}) EXPECT_GT(n, 0);
+  for (const AttentionSpec& s : testing::PrefillRealKvSweep()) {
+    EXPECT_TRUE(s.realkv) << s.Name();
+    EXPECT_GT(s.q_len, kDecodeRowsQLen) << s.Name();
+    EXPECT_LE(s.max_seq_len, testing::kRealKvTokens) << s.Name();
+    EXPECT_TRUE(names.insert(s.Name()).second) << "duplicate name " << s.Name();
+  }
+}
+
 // Well-formedness of one case's inputs and outputs.
 // `fresh`: made, not rewritten (the global scales were sized for these rows).
 void ExpectWellFormed(const AttentionCase& c, bool fresh) {
@@ -126,6 +182,26 @@ void ExpectWellFormed(const AttentionCase& c, bool fresh) {
       EXPECT_LE(hi - lo, s.q_len);
     }
     EXPECT_LE(Get<int32_t>(c.in, c.q_indptr, B), total_q);
+    // full_q: every request that has rows has q_len of them, decode rows
+    // (1 .. kDecodeRowsQLen) aside; mixed_q: both kinds when batch > 1.
+    int decode = 0, longer = 0;
+    for (int64_t b = 0; b < B; ++b) {
+      if (Get<int32_t>(c.in, c.seq_lens, b) <= 0) continue;
+      const int32_t n = Get<int32_t>(c.in, c.q_indptr, b + 1) - Get<int32_t>(c.in, c.q_indptr, b);
+      EXPECT_GE(n, 1);
+      if (n <= kDecodeRowsQLen) {
+        ++decode;
+      } else {
+        ++longer;
+      }
+      if (s.full_q && (n > kDecodeRowsQLen || !s.mixed_q)) {
+        EXPECT_EQ(n, s.q_len);
+      }
+    }
+    if (s.mixed_q && s.batch > 1 && s.q_len > kDecodeRowsQLen && s.full_q) {
+      EXPECT_GT(decode, 0);
+      EXPECT_GT(longer, 0);
+    }
   } else {
     EXPECT_LT(c.q_indptr.offset, 0);
     EXPECT_EQ(total_q, B);
@@ -235,6 +311,13 @@ INSTANTIATE_TEST_SUITE_P(Fp8KeySweep, AttentionCaseTest,
                          ::testing::ValuesIn(testing::WithFp8Keys(testing::AttentionSweep())),
                          [](const auto& info) { return info.param.Name(); });
 
+INSTANTIATE_TEST_SUITE_P(PrefillSweep, AttentionCaseTest,
+                         ::testing::ValuesIn(testing::PrefillSweep()),
+                         [](const auto& info) { return info.param.Name(); });
+INSTANTIATE_TEST_SUITE_P(Fp8KeyPrefillSweep, AttentionCaseTest,
+                         ::testing::ValuesIn(testing::WithFp8Keys(testing::PrefillSweep())),
+                         [](const auto& info) { return info.param.Name(); });
+
 TEST(AttentionCase, Fp8KeyRowsAreTheQuantizedKeys) {
   // Same seed, same rows: the FP8 case's key bytes are QuantizeFp8Key of
   // the rows the NVFP4 case quantized (its decoded keys are close to them),
@@ -331,7 +414,9 @@ TEST(AttentionCase, RealKvRowsComeFromTheFiles) {
     }
     EXPECT_GT(kk, 0.0);
   }
-  for (const AttentionSpec& s : testing::RealKvSweep()) {
+  std::vector<AttentionSpec> real = testing::RealKvSweep();
+  for (const AttentionSpec& s : testing::PrefillRealKvSweep()) real.push_back(s);
+  for (const AttentionSpec& s : real) {
     const AttentionCase c = testing::MakeAttentionCase(s, 3);
     EXPECT_EQ(c.spec.num_kv_heads, 3);
     EXPECT_EQ(c.spec.group, 3);

@@ -2,7 +2,10 @@
 //   - against an independent naive computation written here from the
 //     contract in attention.h (pools dequantized with DequantizePaged at
 //     global scale 1, which is exact, then plain fp64 softmax attention), over
-//     the shared sweep and the real model rows;
+//     the shared sweep and the real model rows, and the prefill sweep's
+//     cheaper specs;
+//   - prefill chunks row by row: each query row of a step equals the same
+//     row run alone as a decode request at its position;
 //   - one targeted case per rule of the contract;
 //   - CompareAttentionOutputs itself (it must catch what the GPU tests rely on).
 #include <algorithm>
@@ -10,6 +13,7 @@
 #include <cstdio>
 #include <cstring>
 #include <limits>
+#include <random>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -412,6 +416,151 @@ INSTANTIATE_TEST_SUITE_P(Fp8KeyPage16, AttentionSweepTest,
                          [](const auto& info) { return info.param.Name(); });
 INSTANTIATE_TEST_SUITE_P(Fp8KeyRealKv, AttentionRealKvTest,
                          ::testing::ValuesIn(testing::WithFp8Keys(testing::RealKvSweep())),
+                         [](const auto& info) { return info.param.Name(); });
+
+// ------------------------------------------------------------- prefill
+// Prefill and extend chunks (q_len 17 .. 4096) and steps mixing them with
+// decode rows. The naive computation above is slow on the long cases; it
+// takes the specs with at most kNaivePairs (query, key) pairs of work a
+// request and head, and the rule below covers every spec.
+constexpr int64_t kNaivePairs = 600000;
+
+std::vector<AttentionSpec> NaivePrefillSpecs(const std::vector<AttentionSpec>& specs) {
+  std::vector<AttentionSpec> out;
+  for (const AttentionSpec& s : specs) {
+    const int64_t pairs = static_cast<int64_t>(s.q_len) * s.max_seq_len;
+    if (pairs <= kNaivePairs) out.push_back(s);
+  }
+  return out;
+}
+
+INSTANTIATE_TEST_SUITE_P(PrefillSweep, AttentionSweepTest,
+                         ::testing::ValuesIn(NaivePrefillSpecs(testing::PrefillSweep())),
+                         [](const auto& info) { return info.param.Name(); });
+INSTANTIATE_TEST_SUITE_P(
+    Fp8KeyPrefillSweep, AttentionSweepTest,
+    ::testing::ValuesIn(NaivePrefillSpecs(testing::WithFp8Keys(testing::PrefillSweep()))),
+    [](const auto& info) { return info.param.Name(); });
+INSTANTIATE_TEST_SUITE_P(PrefillRealKv, AttentionRealKvTest,
+                         ::testing::ValuesIn(testing::PrefillRealKvSweep()),
+                         [](const auto& info) { return info.param.Name(); });
+
+// Up to about 30 query rows of every request: all of a short request's,
+// else the first and last rows, those around 16, 64 and 128 (decode-row and
+// tile boundaries) and a few at random.
+std::vector<testing::AttentionQuery> SampleQueries(const AttentionCase& c, uint64_t seed) {
+  const std::vector<testing::AttentionQuery> all = testing::AttentionQueries(c);
+  std::mt19937_64 rng(seed);
+  std::vector<testing::AttentionQuery> out;
+  size_t begin = 0;
+  while (begin < all.size()) {
+    size_t end = begin;
+    while (end < all.size() && all[end].request == all[begin].request) ++end;
+    const int64_t n = static_cast<int64_t>(end - begin);
+    std::vector<bool> take(n, n <= 32);
+    for (int64_t i : {0, 1, 2, 15, 16, 17, 62, 63, 64, 65, 126, 127, 128, 129}) {
+      if (i < n) take[i] = true;
+    }
+    for (int64_t i = std::max<int64_t>(0, n - 3); i < n; ++i) take[i] = true;
+    for (int k = 0; k < 8 && n > 0; ++k) take[rng() % n] = true;
+    for (int64_t i = 0; i < n; ++i) {
+      if (take[i]) out.push_back(all[begin + i]);
+    }
+    begin = end;
+  }
+  return out;
+}
+
+// A query row's result depends on its position alone, never on the other
+// rows of its request: every (sampled) row of the step, run as a decode
+// request of its own (one row, no q_indptr, max_q_len 1, length position + 1,
+// the same block-table row), gives the step's out and lse bit for bit. That
+// holds each prefill chunk's causal rows against the decode path, which the
+// naive computation checks on the decode sweeps.
+void ExpectRowsAreDecodeRows(const AttentionCase& c, const std::string& name) {
+  const std::vector<uint8_t> got = RunCpu(c);
+  const std::vector<testing::AttentionQuery> qs = SampleQueries(c, 5);
+  ASSERT_FALSE(qs.empty()) << name;
+  const int64_t n = static_cast<int64_t>(qs.size());
+  const int hq = Hq(c), dk = c.geometry.head_dim_k, dv = c.geometry.head_dim_v;
+  const int64_t m = c.block_tables.shape[1];
+  std::vector<uint8_t> in = c.in;
+  std::vector<uint16_t> q(n * hq * dk), out(n * hq * dv, 0x5A5A);  // not kPoison
+  std::vector<float> lse(n * hq, std::numeric_limits<float>::quiet_NaN());
+  std::vector<int64_t> t64(n * m);
+  std::vector<int32_t> t32(n * m), lens(n);
+  bool long_rows = false;
+  for (int64_t j = 0; j < n; ++j) {
+    const testing::AttentionQuery& a = qs[j];
+    long_rows = long_rows || a.index >= kDecodeRowsQLen;
+    for (int h = 0; h < hq; ++h) {
+      for (int d = 0; d < dk; ++d) {
+        q[(j * hq + h) * dk + d] =
+            Get<uint16_t>(c.in, c.q, a.row * c.q.strides[0] + h * c.q.strides[1] + d);
+      }
+    }
+    for (int64_t p = 0; p < m; ++p) {
+      t64[j * m + p] = TableAt(c, a.request, p);
+      t32[j * m + p] = static_cast<int32_t>(t64[j * m + p]);
+    }
+    lens[j] = static_cast<int32_t>(a.position + 1);
+  }
+  EXPECT_TRUE(long_rows) << name << ": no row past the decode rows was sampled";
+  DecodeAttention::Options o = c.Options(kCpu);
+  o.max_batch = static_cast<int>(n);
+  o.max_q_len = 1;
+  absl::StatusOr<DecodeAttention> op = DecodeAttention::Create(o);
+  ASSERT_TRUE(op.ok()) << name << ": " << op.status();
+  DecodeAttentionArgs args = c.Args(in.data(), nullptr, kCpu);
+  args.q = TensorView::Contiguous(q.data(), c.spec.dtype, {n, hq, dk});
+  args.q_indptr = TensorView();
+  const bool i64 = c.spec.table_dtype == DType::kI64;
+  args.block_tables = TensorView::Contiguous(i64 ? static_cast<void*>(t64.data()) : t32.data(),
+                                             c.spec.table_dtype, {n, m});
+  args.seq_lens = TensorView::Contiguous(lens.data(), DType::kI32, {n});
+  args.out = TensorView::Contiguous(out.data(), c.spec.dtype, {n, hq, dv});
+  args.lse = c.spec.lse ? TensorView::Contiguous(lse.data(), DType::kF32, {n, hq}) : TensorView();
+  const absl::Status st = op->Run(args, c.Cache(in.data(), kCpu), nullptr, 0);
+  ASSERT_TRUE(st.ok()) << name << ": " << st;
+  int failures = 0;
+  for (int64_t j = 0; j < n && failures < 5; ++j) {
+    const testing::AttentionQuery& a = qs[j];
+    for (int h = 0; h < hq; ++h) {
+      const std::vector<uint8_t> step = OutRowBytes(c, got, a.row, h);
+      const uint8_t* single = reinterpret_cast<const uint8_t*>(out.data() + (j * hq + h) * dv);
+      const bool same_out = std::memcmp(step.data(), single, step.size()) == 0;
+      bool same_lse = true;
+      if (c.spec.lse) {
+        const float l = LseAt(c, got, a.row, h);
+        same_lse = std::memcmp(&l, &lse[j * hq + h], 4) == 0;
+      }
+      if (!same_out || !same_lse) {
+        ++failures;
+        ADD_FAILURE() << name << ": request " << a.request << " query " << a.index << " (row "
+                      << a.row << ", position " << a.position << ") head " << h << ": "
+                      << (same_out ? "" : "out ") << (same_lse ? "" : "lse ")
+                      << "differs from the same row run alone as a decode request";
+        break;
+      }
+    }
+  }
+}
+
+class PrefillRowsTest : public ::testing::TestWithParam<AttentionSpec> {};
+
+TEST_P(PrefillRowsTest, EveryRowIsItsOwnDecodeRow) {
+  if (GetParam().realkv) FP4KV_SKIP_WITHOUT_REALKV();
+  AttentionCase c = testing::MakeAttentionCase(GetParam(), 31);
+  ExpectRowsAreDecodeRows(c, GetParam().Name());
+  c.Rewrite(32);
+  ExpectRowsAreDecodeRows(c, GetParam().Name() + " (rewritten)");
+}
+
+INSTANTIATE_TEST_SUITE_P(PrefillSweep, PrefillRowsTest,
+                         ::testing::ValuesIn(testing::PrefillSweep()),
+                         [](const auto& info) { return info.param.Name(); });
+INSTANTIATE_TEST_SUITE_P(PrefillRealKv, PrefillRowsTest,
+                         ::testing::ValuesIn(testing::PrefillRealKvSweep()),
                          [](const auto& info) { return info.param.Name(); });
 
 // ------------------------------------------------------------ the rules

@@ -2,11 +2,13 @@
 // the cache's own pages (testing/cache_attention_reference.h: the pools'
 // bytes decoded from the format's definition, the sequences' block tables
 // and lengths, no code shared with the op): decode steps (one query per
-// entry) and verification steps (q rows = the step's new tokens), NVFP4 and
+// entry), verification steps (q rows = the step's new tokens) and prefill
+// chunks of up to 300 tokens mixed with decode entries, NVFP4 and
 // FP8 keys, GQA groups 1 to 8, lengths on and around page boundaries,
 // several sequences of different lengths, real model rows; on a GPU also
 // when the whole step (append + attention of every layer) is captured once
-// and replayed for later steps. Outputs and lse are poisoned first; rows the
+// and replayed for later steps (decode steps, and steps mixing prefill
+// chunks with decode entries). Outputs and lse are poisoned first; rows the
 // step does not own must stay poison.
 #include <cuda_runtime_api.h>
 
@@ -337,6 +339,60 @@ TEST_P(CacheAttentionTest, RealModelRows) {
   }
 }
 
+// Prefill chunks through one op whose max_q_len is a capacity (4096): a
+// prompt of 300 tokens from nothing next to shorter ones, then steps whose
+// entries mix chunks of more than kDecodeRowsQLen tokens over cached
+// prefixes (200 over 40, 17 over 17, 129 over 300) with decode entries (one
+// token) and short ones (16 tokens, a new prompt of 5), and a step of decode
+// entries only; every layer of every step against the reference over the
+// cache's own pages (rows = the step's new tokens).
+TEST_P(CacheAttentionTest, PrefillChunksMixedWithDecodeEntries) {
+  KVCacheOptions o = options();
+  o.max_seqs_per_step = 6;
+  o.max_tokens_per_step = 512;
+  o.max_pages_per_seq = 32;
+  absl::StatusOr<KVCache> made = KVCache::Create(o);
+  ASSERT_TRUE(made.ok()) << made.status();
+  KVCache& c = *made;
+  absl::StatusOr<CacheAppender> app = c.appender(DType::kBF16);
+  ASSERT_TRUE(app.ok()) << app.status();
+  CacheAttentionOptions ao;
+  ao.num_qo_heads = kQoHeads;
+  ao.write_lse = true;
+  ao.max_q_len = 4096;
+  absl::StatusOr<CacheAttention> op = c.attention(ao);
+  ASSERT_TRUE(op.ok()) << op.status();
+  StepInputs inputs;
+  TokenFactory f(c);
+  std::vector<SequenceId> seqs;
+  for (int i = 0; i < 5; ++i) seqs.push_back(NewSequence(c));
+  uint64_t seed = 21;
+  const int64_t rows = o.max_tokens_per_step;
+  int step_index = 0;
+  auto step = [&](const std::vector<StepEntry>& entries) {
+    ASSERT_TRUE(c.PrepareStep(entries).ok());
+    std::vector<Token> toks;
+    for (int64_t i = 0; i < c.step().num_tokens; ++i) toks.push_back(f.Make(seed++));
+    ASSERT_TRUE(testing::FillStepInputs(c, toks, &inputs, nullptr).ok());
+    ASSERT_TRUE(testing::RunAppendAllLayers(c, *app, &inputs, nullptr).ok());
+    for (int layer = 0; layer < kLayers; ++layer) {
+      EXPECT_EQ(RunAndCheck(c, *op, layer, entries, Queries(rows, 700 + 10 * step_index + layer),
+                            rows, kQoHeads),
+                "")
+          << "step " << step_index << " layer " << layer;
+    }
+    ++step_index;
+  };
+  const SequenceId a = seqs[0], b = seqs[1], cc = seqs[2], d = seqs[3], e = seqs[4];
+  step({{a, 300}, {b, 40}, {cc, 17}});
+  if (HasFatalFailure()) return;
+  step({{a, 1}, {b, 200}, {cc, 17}, {d, 5}});
+  if (HasFatalFailure()) return;
+  step({{a, 129}, {b, 1}, {cc, 16}, {d, 1}, {e, 33}});
+  if (HasFatalFailure()) return;
+  step({{a, 1}, {b, 1}, {cc, 1}, {d, 1}, {e, 1}});
+}
+
 TEST_P(CacheAttentionTest, RejectsBadRowsAndPrefillChunksAndChangesNothing) {
   KVCache c = *KVCache::Create(options());
   CacheAttentionOptions ao;
@@ -473,6 +529,103 @@ TEST_P(CapturedStepTest, CapturedStepReplaysForLaterSteps) {
   FP4KV_ASSERT_CUDA(cudaStreamDestroy(stream));
 }
 
+// The same with prefill chunks: one op with max_q_len 4096 (rows = the
+// step's new tokens) captured with its append on a step mixing a chunk of 40
+// tokens with decode entries, replayed for steps with other mixes (chunks of
+// 17 .. 129 tokens over cached prefixes, decode entries only, a sequence
+// sitting out).
+TEST_P(CapturedStepTest, CapturedMixedStepReplaysForLaterSteps) {
+  FP4KV_SKIP_WITHOUT_GPU();
+  KVCacheOptions o = Options(Device::Cuda(0), GetParam());
+  o.max_tokens_per_step = 256;
+  o.max_pages_per_seq = 32;
+  absl::StatusOr<KVCache> made = KVCache::Create(o);
+  ASSERT_TRUE(made.ok()) << made.status();
+  KVCache& c = *made;
+  absl::StatusOr<CacheAppender> app = c.appender(DType::kBF16);
+  CacheAttentionOptions ao;
+  ao.num_qo_heads = kQoHeads;
+  ao.write_lse = true;
+  ao.max_q_len = 4096;
+  absl::StatusOr<CacheAttention> att = c.attention(ao);
+  ASSERT_TRUE(app.ok() && att.ok());
+  const int64_t T = o.max_tokens_per_step;
+  Buffer ws(c.device(), std::max<int64_t>(256, att->WorkspaceBytes()));
+  std::vector<Buffer> qb, ob, lb;
+  for (int l = 0; l < kLayers; ++l) {
+    qb.emplace_back(c.device(), T * kQoHeads * kDim * 2);
+    ob.emplace_back(c.device(), T * kQoHeads * kDim * 2);
+    lb.emplace_back(c.device(), T * kQoHeads * 4);
+  }
+  cudaStream_t stream = nullptr;
+  FP4KV_ASSERT_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const Stream st = reinterpret_cast<Stream>(stream);
+  StepInputs inputs;
+  TokenFactory f(c);
+  uint64_t seed = 9;
+  std::vector<SequenceId> s;
+  for (int i = 0; i < 4; ++i) s.push_back(NewSequence(c));
+  std::vector<StepEntry> entries;
+  auto prepare = [&](const std::vector<StepEntry>& e) {
+    entries = e;
+    ASSERT_TRUE(c.PrepareStep(e, st).ok());
+    std::vector<Token> toks;
+    for (int64_t i = 0; i < c.step().num_tokens; ++i) toks.push_back(f.Make(seed++));
+    ASSERT_TRUE(testing::FillStepInputs(c, toks, &inputs, st).ok());
+  };
+  prepare({{s[0], 20}, {s[1], 3}, {s[2], 50}, {s[3], 33}});
+  if (HasFatalFailure()) return;
+  ASSERT_TRUE(testing::RunAppendAllLayers(c, *app, &inputs, st).ok());
+  const std::vector<std::vector<StepEntry>> steps = {
+      {{s[0], 40}, {s[1], 1}, {s[2], 1}, {s[3], 1}},
+      {{s[0], 1}, {s[1], 100}, {s[2], 17}, {s[3], 1}},
+      {{s[0], 1}, {s[1], 1}, {s[2], 1}, {s[3], 1}},
+      {{s[0], 1}, {s[1], 16}, {s[3], 64}},
+      {{s[0], 17}, {s[1], 1}, {s[2], 129}, {s[3], 1}},
+  };
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  for (size_t step = 0; step < steps.size(); ++step) {
+    prepare(steps[step]);
+    if (HasFatalFailure()) return;
+    std::vector<std::vector<uint16_t>> qs;
+    for (int l = 0; l < kLayers; ++l) {
+      qs.push_back(Queries(T, 2000 * step + l));
+      ASSERT_TRUE(qb[l].Upload(qs[l].data(), qs[l].size() * 2) && ob[l].Fill(kPoisonByte) &&
+                  lb[l].Fill(kPoisonByte));
+    }
+    FP4KV_ASSERT_CUDA(cudaDeviceSynchronize());
+    if (step == 0) {
+      FP4KV_ASSERT_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+      absl::Status r = testing::RunAppendAllLayers(c, *app, &inputs, st);
+      for (int l = 0; l < kLayers && r.ok(); ++l) {
+        r = att->Run(l, qb[l].View(DType::kBF16, {T, kQoHeads, kDim}),
+                     ob[l].View(DType::kBF16, {T, kQoHeads, kDim}), ws.get(), ws.size(), st,
+                     lb[l].View(DType::kF32, {T, kQoHeads}));
+      }
+      FP4KV_ASSERT_CUDA(cudaStreamEndCapture(stream, &graph));
+      ASSERT_TRUE(r.ok()) << r;
+      FP4KV_ASSERT_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+    }
+    FP4KV_ASSERT_CUDA(cudaGraphLaunch(exec, stream));
+    FP4KV_ASSERT_CUDA(cudaStreamSynchronize(stream));
+    for (int l = 0; l < kLayers; ++l) {
+      absl::StatusOr<testing::CacheAttentionWant> want = testing::CacheAttentionReference(
+          c, l, qs[l], T, kQoHeads, testing::StepRequests(entries, ao.max_q_len));
+      ASSERT_TRUE(want.ok()) << want.status();
+      ASSERT_GT(want->queries, 0);
+      const std::vector<uint16_t> got = ob[l].DownloadAs<uint16_t>(qs[l].size());
+      const std::vector<float> got_lse = lb[l].DownloadAs<float>(T * kQoHeads);
+      EXPECT_EQ(testing::CompareCacheAttention(*want, got, got_lse, DType::kBF16, kOutPoison,
+                                               LsePoison()),
+                "")
+          << "step " << step << " layer " << l;
+    }
+  }
+  FP4KV_ASSERT_CUDA(cudaGraphExecDestroy(exec));
+  FP4KV_ASSERT_CUDA(cudaGraphDestroy(graph));
+  FP4KV_ASSERT_CUDA(cudaStreamDestroy(stream));
+}
 
 INSTANTIATE_TEST_SUITE_P(KVCacheAttentionGpu, CapturedStepTest,
                          ::testing::Values(KeyFormat::kNvfp4, KeyFormat::kFp8),

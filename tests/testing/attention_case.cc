@@ -203,8 +203,29 @@ void FillCase(AttentionCase& c, uint64_t seed, bool first) {
   if (s.q_len > 1) {
     int64_t indptr = static_cast<int64_t>(rng() % 2);  // may start past row 0
     Put<int32_t>(c.in, c.q_indptr, 0, static_cast<int32_t>(indptr));
+    // Mixed steps: which requests get decode rows (the first of a shuffled
+    // order does, the second does not, the others at random).
+    std::vector<bool> decode_rows(B, false);
+    if (s.mixed_q) {
+      std::vector<int64_t> requests;
+      for (int64_t b = 0; b < B; ++b) {
+        if (pad_rank[b] < 0) requests.push_back(b);
+      }
+      std::shuffle(requests.begin(), requests.end(), rng);
+      for (size_t k = 0; k < requests.size(); ++k) {
+        decode_rows[requests[k]] = k == 0 || (k > 1 && rng() % 2 == 0);
+      }
+    }
+    const int64_t decode_max = std::min<int64_t>(s.q_len, kDecodeRowsQLen);
     for (int64_t b = 0; b < B; ++b) {
-      int64_t n = rng() % 2 ? s.q_len : 1 + static_cast<int64_t>(rng() % s.q_len);
+      int64_t n;
+      if (decode_rows[b]) {
+        n = 1 + static_cast<int64_t>(rng() % decode_max);
+      } else if (s.full_q) {
+        n = s.q_len;
+      } else {
+        n = rng() % 2 ? s.q_len : 1 + static_cast<int64_t>(rng() % s.q_len);
+      }
       if (pad_rank[b] >= 0 && rng() % 2) n = 0;
       q_begin[b] = indptr;
       q_count[b] = n;
@@ -408,6 +429,7 @@ std::string AttentionSpec::Name() const {
       layout == Layout::kNHD ? "_nhd" : "_hnd", stacked ? "_stacked" : "_tuple",
       dtype == DType::kBF16 ? "_bf16" : "_f16", table_dtype == DType::kI64 ? "_i64" : "_i32",
       "_len", min_seq_len, "to", max_seq_len, padding_rows ? "_padrows" : "", "_q", q_len,
+      full_q ? "_full" : "", mixed_q ? "_mixed" : "",
       soft_cap > 0 ? "_cap" + FloatTag(soft_cap) : "",
       window_left >= 0 ? absl::StrCat("_win", window_left) : "", sinks ? "_sinks" : "",
       lse ? "_lse" : "", pointer_scales ? "_ptr" : "", oob_pages ? "_oob" : "",
@@ -768,6 +790,176 @@ std::vector<AttentionSpec> RealKvSweep() {
   s.oob_pages = true;
   s.lse = true;
   s.padded = true;
+  out.push_back(s);
+  return out;
+}
+
+std::vector<AttentionSpec> PrefillSweep() {
+  // One spec per line: requests, KV heads x group, head dim, page size,
+  // q_len and lengths (cached prefix = length - q_len with full_q).
+  const auto spec = [](int batch, int kv_heads, int group, int dim, int page, int q_len,
+                       int min_len, int max_len) {
+    AttentionSpec s;
+    s.batch = batch;
+    s.num_kv_heads = kv_heads;
+    s.group = group;
+    s.head_dim = dim;
+    s.page_size = page;
+    s.q_len = q_len;
+    s.min_seq_len = min_len;
+    s.max_seq_len = max_len;
+    s.full_q = true;
+    return s;
+  };
+  std::vector<AttentionSpec> out;
+  // 17 new tokens (one past the decode rows) over no cached prefix.
+  AttentionSpec s = spec(3, 2, 4, 64, 16, 17, 17, 17);
+  s.lse = true;
+  out.push_back(s);
+  // 17 over 1: page 1, i64 tables, window, sinks, pointer scales.
+  s = spec(8, 1, 7, 128, 1, 17, 18, 18);
+  s.layout = Layout::kHND;
+  s.dtype = DType::kF16;
+  s.table_dtype = DType::kI64;
+  s.window_left = 6;
+  s.sinks = true;
+  s.pointer_scales = true;
+  out.push_back(s);
+  // 127 over 15: head dim 256, page 17, soft cap, out-of-range pages.
+  s = spec(3, 1, 8, 256, 17, 127, 142, 142);
+  s.soft_cap = 30.0f;
+  s.lse = true;
+  s.oob_pages = true;
+  out.push_back(s);
+  // 128 over 16 mixed with decode rows: stacked pools, a window.
+  s = spec(8, 2, 1, 64, 16, 128, 144, 144);
+  s.layout = Layout::kHND;
+  s.mixed_q = true;
+  s.window_left = 100;
+  s.lse = true;
+  s.stacked = true;
+  out.push_back(s);
+  // 129 over 17 mixed with decode rows: padded views, sinks, i64 tables.
+  s = spec(3, 1, 4, 128, 17, 129, 146, 146);
+  s.dtype = DType::kF16;
+  s.table_dtype = DType::kI64;
+  s.mixed_q = true;
+  s.sinks = true;
+  s.lse = true;
+  s.padded = true;
+  out.push_back(s);
+  // 1000 over 3000.
+  s = spec(1, 1, 4, 128, 16, 1000, 4000, 4000);
+  s.sinks = true;
+  s.lse = true;
+  out.push_back(s);
+  // 4096 over nothing (a whole prompt), two requests, page 17.
+  s = spec(2, 1, 1, 64, 17, 4096, 4096, 4096);
+  s.layout = Layout::kHND;
+  s.dtype = DType::kF16;
+  s.table_dtype = DType::kI64;
+  s.lse = true;
+  out.push_back(s);
+  // 4096 over 3000, no padding rows.
+  s = spec(1, 1, 2, 64, 16, 4096, 7096, 7096);
+  s.lse = true;
+  s.padding_rows = false;
+  out.push_back(s);
+  // 17 over 3000: one query tile over many key tiles; pages past the tables.
+  s = spec(3, 1, 8, 256, 16, 17, 3017, 3017);
+  s.layout = Layout::kHND;
+  s.lse = true;
+  s.oob_pages = true;
+  s.extra_pages = 5;
+  out.push_back(s);
+  // Up to 129 rows over lengths 1 .. 300: fewer rows for some requests, and
+  // queries before a short request's first token (negative positions).
+  s = spec(8, 1, 7, 64, 17, 129, 1, 300);
+  s.full_q = false;
+  s.dtype = DType::kF16;
+  s.soft_cap = 2.5f;
+  s.oob_pages = true;
+  s.lse = true;
+  out.push_back(s);
+  // 1000 over 0 .. 200 mixed with decode rows over about 1100, a window.
+  s = spec(8, 2, 1, 128, 16, 1000, 1000, 1200);
+  s.mixed_q = true;
+  s.window_left = 300;
+  s.table_dtype = DType::kI64;
+  s.lse = true;
+  out.push_back(s);
+  // 128 over 0, page 1, head dim 256.
+  s = spec(1, 1, 8, 256, 1, 128, 128, 128);
+  s.layout = Layout::kHND;
+  s.sinks = true;
+  s.lse = true;
+  out.push_back(s);
+  // 17 over 0 .. 23 mixed with decode rows: window 0, soft cap, sinks.
+  s = spec(8, 1, 4, 64, 16, 17, 17, 40);
+  s.mixed_q = true;
+  s.window_left = 0;
+  s.soft_cap = 10.0f;
+  s.sinks = true;
+  s.lse = true;
+  out.push_back(s);
+  // 127 over 0 or 1, page 1, a window.
+  s = spec(3, 2, 1, 128, 1, 127, 127, 128);
+  s.layout = Layout::kHND;
+  s.dtype = DType::kF16;
+  s.table_dtype = DType::kI64;
+  s.window_left = 6;
+  s.padded = true;
+  out.push_back(s);
+  // 4096 over 4, mixed with decode rows over 4100, pointer scales, no lse.
+  s = spec(3, 1, 1, 64, 16, 4096, 4100, 4100);
+  s.mixed_q = true;
+  s.pointer_scales = true;
+  out.push_back(s);
+  return out;
+}
+
+std::vector<AttentionSpec> PrefillRealKvSweep() {
+  const auto real = []() {
+    AttentionSpec s;
+    s.realkv = true;
+    s.num_kv_heads = kRealKvKvHeads;
+    s.group = kRealKvQHeads / kRealKvKvHeads;
+    s.head_dim = kRealKvDim;
+    s.full_q = true;
+    s.lse = true;
+    return s;
+  };
+  std::vector<AttentionSpec> out;
+  // 1000 new tokens over 25 cached: the whole of the model's rows.
+  AttentionSpec s = real();
+  s.batch = 1;
+  s.q_len = 1000;
+  s.min_seq_len = s.max_seq_len = kRealKvTokens;
+  out.push_back(s);
+  // Chunks of 300 over 0 .. 725 cached mixed with decode rows: HND, page 17,
+  // f16, sinks, soft cap.
+  s = real();
+  s.batch = 3;
+  s.q_len = 300;
+  s.min_seq_len = 300;
+  s.max_seq_len = kRealKvTokens;
+  s.mixed_q = true;
+  s.page_size = 17;
+  s.layout = Layout::kHND;
+  s.dtype = DType::kF16;
+  s.sinks = true;
+  s.soft_cap = 30.0f;
+  out.push_back(s);
+  // 129 over 896 with a window: page 1, i64 tables, stacked, pointer scales.
+  s = real();
+  s.batch = 2;
+  s.q_len = 129;
+  s.min_seq_len = s.max_seq_len = kRealKvTokens;
+  s.window_left = 128;
+  s.page_size = 1;
+  s.table_dtype = DType::kI64;
+  s.stacked = true;
+  s.pointer_scales = true;
   out.push_back(s);
   return out;
 }

@@ -42,6 +42,14 @@ struct AttentionSpec {
   // get fewer, a query past the start of a short request has a negative
   // position, and q has two spare rows past the last request's).
   int q_len = 1;
+  // Every request gets exactly q_len rows (padding rows q_len or none): with
+  // min_seq_len == max_seq_len each request's cached prefix is exactly
+  // max_seq_len - q_len.
+  bool full_q = false;
+  // Mixed steps: about half of the requests (at least one of each kind when
+  // batch > 1) get 1 .. kDecodeRowsQLen rows (decode rows, the decode
+  // kernels' share on CUDA), the others rows as q_len and full_q say.
+  bool mixed_q = false;
   float soft_cap = 0;
   int window_left = -1;
   bool sinks = false;
@@ -125,6 +133,18 @@ std::string CompareAttentionOutputs(const AttentionCase& c, const std::vector<ui
 std::vector<AttentionSpec> AttentionSweep();
 // Specs over the real model rows (skip when !RealKvAvailable()).
 std::vector<AttentionSpec> RealKvSweep();
+// Prefill and extend chunks (q_len 17 .. 4096, more than kDecodeRowsQLen new
+// tokens per request) over cached prefixes of 0 .. 3000 tokens, alone and
+// mixed with decode rows in one call: q_len 17/127/128/129/1000/4096, cached
+// prefixes 0/1/15/16/17/3000, batches 1/3/8, groups 1/4/7/8, head dims
+// 64/128/256, both layouts, page sizes 1/16/17, window, soft cap, sinks, lse,
+// f16/bf16, i32/i64 tables, out-of-range pages, padding rows, queries before
+// a short request's first token. The long ones keep to one or two requests
+// and few heads, so the CPU reference of all of it takes seconds.
+std::vector<AttentionSpec> PrefillSweep();
+// Prefill chunks over the real model rows (skip when !RealKvAvailable()):
+// 1000 new tokens over 25 cached, mixed steps, a window.
+std::vector<AttentionSpec> PrefillRealKvSweep();
 // The same specs with FP8 keys (fp8_keys set; stacked ones become tuples).
 std::vector<AttentionSpec> WithFp8Keys(const std::vector<AttentionSpec>& specs);
 // FP8-key specs at head dim 128, page 16 (the 16-byte copy path the serving
