@@ -57,18 +57,23 @@ namespace kernels {
 
 template <int D>
 struct PrefillConfig {
-  static constexpr int kRows = 16 * kAttnWarps;         // query rows per item
-  static constexpr int kBN = D == 256 ? 32 : 64;        // tokens per K/V tile
+  // Query m-tiles of 16 rows per warp: two where the accumulators fit (each
+  // K/V fragment then feeds two MMAs), one at D = 256.
+  static constexpr int kMT = D == 256 ? 1 : 2;
+  static constexpr int kWarpRows = 16 * kMT;
+  static constexpr int kRows = kWarpRows * kAttnWarps;  // query rows per item
+  static constexpr int kBN = D == 64 ? 64 : 32;         // tokens per K/V tile
   static constexpr int kStride = D + 8;                 // halves per shared row
   static constexpr int kChunks = D / 32;                // 32-value chunks per token row
   static constexpr int kTokPerPass = kAttnThreads / kChunks;
   static constexpr int kPasses = kBN / kTokPerPass;     // chunks per thread per tile
+  static constexpr int kTileBytes = kBN * kStride * 2;  // one of K or V, f16
   static constexpr int kQOff = 0;                       // [kRows][kStride] f16
-  static constexpr int kKOff = kQOff + kRows * kStride * 2;
-  static constexpr int kVOff = kKOff + kBN * kStride * 2;
-  static constexpr int kOkOff = kVOff + kBN * kStride * 2;  // [kBN] token valid bytes
-  static constexpr int kBytes = kOkOff + kBN;
-  static constexpr int kCtasPerSm = D == 256 ? 2 : (D == 128 ? 3 : 4);  // launch bound
+  static constexpr int kKOff = kQOff + kRows * kStride * 2;  // [2 buffers] K tiles
+  static constexpr int kVOff = kKOff + 2 * kTileBytes;       // [2 buffers] V tiles
+  static constexpr int kOkOff = kVOff + 2 * kTileBytes;      // [2][kBN] token valid bytes
+  static constexpr int kBytes = kOkOff + 2 * kBN;
+  static constexpr int kCtasPerSm = 2;  // launch bound
   static_assert(kBN % kTokPerPass == 0, "whole passes per tile");
   static_assert(kBN % 16 == 0, "whole k-steps of P V");
   static_assert(kBytes % 16 == 0, "16-byte aligned schedule arrays");
@@ -175,9 +180,10 @@ __global__ void __launch_bounds__(kAttnThreads, PrefillConfig<D>::kCtasPerSm)
     const int n_rows = p.group * r.q_len;
     const int tiles = (n_rows + Cfg::kRows - 1) / Cfg::kRows;
     const int head = local % p.num_kv_heads;
-    const int mt = tiles - 1 - local / p.num_kv_heads;
-    const int row0 = mt * Cfg::kRows;
-    const int pos_base = r.len - r.q_len;  // position of query 0
+    const int mt_item = tiles - 1 - local / p.num_kv_heads;
+    const int row0 = mt_item * Cfg::kRows;
+    const int wrow0 = row0 + Cfg::kWarpRows * warp;  // this warp's first row
+    const int pos_base = r.len - r.q_len;             // position of query 0
     const int qi_first = row0 / p.group;
     const int qi_last = min(r.q_len - 1, (row0 + Cfg::kRows - 1) / p.group);
     const int t_end = min(r.len, pos_base + qi_last + 1);
@@ -185,16 +191,18 @@ __global__ void __launch_bounds__(kAttnThreads, PrefillConfig<D>::kCtasPerSm)
     if (p.window_left >= 0) t_begin = max(t_begin, pos_base + qi_first - p.window_left);
     t_begin = max(t_begin, 0);
 
-    // ---- Q rows of this warp into shared memory (the warp's own 16 rows):
-    // lane 2 r + h stages half h of row r; bf16 rows scaled by 2^kq.
-    int kq = 0;
-    {
-      const int rl = lane >> 1, half = lane & 1;
-      const int row = row0 + 16 * warp + rl;
+    // ---- Q rows of this warp into shared memory (the warp's own rows):
+    // lane 2 r + h stages half h of row r of each m-tile; bf16 rows scaled
+    // by 2^kq.
+    int kq[Cfg::kMT];
+#pragma unroll
+    for (int mt = 0; mt < Cfg::kMT; ++mt) {
+      kq[mt] = 0;
+      const int rl = 16 * mt + (lane >> 1), half = lane & 1;
+      const int row = wrow0 + rl;
       const int qi = row / p.group, gi = row - qi * p.group;
-      const bool valid = row < n_rows;
       const uint16_t* src = nullptr;
-      if (valid) {
+      if (row < n_rows) {
         src = static_cast<const uint16_t*>(p.q) + (r.q_begin + qi) * p.q_row_stride +
               static_cast<int64_t>(head * p.group + gi) * p.q_head_stride + half * (D / 2);
       }
@@ -216,12 +224,13 @@ __global__ void __launch_bounds__(kAttnThreads, PrefillConfig<D>::kCtasPerSm)
         amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
         if (amax != 0 && amax < 0x7f800000u) {
           const int e = static_cast<int>(amax >> 23) - 127;
-          kq = 14 - e;
-          kq = kq < -126 ? -126 : (kq > 127 ? 127 : kq);
-          mul = __uint_as_float(static_cast<uint32_t>(kq + 127) << 23);
+          int k = 14 - e;
+          k = k < -126 ? -126 : (k > 127 ? 127 : k);
+          kq[mt] = k;
+          mul = __uint_as_float(static_cast<uint32_t>(k + 127) << 23);
         }
       }
-      uint16_t* dst = qs + (16 * warp + rl) * Cfg::kStride + half * (D / 2);
+      uint16_t* dst = qs + (Cfg::kWarpRows * warp + rl) * Cfg::kStride + half * (D / 2);
 #pragma unroll 2
       for (int i = 0; i < D / 16; ++i) {
         uint4 v = make_uint4(0, 0, 0, 0);
@@ -247,33 +256,35 @@ __global__ void __launch_bounds__(kAttnThreads, PrefillConfig<D>::kCtasPerSm)
       }
     }
 
-    // ---- This thread's rows g and g + 8 of the warp: logit factors and
+    // ---- This thread's rows g and g + 8 of each m-tile: logit factors and
     // the key bounds [lo, hi] of the rows that are written.
-    float lf[2];
-    int row_lo[2], row_hi[2];
+    float lf[Cfg::kMT][2];
+    int row_lo[Cfg::kMT][2], row_hi[Cfg::kMT][2];
     int warp_lo_max = -(1 << 30), warp_hi_min = 1 << 30;  // over written rows
     int warp_lo_min = 1 << 30, warp_hi_max = -(1 << 30);
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int k = __shfl_sync(0xffffffffu, kq, 2 * (g + 8 * i));
-      const float tile_scale = kFp8K ? device::Fp8KeyHalfScale() : device::kHalfTileScale;
-      const float f =
-          p.sm_scale * gk * tile_scale * __uint_as_float(static_cast<uint32_t>(127 - k) << 23);
-      lf[i] = kSoftCap ? f / p.soft_cap : f * kLog2e;
-      const int row = row0 + 16 * warp + g + 8 * i;
-      const int qi = row / p.group;
-      const int pos = pos_base + qi;
-      const bool stored = row < n_rows && pos >= 0;
-      row_lo[i] = -(1 << 30);
-      row_hi[i] = 1 << 30;
-      if (stored) {
-        row_hi[i] = pos;
-        if (p.window_left >= 0) row_lo[i] = pos - p.window_left;
-        warp_lo_min = min(warp_lo_min, row_lo[i]);
-        warp_hi_max = max(warp_hi_max, row_hi[i]);
+    for (int mt = 0; mt < Cfg::kMT; ++mt) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const int k = __shfl_sync(0xffffffffu, kq[mt], 2 * (g + 8 * i));
+        const float tile_scale = kFp8K ? device::Fp8KeyHalfScale() : device::kHalfTileScale;
+        const float f =
+            p.sm_scale * gk * tile_scale * __uint_as_float(static_cast<uint32_t>(127 - k) << 23);
+        lf[mt][i] = kSoftCap ? f / p.soft_cap : f * kLog2e;
+        const int row = wrow0 + 16 * mt + g + 8 * i;
+        const int pos = pos_base + row / p.group;
+        const bool stored = row < n_rows && pos >= 0;
+        row_lo[mt][i] = -(1 << 30);
+        row_hi[mt][i] = 1 << 30;
+        if (stored) {
+          row_hi[mt][i] = pos;
+          if (p.window_left >= 0) row_lo[mt][i] = pos - p.window_left;
+          warp_lo_min = min(warp_lo_min, row_lo[mt][i]);
+          warp_hi_max = max(warp_hi_max, row_hi[mt][i]);
+        }
+        warp_lo_max = max(warp_lo_max, row_lo[mt][i]);
+        warp_hi_min = min(warp_hi_min, row_hi[mt][i]);
       }
-      warp_lo_max = max(warp_lo_max, row_lo[i]);
-      warp_hi_min = min(warp_hi_min, row_hi[i]);
     }
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {
@@ -336,14 +347,16 @@ __global__ void __launch_bounds__(kAttnThreads, PrefillConfig<D>::kCtasPerSm)
         }
       }
     };
-    // Decodes a thread's chunks into the shared tiles; returns whether all
-    // of its tokens were valid.
-    const auto store_tile = [&](const PrefillRaw<D, kFp8K>& raw) {
+    // Decodes a thread's chunks into shared buffer `buf`; returns whether
+    // all of its tokens were valid.
+    const auto store_tile = [&](const PrefillRaw<D, kFp8K>& raw, int buf) {
+      const uint32_t kb = k_sm + buf * Cfg::kTileBytes;
+      const uint32_t vb = v_sm + buf * Cfg::kTileBytes;
 #pragma unroll
       for (int i = 0; i < Cfg::kPasses; ++i) {
         const int tt = tid / Cfg::kChunks + i * Cfg::kTokPerPass;
-        const uint32_t kdst = k_sm + (tt * Cfg::kStride + chunk * 32) * 2;
-        const uint32_t vdst = v_sm + (tt * Cfg::kStride + chunk * 32) * 2;
+        const uint32_t kdst = kb + (tt * Cfg::kStride + chunk * 32) * 2;
+        const uint32_t vdst = vb + (tt * Cfg::kStride + chunk * 32) * 2;
         if constexpr (kFp8K) {
 #pragma unroll
           for (int j = 0; j < 4; ++j) {
@@ -370,164 +383,219 @@ __global__ void __launch_bounds__(kAttnThreads, PrefillConfig<D>::kCtasPerSm)
           device::DecodeWordHalf2(raw.v[i][w], w < 2 ? m0 : m1, h);
           StShared16(vdst + 16 * w, h[0], h[1], h[2], h[3]);
         }
-        if (chunk == 0) tok_ok[tt] = static_cast<uint8_t>((raw.ok >> i) & 1u);
+        if (chunk == 0) tok_ok[buf * kBN + tt] = static_cast<uint8_t>((raw.ok >> i) & 1u);
       }
       return raw.ok == (1u << Cfg::kPasses) - 1u;
     };
 
-    float o[kNT][4];
+    float o[Cfg::kMT][kNT][4];
 #pragma unroll
-    for (int n = 0; n < kNT; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
-    float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.0f, 0.0f};
+    for (int mt = 0; mt < Cfg::kMT; ++mt) {
+#pragma unroll
+      for (int n = 0; n < kNT; ++n) o[mt][n][0] = o[mt][n][1] = o[mt][n][2] = o[mt][n][3] = 0.0f;
+    }
+    float m_run[Cfg::kMT][2], l_run[Cfg::kMT][2];
+#pragma unroll
+    for (int mt = 0; mt < Cfg::kMT; ++mt) {
+      m_run[mt][0] = m_run[mt][1] = -INFINITY;
+      l_run[mt][0] = l_run[mt][1] = 0.0f;
+    }
 
-    // ldmatrix lane addresses: Q (A, rows of this warp), K (B, tokens x
+    // ldmatrix lane addresses: Q (A, this warp's rows), K (B, tokens x
     // dims), V (B via .trans, tokens x dims).
     const int ld_r = (lane & 7) + ((lane >> 3) & 1) * 8;  // 0..15
     const int ld_c = (lane >> 4) * 8;                     // 0 or 8
-    const uint32_t q_lane = q_sm + ((16 * warp + ld_r) * Cfg::kStride + ld_c) * 2;
+    const uint32_t q_lane = q_sm + ((Cfg::kWarpRows * warp + ld_r) * Cfg::kStride + ld_c) * 2;
     const int kt_r = (lane & 7) + (lane >> 4) * 8;  // token within 16
     const int kt_c = ((lane >> 3) & 1) * 8;         // dim within 16
     const uint32_t k_lane = k_sm + (kt_r * Cfg::kStride + kt_c) * 2;
     const uint32_t v_lane = v_sm + (ld_r * Cfg::kStride + ld_c) * 2;
 
+    // Tiles: decoded into two shared buffers; tile j + 1 is decoded (and
+    // tile j + 2 loaded into registers) after tile j's multiplies, with one
+    // barrier per tile.
+    const int n_tiles = t_begin < t_end ? (t_end - t_begin + kBN - 1) / kBN : 0;
     PrefillRaw<D, kFp8K> raw;
-    if (t_begin < t_end) load_tile(t_begin, raw);
-    for (int t0 = t_begin; t0 < t_end; t0 += kBN) {
-      __syncthreads();  // the previous tile's readers are done (and Q is staged)
-      const bool mine_ok = store_tile(raw);
-      const bool tile_ok = __syncthreads_and(mine_ok) != 0;
-      if (t0 + kBN < t_end) load_tile(t0 + kBN, raw);
+    bool tile_ok = false;
+    if (n_tiles > 0) {
+      load_tile(t_begin, raw);
+      const bool mine = store_tile(raw, 0);
+      if (n_tiles > 1) load_tile(t_begin + kBN, raw);
+      tile_ok = __syncthreads_and(mine) != 0;  // also: Q is staged
+    }
+    for (int j = 0; j < n_tiles; ++j) {
+      const int t0 = t_begin + j * kBN;
+      const int buf = j & 1;
       // Rows of this warp with a key in the tile.
-      if (warp_hi_max < t0 || warp_lo_min > t0 + kBN - 1) continue;
-
-      // ---- S = Q K^T.
-      float s[kSN][4];
+      if (!(warp_hi_max < t0 || warp_lo_min > t0 + kBN - 1)) {
+        const uint32_t kbuf = k_lane + buf * Cfg::kTileBytes;
+        const uint32_t vbuf = v_lane + buf * Cfg::kTileBytes;
+        const uint8_t* ok_buf = tok_ok + buf * kBN;
+        // ---- S = Q K^T.
+        float s[Cfg::kMT][kSN][4];
 #pragma unroll
-      for (int n = 0; n < kSN; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+        for (int mt = 0; mt < Cfg::kMT; ++mt) {
 #pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) {
-        uint32_t qa[4];
-        LdMatrixX4(q_lane + kk * 32, qa);
-#pragma unroll
-        for (int n2 = 0; n2 < kBN / 16; ++n2) {
-          uint32_t kb[4];
-          LdMatrixX4(k_lane + (n2 * 16 * Cfg::kStride + kk * 16) * 2, kb);
-          Mma16816(s[2 * n2], qa, kb[0], kb[1]);
-          Mma16816(s[2 * n2 + 1], qa, kb[2], kb[3]);
+          for (int n = 0; n < kSN; ++n) s[mt][n][0] = s[mt][n][1] = s[mt][n][2] = s[mt][n][3] = 0.0f;
         }
-      }
-
-      // ---- Scale (soft cap), mask, online softmax (log2 units).
 #pragma unroll
-      for (int n = 0; n < kSN; ++n) {
+        for (int kk = 0; kk < D / 16; ++kk) {
+          uint32_t qa[Cfg::kMT][4];
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          float x = s[n][e] * lf[e >> 1];
-          if constexpr (kSoftCap) x = tanhf(x) * p.soft_cap * kLog2e;
-          s[n][e] = x;
+          for (int mt = 0; mt < Cfg::kMT; ++mt) {
+            LdMatrixX4(q_lane + (16 * mt * Cfg::kStride + kk * 16) * 2, qa[mt]);
+          }
+#pragma unroll
+          for (int n2 = 0; n2 < kBN / 16; ++n2) {
+            uint32_t kb[4];
+            LdMatrixX4(kbuf + (n2 * 16 * Cfg::kStride + kk * 16) * 2, kb);
+#pragma unroll
+            for (int mt = 0; mt < Cfg::kMT; ++mt) {
+              Mma16816(s[mt][2 * n2], qa[mt], kb[0], kb[1]);
+              Mma16816(s[mt][2 * n2 + 1], qa[mt], kb[2], kb[3]);
+            }
+          }
         }
-      }
-      const bool full = tile_ok && t0 >= warp_lo_max && t0 + kBN - 1 <= warp_hi_min;
-      if (!full) {
+
+        // ---- Scale (soft cap), mask, online softmax (log2 units).
+        const bool full = tile_ok && t0 >= warp_lo_max && t0 + kBN - 1 <= warp_hi_min;
 #pragma unroll
-        for (int n = 0; n < kSN; ++n) {
+        for (int mt = 0; mt < Cfg::kMT; ++mt) {
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int tt = 8 * n + 2 * c + (e & 1);
-            const int t = t0 + tt;
-            const bool ok = t < t_end && tok_ok[tt] != 0 && t >= row_lo[e >> 1] &&
-                            t <= row_hi[e >> 1];
-            if (!ok) s[n][e] = -INFINITY;
+          for (int n = 0; n < kSN; ++n) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              float x = s[mt][n][e] * lf[mt][e >> 1];
+              if constexpr (kSoftCap) x = tanhf(x) * p.soft_cap * kLog2e;
+              s[mt][n][e] = x;
+            }
+          }
+          if (!full) {
+#pragma unroll
+            for (int n = 0; n < kSN; ++n) {
+#pragma unroll
+              for (int e = 0; e < 4; ++e) {
+                const int tt = 8 * n + 2 * c + (e & 1);
+                const int t = t0 + tt;
+                const bool ok = t < t_end && ok_buf[tt] != 0 && t >= row_lo[mt][e >> 1] &&
+                                t <= row_hi[mt][e >> 1];
+                if (!ok) s[mt][n][e] = -INFINITY;
+              }
+            }
+          }
+        }
+        bool rescale = false;
+        float alpha[Cfg::kMT][2];
+#pragma unroll
+        for (int mt = 0; mt < Cfg::kMT; ++mt) {
+#pragma unroll
+          for (int i = 0; i < 2; ++i) {
+            float mx = -INFINITY;
+#pragma unroll
+            for (int n = 0; n < kSN; ++n) mx = fmaxf(mx, fmaxf(s[mt][n][2 * i], s[mt][n][2 * i + 1]));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            const float m_old = m_run[mt][i];
+            const float m_new = mx - m_old > kAttnRescaleSlack ? fmaxf(m_old, mx) : m_old;
+            const float m_use = m_new == -INFINITY ? 0.0f : m_new - kAttnPOffset;
+            alpha[mt][i] = m_new == m_old ? 1.0f : Ex2(m_old - m_new);
+            rescale = rescale || m_new != m_old;
+            m_run[mt][i] = m_new;
+            float sum = 0.0f;
+#pragma unroll
+            for (int n = 0; n < kSN; ++n) {
+              s[mt][n][2 * i] = Ex2(s[mt][n][2 * i] - m_use);
+              s[mt][n][2 * i + 1] = Ex2(s[mt][n][2 * i + 1] - m_use);
+              sum += s[mt][n][2 * i] + s[mt][n][2 * i + 1];
+            }
+            l_run[mt][i] = l_run[mt][i] * alpha[mt][i] + sum;
+          }
+        }
+        if (__any_sync(0xffffffffu, rescale)) {
+#pragma unroll
+          for (int mt = 0; mt < Cfg::kMT; ++mt) {
+#pragma unroll
+            for (int n = 0; n < kNT; ++n) {
+              o[mt][n][0] *= alpha[mt][0];
+              o[mt][n][1] *= alpha[mt][0];
+              o[mt][n][2] *= alpha[mt][1];
+              o[mt][n][3] *= alpha[mt][1];
+            }
+          }
+        }
+
+        // ---- O += P V.
+#pragma unroll
+        for (int kk = 0; kk < kBN / 16; ++kk) {
+          uint32_t pa[Cfg::kMT][4];
+#pragma unroll
+          for (int mt = 0; mt < Cfg::kMT; ++mt) {
+            pa[mt][0] = PackHalf2(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+            pa[mt][1] = PackHalf2(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+            pa[mt][2] = PackHalf2(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+            pa[mt][3] = PackHalf2(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+          }
+#pragma unroll
+          for (int n2 = 0; n2 < D / 16; ++n2) {
+            uint32_t vb[4];
+            LdMatrixX4Trans(vbuf + (kk * 16 * Cfg::kStride + n2 * 16) * 2, vb);
+#pragma unroll
+            for (int mt = 0; mt < Cfg::kMT; ++mt) {
+              Mma16816(o[mt][2 * n2], pa[mt], vb[0], vb[1]);
+              Mma16816(o[mt][2 * n2 + 1], pa[mt], vb[2], vb[3]);
+            }
           }
         }
       }
-      float alpha[2];
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        float mx = -INFINITY;
-#pragma unroll
-        for (int n = 0; n < kSN; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * i], s[n][2 * i + 1]));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float m_new = mx - m_run[i] > kAttnRescaleSlack ? fmaxf(m_run[i], mx) : m_run[i];
-        const float m_use = m_new == -INFINITY ? 0.0f : m_new - kAttnPOffset;
-        alpha[i] = m_new == m_run[i] ? 1.0f : Ex2(m_run[i] - m_new);
-        m_run[i] = m_new;
-        float sum = 0.0f;
-#pragma unroll
-        for (int n = 0; n < kSN; ++n) {
-          s[n][2 * i] = Ex2(s[n][2 * i] - m_use);
-          s[n][2 * i + 1] = Ex2(s[n][2 * i + 1] - m_use);
-          sum += s[n][2 * i] + s[n][2 * i + 1];
-        }
-        l_run[i] = l_run[i] * alpha[i] + sum;
-      }
-      if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
-#pragma unroll
-        for (int n = 0; n < kNT; ++n) {
-          o[n][0] *= alpha[0];
-          o[n][1] *= alpha[0];
-          o[n][2] *= alpha[1];
-          o[n][3] *= alpha[1];
-        }
-      }
-
-      // ---- O += P V.
-#pragma unroll
-      for (int kk = 0; kk < kBN / 16; ++kk) {
-        uint32_t pa[4];
-        pa[0] = PackHalf2(s[2 * kk][0], s[2 * kk][1]);
-        pa[1] = PackHalf2(s[2 * kk][2], s[2 * kk][3]);
-        pa[2] = PackHalf2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-        pa[3] = PackHalf2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-#pragma unroll
-        for (int n2 = 0; n2 < D / 16; ++n2) {
-          uint32_t vb[4];
-          LdMatrixX4Trans(v_lane + (kk * 16 * Cfg::kStride + n2 * 16) * 2, vb);
-          Mma16816(o[2 * n2], pa, vb[0], vb[1]);
-          Mma16816(o[2 * n2 + 1], pa, vb[2], vb[3]);
-        }
+      // ---- Decode tile j + 1 into the other buffer (its readers, tile
+      // j - 1, passed the last barrier), load tile j + 2.
+      if (j + 1 < n_tiles) {
+        const bool mine = store_tile(raw, buf ^ 1);
+        if (j + 2 < n_tiles) load_tile(t_begin + (j + 2) * kBN, raw);
+        tile_ok = __syncthreads_and(mine) != 0;
       }
     }
 
     // ---- Finish this warp's rows: normalize (sinks, LSE), stage the
     // output rows in natural dim order over the warp's Q rows, then 16-byte
     // stores.
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      l_run[i] += __shfl_xor_sync(0xffffffffu, l_run[i], 1);
-      l_run[i] += __shfl_xor_sync(0xffffffffu, l_run[i], 2);
-    }
     __syncwarp();
-    uint16_t* ostage = qs + 16 * warp * Cfg::kStride;
+    uint16_t* ostage = qs + Cfg::kWarpRows * warp * Cfg::kStride;
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int rl = g + 8 * i;
-      const int row = row0 + 16 * warp + rl;
-      const int qi = row / p.group, gi = row - qi * p.group;
-      const int qo_head = head * p.group + gi;
-      const float m = m_run[i] == -INFINITY ? m_run[i] : m_run[i] - kAttnPOffset;
-      float inv = 0.0f, lse = -INFINITY;
-      if (row < n_rows) FinishRow(m, l_run[i], p.sinks, qo_head, &inv, &lse);
-      const float f = inv * gv * device::kHalfTileScale;
+    for (int mt = 0; mt < Cfg::kMT; ++mt) {
 #pragma unroll
-      for (int n = 0; n < kNT; ++n) {
+      for (int i = 0; i < 2; ++i) {
+        float l = l_run[mt][i];
+        l += __shfl_xor_sync(0xffffffffu, l, 1);
+        l += __shfl_xor_sync(0xffffffffu, l, 2);
+        const int rl = 16 * mt + g + 8 * i;
+        const int row = wrow0 + rl;
+        const int qi = row / p.group, gi = row - qi * p.group;
+        const int qo_head = head * p.group + gi;
+        const float m = m_run[mt][i] == -INFINITY ? m_run[mt][i] : m_run[mt][i] - kAttnPOffset;
+        float inv = 0.0f, lse = -INFINITY;
+        if (row < n_rows) FinishRow(m, l, p.sinks, qo_head, &inv, &lse);
+        const float f = inv * gv * device::kHalfTileScale;
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int pos = 2 * c + e;  // within the 8 columns of n-tile n
-          ostage[rl * Cfg::kStride + 8 * n + PermVal8(pos)] = PackOut1<kBf16>(o[n][2 * i + e] * f);
+        for (int n = 0; n < kNT; ++n) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int pos = 2 * c + e;  // within the 8 columns of n-tile n
+            ostage[rl * Cfg::kStride + 8 * n + PermVal8(pos)] =
+                PackOut1<kBf16>(o[mt][n][2 * i + e] * f);
+          }
         }
-      }
-      if (c == 0 && p.lse != nullptr && row < n_rows && pos_base + qi >= 0) {
-        p.lse[(r.q_begin + qi) * p.lse_row_stride + qo_head] = lse;
+        if (c == 0 && p.lse != nullptr && row < n_rows && pos_base + qi >= 0) {
+          p.lse[(r.q_begin + qi) * p.lse_row_stride + qo_head] = lse;
+        }
       }
     }
     __syncwarp();
     {
       constexpr int kVecs = D / 8;  // 16-byte pieces of a row
-      for (int idx = lane; idx < 16 * kVecs; idx += 32) {
+      for (int idx = lane; idx < Cfg::kWarpRows * kVecs; idx += 32) {
         const int rl = idx / kVecs, vi = idx - rl * kVecs;
-        const int row = row0 + 16 * warp + rl;
+        const int row = wrow0 + rl;
         const int qi = row / p.group, gi = row - qi * p.group;
         if (row < n_rows && pos_base + qi >= 0) {
           uint16_t* dst = static_cast<uint16_t*>(p.out) + (r.q_begin + qi) * p.out_row_stride +
@@ -537,7 +605,7 @@ __global__ void __launch_bounds__(kAttnThreads, PrefillConfig<D>::kCtasPerSm)
         }
       }
     }
-    __syncthreads();  // Q / staging rows are rewritten by the next item
+    __syncthreads();  // Q / staging rows and the tile buffers are rewritten by the next item
   }
 }
 
