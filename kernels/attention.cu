@@ -49,6 +49,20 @@ absl::Status ChooseFamily(AttentionFamily* family) {
       "FP4KV_ATTENTION_KERNEL: expected tokens_in_m or rows_in_m, got \"", env, "\""));
 }
 
+absl::Status LaunchDecode(const AttentionParams& p, Stream stream) {
+  switch (p.v.head_dim) {
+    case 64:
+      return LaunchDecodeAttentionDim<64>(p, stream);
+    case 128:
+      return LaunchDecodeAttentionDim<128>(p, stream);
+    case 256:
+      return LaunchDecodeAttentionDim<256>(p, stream);
+    default:
+      return absl::UnimplementedError(
+          absl::StrCat("DecodeAttention on CUDA: head_dim ", p.v.head_dim, " (64, 128, 256)"));
+  }
+}
+
 absl::Status LaunchPrefill(const AttentionParams& p, Stream stream) {
   switch (p.v.head_dim) {
     case 64:
@@ -152,20 +166,24 @@ absl::Status LaunchDecodeAttention(const AttentionParams& p, Stream stream) {
     AttentionParams pp = p;
     pp.kernel_q_min = kDecodeRowsQLen + 1;
     FP4KV_RETURN_IF_ERROR(LaunchPrefill(pp, stream));
+    // The decode requests: those the tokens-in-M family takes on it, the
+    // longer ones (up to kDecodeRowsQLen queries) on the rows-in-M kernel,
+    // two launches in stream order sharing the workspace.
+    const int q_tokens = DecodeTokensInMQLen(p.family, p.group);
+    if (q_tokens >= 1) {
+      AttentionParams dp = p;
+      dp.kernel_q_max = q_tokens;
+      FP4KV_RETURN_IF_ERROR(LaunchDecode(dp, stream));
+    }
+    if (q_tokens >= kDecodeRowsQLen) return absl::OkStatus();
+    AttentionParams dp = p;
+    dp.kernel_q_min = q_tokens + 1;
+    dp.kernel_q_max = kDecodeRowsQLen;
+    dp.family = AttentionFamily::kRowsInM;
+    if (q_tokens >= 1) dp.ctas_per_sm = p.ctas_per_sm_rows;
+    return LaunchDecode(dp, stream);
   }
-  AttentionParams dp = p;
-  dp.kernel_q_max = kDecodeRowsQLen;
-  switch (p.v.head_dim) {
-    case 64:
-      return LaunchDecodeAttentionDim<64>(dp, stream);
-    case 128:
-      return LaunchDecodeAttentionDim<128>(dp, stream);
-    case 256:
-      return LaunchDecodeAttentionDim<256>(dp, stream);
-    default:
-      return absl::UnimplementedError(
-          absl::StrCat("DecodeAttention on CUDA: head_dim ", p.v.head_dim, " (64, 128, 256)"));
-  }
+  return LaunchDecode(p, stream);
 }
 
 }  // namespace internal

@@ -121,7 +121,7 @@ absl::StatusOr<DecodeAttention> DecodeAttention::Create(const Options& o) {
   }
   return DecodeAttention(o, num_sms, workspace_bytes, setup.merge_overlaps,
                          static_cast<int>(setup.family), setup.ctas_per_sm,
-                         setup.prefill_ctas_per_sm);
+                         setup.prefill_ctas_per_sm, setup.ctas_per_sm_rows);
 }
 
 namespace internal {
@@ -262,6 +262,7 @@ absl::Status DecodeAttentionRunner::Run(const DecodeAttention& op, const DecodeA
   p->family = static_cast<AttentionFamily>(op.family_);
   p->ctas_per_sm = op.ctas_per_sm_;
   p->prefill_ctas_per_sm = op.prefill_ctas_per_sm_;
+  p->ctas_per_sm_rows = op.ctas_per_sm_rows_;
   if (!op.options_.device.is_cuda()) {
     ReferenceDecodeAttention(*p);
     return absl::OkStatus();

@@ -25,6 +25,19 @@ namespace internal {
 // Create()) forces the other family, for tests and comparisons.
 enum class AttentionFamily : int { kRowsInM = 0, kTokensInM = 1 };
 
+// Query rows (group * q_len) of the largest item the tokens-in-M kernel takes.
+inline constexpr int kTokensInMMaxRows = 8;
+
+// For an op of max_q_len > kDecodeRowsQLen, whose decode launches take the
+// requests of at most kDecodeRowsQLen queries: the longest of them (q_len)
+// the tokens-in-M family takes; 0 when the family is rows-in-M or the group
+// is too large. Longer decode requests run on the rows-in-M kernel in a
+// launch of their own.
+inline int DecodeTokensInMQLen(AttentionFamily family, int group) {
+  if (family != AttentionFamily::kTokensInM || group <= 0 || group > kTokensInMMaxRows) return 0;
+  return kTokensInMMaxRows / group;
+}
+
 struct AttentionParams {
   PoolPtrs k, v;  // read only; k.head_dim = Dk, v.head_dim = Dv
   // Keys in FP8 E4M3 (geometry.key_format kFp8): k rows are Dk bytes,
@@ -77,6 +90,7 @@ struct AttentionParams {
   // Resident CTAs of the prefill kernel per SM (found at Create() when
   // max_q_len > kDecodeRowsQLen; its persistent grid is num_sms times this).
   int prefill_ctas_per_sm = 0;
+  int ctas_per_sm_rows = 0;  // see AttentionKernelSetup
 
   // Reference only (tests): when set, the CPU reference also stores every
   // output element unrounded here, [total_q, Hq, Dv] with out's strides.
@@ -157,6 +171,10 @@ struct AttentionKernelSetup {
   // Resident CTAs per SM of the prefill kernel (0: not prepared, max_q_len
   // <= kDecodeRowsQLen).
   int prefill_ctas_per_sm = 0;
+  // max_q_len > kDecodeRowsQLen with the tokens-in-M family: the decode
+  // requests too long for it (group * q_len > 8) run on the rows-in-M kernel
+  // in a launch of their own; its resident CTAs per SM (0: its bound).
+  int ctas_per_sm_rows = 0;
 };
 
 // Create()-time setup on options.device: raises the selected kernel's dynamic

@@ -123,14 +123,15 @@ class DecodeAttention {
  private:
   friend struct internal::DecodeAttentionRunner;
   DecodeAttention(const Options& o, int num_sms, int64_t workspace_bytes, bool merge_overlaps,
-                  int family, int ctas_per_sm, int prefill_ctas_per_sm)
+                  int family, int ctas_per_sm, int prefill_ctas_per_sm, int ctas_per_sm_rows)
       : options_(o),
         num_sms_(num_sms),
         workspace_bytes_(workspace_bytes),
         merge_overlaps_(merge_overlaps),
         family_(family),
         ctas_per_sm_(ctas_per_sm),
-        prefill_ctas_per_sm_(prefill_ctas_per_sm) {}
+        prefill_ctas_per_sm_(prefill_ctas_per_sm),
+        ctas_per_sm_rows_(ctas_per_sm_rows) {}
   Options options_;
   int num_sms_ = 0;
   int64_t workspace_bytes_ = 0;
@@ -138,6 +139,7 @@ class DecodeAttention {
   int family_ = 0;               // kernel family chosen at Create() (CUDA; src/attention_params.h)
   int ctas_per_sm_ = 0;          // resident CTAs an SM, found at Create() (CUDA)
   int prefill_ctas_per_sm_ = 0;  // the same for the prefill kernel (max_q_len > kDecodeRowsQLen)
+  int ctas_per_sm_rows_ = 0;     // and for the rows-in-M decode launch beside it
 };
 
 // Create + Run with a caller-given workspace (WorkspaceBytes() of the same

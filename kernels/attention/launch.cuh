@@ -48,7 +48,10 @@ absl::Status LaunchFor(const AttentionParams& p, Stream stream) {
   using Cfg = kernels::AttnConfig<D, kFp8K>;
   kernels::AttnLaunch a;
   a.p = p;
-  a.rows_per_slot = kernels::AttnRowsPerSlot(p.group, p.max_q_len);
+  // Rows of an item: this launch's requests have at most
+  // min(max_q_len, kernel_q_max) queries.
+  a.rows_per_slot = kernels::AttnRowsPerSlot(
+      p.group, p.max_q_len < p.kernel_q_max ? p.max_q_len : p.kernel_q_max);
   const AttnKernelChoice kernel =
       SelectAttentionKernel<D, kBf16, kFp8K>(p.family, p.soft_cap > 0.0f, a.rows_per_slot);
   // At most AttnConfig<D>::kCtasPerSm per SM, which sized the workspace; fewer
@@ -102,15 +105,15 @@ absl::Status LaunchFor(const AttentionParams& p, Stream stream) {
   return CudaStatus(cudaLaunchKernelEx(&cfg, merge, a), "MergeAttentionKernel launch");
 }
 
-// Create()-time setup of the one kernel instance `o` and `out->family`
-// select: raises its dynamic shared memory limit to what max_batch needs and
-// tells whether the merge kernel's loaded code can overlap (PTX 9.0+). On
-// the current device.
+// Create()-time setup of one decode kernel instance (family, rows per
+// item): raises its dynamic shared memory limit to what max_batch needs and
+// finds its resident CTAs per SM when fewer than its launch bound (*ctas;
+// 0: the bound). On the current device.
 template <int D, bool kBf16, bool kFp8K>
-absl::Status PrepareFor(const DecodeAttention::Options& o, AttentionKernelSetup* out) {
-  const int group = o.num_qo_heads / o.geometry.num_kv_heads;
-  const AttnKernelChoice kernel = SelectAttentionKernel<D, kBf16, kFp8K>(
-      out->family, o.logits_soft_cap > 0.0f, kernels::AttnRowsPerSlot(group, o.max_q_len));
+absl::Status PrepareKernel(const DecodeAttention::Options& o, AttentionFamily family, int rows,
+                           int* ctas) {
+  const AttnKernelChoice kernel =
+      SelectAttentionKernel<D, kBf16, kFp8K>(family, o.logits_soft_cap > 0.0f, rows);
   const size_t smem = static_cast<size_t>(kernels::kAttnWarps) * kernel.warp_bytes +
                       kernels::AttnScheduleBytes(o.max_batch);
   FP4KV_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
@@ -119,7 +122,33 @@ absl::Status PrepareFor(const DecodeAttention::Options& o, AttentionKernelSetup*
   FP4KV_CUDA_RETURN_IF_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
       &resident, kernel.fn, kernels::kAttnThreads, smem));
   // 0 (nothing fits) leaves the kernel's own bound: the launch reports it.
-  out->ctas_per_sm = resident >= 1 && resident < kernel.ctas_per_sm ? resident : 0;
+  *ctas = resident >= 1 && resident < kernel.ctas_per_sm ? resident : 0;
+  return absl::OkStatus();
+}
+
+// Create()-time setup of the decode kernels `o` and `out->family` select
+// (kernels/attention.cu's dispatch: one launch up to kDecodeRowsQLen rows,
+// or, for max_q_len > kDecodeRowsQLen with the tokens-in-M family, one for
+// the requests it takes and a rows-in-M one for the others), and whether the
+// merge kernel's loaded code can overlap (PTX 9.0+).
+template <int D, bool kBf16, bool kFp8K>
+absl::Status PrepareFor(const DecodeAttention::Options& o, AttentionKernelSetup* out) {
+  const int group = o.num_qo_heads / o.geometry.num_kv_heads;
+  if (o.max_q_len > kDecodeRowsQLen) {
+    const int q_tokens = DecodeTokensInMQLen(out->family, group);
+    if (q_tokens >= 1) {
+      FP4KV_RETURN_IF_ERROR((PrepareKernel<D, kBf16, kFp8K>(
+          o, out->family, kernels::AttnRowsPerSlot(group, q_tokens), &out->ctas_per_sm)));
+    }
+    if (q_tokens < kDecodeRowsQLen) {
+      FP4KV_RETURN_IF_ERROR((PrepareKernel<D, kBf16, kFp8K>(
+          o, AttentionFamily::kRowsInM, kernels::AttnRowsPerSlot(group, kDecodeRowsQLen),
+          q_tokens >= 1 ? &out->ctas_per_sm_rows : &out->ctas_per_sm)));
+    }
+  } else {
+    FP4KV_RETURN_IF_ERROR((PrepareKernel<D, kBf16, kFp8K>(
+        o, out->family, kernels::AttnRowsPerSlot(group, o.max_q_len), &out->ctas_per_sm)));
+  }
   cudaFuncAttributes fa;
   FP4KV_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&fa, &kernels::MergeAttentionKernel<D, kBf16>));
   out->merge_overlaps = fa.ptxVersion >= 90;

@@ -49,7 +49,7 @@ namespace kernels {
 // loses to the rows-in-M kernel there (twice the Q and O registers: three
 // CTAs an SM with spills; 64 x 4096 at q_len 4, 187 us against 150 us), so
 // launch.cuh never instantiates it.
-inline bool TokensInMTakes(int /*d*/, int rows) { return rows <= 8; }
+inline bool TokensInMTakes(int /*d*/, int rows) { return rows <= internal::kTokensInMMaxRows; }
 
 // The warp's shared memory: a ring of kStages 16-token stages laid out as
 // AttnConfig's (tile_copy.cuh), consumed two at a time (a pair: 32 tokens per
