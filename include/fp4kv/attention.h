@@ -39,8 +39,9 @@
 // kMaxAttentionQLen): decode rows, speculative rows, prefill chunks over a
 // cached prefix and whole prompts, mixed in one call. On CUDA, requests of
 // at most kDecodeRowsQLen new tokens run on the decode kernels (split over
-// the keys); longer ones on the prefill kernel (query tiles of 64 rows, each
-// K/V tile decoded once per CTA into shared memory), in the same Run().
+// the keys); longer ones on the prefill kernel (tiles of 128 query rows, 64
+// at head dim 256, each K/V tile decoded once per CTA into shared memory), in
+// the same Run().
 //
 // Thread safety: immutable after Create(); Run() may be called concurrently
 // on different workspaces and outputs.

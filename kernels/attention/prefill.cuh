@@ -7,20 +7,23 @@
 // Work: a persistent grid (num_sms * resident CTAs) of 4-warp CTAs derives
 // the same schedule from seq_lens / q_indptr as the decode kernels do
 // (GetAttnRequest, restricted by kernel_q_min / kernel_q_max to the long
-// requests). An item is (request, KV head, 64-row query tile), rows being
-// (query i, head in the group) pairs, row = i * group + g (the GQA heads of
-// a query share the KV head's tiles). CTA x takes items x, x + grid, ...;
-// within a request the tiles nearest the end (most keys under the causal
-// mask) come first.
+// requests). An item is (request, KV head, query tile of kRows rows), rows
+// being (query i, head in the group) pairs, row = i * group + g (the GQA
+// heads of a query share the KV head's tiles); each warp owns kMT m-tiles
+// of 16 rows (128 rows an item, 64 at head dim 256). CTA x takes items x,
+// x + grid, ...; within a request the tiles nearest the end (most keys
+// under the causal mask) come first.
 //
 // An item walks its key range [t_begin, t_end) -- the causal bound of its
 // last query, the window of its first -- in tiles of kBN tokens. Each tile
 // is read once per CTA: all 128 threads load its codes and scales from the
-// pages into registers (the next tile's loads are in flight while the
-// current tile is multiplied), decode them to f16 in shared memory in the
-// layout ldmatrix reads (rows padded by 16 bytes: conflict-free), and every
-// warp's 16 query rows reuse it: S = Q K^T and O += P V on mma.sync
-// m16n8k16 (f16 in, fp32 accumulate), online softmax in fp32 between them.
+// pages into registers, decode them to f16 into one of two shared buffers
+// in the layout ldmatrix reads (rows padded by 16 bytes: conflict-free),
+// and every warp's rows reuse it: S = Q K^T and O += P V on mma.sync
+// m16n8k16 (f16 in, fp32 accumulate; each K/V fragment feeds the warp's kMT
+// m-tiles), online softmax in fp32 between them. Tile j + 1 is decoded and
+// tile j + 2 loaded into registers right after tile j's multiplies, so the
+// loads are in flight during tile j + 1's, with one barrier per tile.
 // Warps own disjoint rows, so an item needs no combine: each warp finishes
 // its rows (normalization, sinks, LSE) and writes them through its own
 // shared-memory rows as 16-byte stores.
