@@ -4,18 +4,28 @@
 // decode while others finish and new ones join; one request is forked for
 // parallel sampling (its children share the prompt's pages and copy a shared
 // partial page on their first write). Every step, every layer appends its new
-// K/V rows and then reads the step's sequences: by default with decode
-// attention straight from the NVFP4 pages (one query row per sequence; for a
-// prefill chunk that is its last token — a server runs its own prefill
-// kernel over the chunk), or with --read=materialize as FP8 pages (what an
-// FP8 attention kernel would read next). No global scales are given: every
-// layer calibrates from its first rows. On a GPU, the decode step (all
-// layers) is captured once as two CUDA graphs (appends, reads) and replayed,
-// with events between them for the per-step time split; prefill steps run
-// eagerly. Without a GPU the same loop runs on the CPU device (the CPU
-// reference), with smaller defaults. At the end it prints tokens/s, the
-// decode step's append / read time, pages in use, the scale-event counters
-// and the error of dequantized K/V against the original rows.
+// K/V rows and then reads the step's sequences: by default with attention
+// straight from the NVFP4 pages, or with --read=materialize as FP8 pages
+// (what an FP8 attention kernel would read next). The attention reads use
+// two ops of the cache: a decode-only step attends one query row per
+// sequence (an op of max_q_len 1, q and out of max_batch + samples rows); a
+// step with prefill chunks (possibly mixed with decode rows) attends every
+// new token's query row, causal over the cached prefix and the chunk (an op
+// of max_q_len = --chunk, q and out of --chunk rows, the step's new tokens
+// in the order the appender reads them). The query rows are synthetic
+// (random bf16, one set per layer); a real model's would come from the
+// layer. No global scales are given: every layer calibrates from its first
+// rows. On a GPU, the decode step (all layers) is captured once as two CUDA
+// graphs (appends, reads) and replayed, with events between them for the
+// per-step time split; prefill steps run eagerly, timed with events around
+// their appends and reads. Without a GPU the same loop runs on the CPU
+// device (the CPU reference), with smaller defaults, and checks every
+// prefill step's attention (layer 0): every new token's output row is
+// written, and the row of each entry's last token equals, bit for bit,
+// what the max_q_len 1 op computes for that row alone. At the end it prints
+// tokens/s, the decode step's append / read time, the prefill steps' append
+// / attention time and prefill tokens/s, pages in use, the scale-event
+// counters and the error of dequantized K/V against the original rows.
 //
 // Prefix caching (--prefix_cache=1, the default): prompts start with one of
 // a few shared system prompts, and some requests are follow-up turns of an
@@ -25,7 +35,10 @@
 // requests leave their full pages cached for later turns. A token's K/V row
 // is a function of its token prefix (as in a real model), so reused pages
 // hold exactly the rows a prefill would write, and the error check below
-// covers them too. The end prints the hit rate and prefill tokens saved.
+// covers them too. Only the uncached rest of a prompt is prefilled; its
+// chunks attend the shared prefix pages where they lie (the end counts the
+// prefill tokens attended after a prefix hit). The end prints the hit rate
+// and prefill tokens saved.
 //
 // Tensor parallelism (--tp=N, docs/kv_cache.md "Tensor parallelism"): N
 // caches (ranks), each holding kv_heads / N heads with the same options, get
@@ -125,7 +138,8 @@ struct Flags {
         std::printf(
             "usage: serving_loop [--name=value ...]\n"
             "  --device=auto|cuda|cpu   where the cache lives (auto: a GPU when present)\n"
-            "  --read=attention|materialize  decode read path (direct NVFP4 attention, or FP8 pages)\n"
+            "  --read=attention|materialize  read path: NVFP4 attention (a query row per sequence in\n"
+            "           decode-only steps, per new token in steps with prefill chunks), or FP8 pages\n"
             "  --layers, --kv_heads, --qo_heads, --head_dim, --page_size   model shape\n"
             "  --requests, --max_batch, --prompt_min, --prompt_max, --decode_min, --decode_max,\n"
             "  --chunk (prefill chunk), --samples (forked samples), --pool_pages,\n"
@@ -247,6 +261,7 @@ struct Request {
   int prompt = 0, decode = 0;
   int stored = 0;     // tokens in the cache
   int generated = 0;  // decode tokens appended
+  int cached = 0;     // prompt tokens shared from the prefix cache at admission
   int parent = -1;    // forked from this request at `fork_len` tokens
   int fork_len = 0;
   State state = kWaiting;
@@ -288,10 +303,15 @@ struct Rank {
       absl::FailedPreconditionError("not used (--read=attention)");
   absl::StatusOr<fp4kv::CacheAttention> attention =
       absl::FailedPreconditionError("not used (--read=materialize)");
+  // Steps with prefill chunks: max_q_len = --chunk, a query row per new token.
+  absl::StatusOr<fp4kv::CacheAttention> prefill_attention =
+      absl::FailedPreconditionError("not used (--read=materialize)");
   cudaStream_t cs = nullptr;
   fp4kv::Stream stream = nullptr;
   std::vector<std::vector<uint16_t>> host_in;  // K/V rows (one staging buffer on a GPU)
   std::vector<void*> in_ptr, q_ptr, o_ptr;     // per layer: K/V inputs; queries, outputs
+  std::vector<void*> pq_ptr, po_ptr;           // per layer: prefill steps' queries, outputs
+  void *check_q = nullptr, *check_o = nullptr;  // CPU check: [S, HQR, D] each
   std::vector<std::vector<uint8_t>> host_buffers;
   std::vector<void*> device_buffers;
   int64_t W = 0;  // FP8 workspace pages at capacity
@@ -303,7 +323,7 @@ struct Rank {
   // slot, pinned K/V rows and token ids per slot (rewritten once the slot's
   // previous copies are done: in_done), and the "sampled" ids on the device.
   std::vector<fp4kv::CacheAppender> slot_appender;
-  std::vector<fp4kv::CacheAttention> slot_attention;
+  std::vector<fp4kv::CacheAttention> slot_attention, slot_prefill_attention;
   std::vector<fp4kv::CacheMaterializer> slot_materializer;
   cudaGraphExec_t slot_graph_append[2] = {nullptr, nullptr}, slot_graph_read[2] = {nullptr, nullptr};
   cudaEvent_t slot_ev[2][3] = {{nullptr, nullptr, nullptr}, {nullptr, nullptr, nullptr}};
@@ -507,10 +527,20 @@ int main(int argc, char** argv) {
     k.appender = k.cache->appender(DType::kBF16);
     CHECK_OK(k.appender.status());
     if (attend) {
+      // Decode-only steps: max_q_len 1, so their rows run on the fastest
+      // decode kernel family (on CUDA, tokens-in-M while group * max_q_len
+      // <= 8); an op of a larger max_q_len would put them on the rows-in-M
+      // kernels. This op's steps are the ones captured as graphs.
       fp4kv::CacheAttentionOptions ao;
       ao.num_qo_heads = HQR;
       k.attention = k.cache->attention(ao);
       CHECK_OK(k.attention.status());
+      // Steps with prefill chunks (and decode rows beside them): a query row
+      // per new token; on CUDA chunks of more than kDecodeRowsQLen tokens
+      // take the prefill kernel, the rest the decode kernels, in one Run().
+      ao.max_q_len = T;
+      k.prefill_attention = k.cache->attention(ao);
+      CHECK_OK(k.prefill_attention.status());
     } else {
       k.materializer = k.cache->materializer();
       CHECK_OK(k.materializer.status());
@@ -523,6 +553,9 @@ int main(int argc, char** argv) {
         absl::StatusOr<fp4kv::CacheAttention> at = k.attention->ForSlot(slot);
         CHECK_OK(at.status());
         k.slot_attention.push_back(*at);
+        absl::StatusOr<fp4kv::CacheAttention> pat = k.prefill_attention->ForSlot(slot);
+        CHECK_OK(pat.status());
+        k.slot_prefill_attention.push_back(*pat);
       } else {
         absl::StatusOr<fp4kv::CacheMaterializer> m = k.materializer->ForSlot(slot);
         CHECK_OK(m.status());
@@ -537,15 +570,19 @@ int main(int argc, char** argv) {
         gpu ? " from device memory" : "");
   }
   if (attend) {
-    std::printf("reads: decode attention from the NVFP4 pages, %d query heads (group %d)\n", HQ,
-                HQ / H);
+    std::printf(
+        "reads: attention from the NVFP4 pages, %d query heads (group %d); decode-only steps "
+        "one query row per sequence (max_q_len 1), steps with prefill chunks one per new token "
+        "(max_q_len %d); synthetic queries\n",
+        HQ, HQ / H, T);
   } else {
     std::printf("reads: FP8 materialization of every active page\n");
   }
 
   // Fixed buffers of each rank: per-layer K/V inputs [T, HR, D], queries and
-  // outputs [S, HQR, D], the attention workspace, the FP8 workspace at
-  // capacity (a captured graph bakes these addresses in).
+  // outputs [S, HQR, D] (decode-only steps) and [T, HQR, D] (steps with
+  // prefill chunks), the attention workspace, the FP8 workspace at capacity
+  // (a captured graph bakes these addresses in).
   const size_t in_elems = static_cast<size_t>(T) * HR * D;
   // Bytes on a rank's device (host memory for the CPU); freed at exit.
   auto alloc = [&](Rank& k, size_t bytes) -> void* {
@@ -588,33 +625,55 @@ int main(int argc, char** argv) {
     k.W = k.cache->Fp8WorkspacePagesAtCapacity();
     if (k.materializer.ok()) k.ws = alloc(k, static_cast<size_t>(k.W) * 2 * HR * PS * D);
     if (attend) {
-      k.attn_ws_bytes = k.attention->WorkspaceBytes();
+      // Both attention ops run on the rank's stream, never at once: one
+      // workspace serves them.
+      k.attn_ws_bytes =
+          std::max(k.attention->WorkspaceBytes(), k.prefill_attention->WorkspaceBytes());
       k.attn_ws = alloc(k, static_cast<size_t>(k.attn_ws_bytes));
     }
   }
-  // Queries [S, HQ, D] per layer; rank r reads its query heads [r * HQR, (r + 1) * HQR).
+  // Queries per layer, synthetic (random bf16; a model's would come from the
+  // layer): [S, HQ, D] for decode-only steps, [T, HQ, D] for steps with
+  // prefill chunks; rank r reads its query heads [r * HQR, (r + 1) * HQR).
   const size_t q_elems = static_cast<size_t>(S) * HQR * D;
+  const size_t pq_elems = static_cast<size_t>(T) * HQR * D;
   if (attend) {
-    std::vector<uint16_t> q(static_cast<size_t>(S) * HQ * D), q_rank(q_elems);
     std::normal_distribution<float> normal;
-    std::mt19937_64 qrng(f.seed + 17);
-    for (int l = 0; l < L; ++l) {
-      for (uint16_t& x : q) x = fp4kv::FloatToBf16Bits(normal(qrng));
-      for (int r = 0; r < TP; ++r) {
-        Rank& k = ranks[r];
-        use(k);
-        for (int i = 0; i < S; ++i) {
-          std::memcpy(q_rank.data() + static_cast<size_t>(i) * HQR * D,
-                      q.data() + (static_cast<size_t>(i) * HQ + r * HQR) * D, HQR * D * 2);
-        }
-        k.q_ptr.push_back(alloc(k, q_elems * 2));
-        k.o_ptr.push_back(alloc(k, q_elems * 2));
-        if (gpu) {
-          CHECK_CUDA(cudaMemcpy(k.q_ptr[l], q_rank.data(), q_elems * 2, cudaMemcpyHostToDevice));
-        } else {
-          std::memcpy(k.q_ptr[l], q_rank.data(), q_elems * 2);
+    std::mt19937_64 qrng(f.seed + 17), pqrng(f.seed + 23);
+    // Fills `rows` random query rows of layer l into each rank's buffers
+    // (appended to ptrs(k)), with output buffers of the same size (outs(k)).
+    auto make_q = [&](int rows, std::mt19937_64& g, auto ptrs, auto outs) {
+      const size_t elems = static_cast<size_t>(rows) * HQR * D;
+      std::vector<uint16_t> q(static_cast<size_t>(rows) * HQ * D), q_rank(elems);
+      for (int l = 0; l < L; ++l) {
+        for (uint16_t& x : q) x = fp4kv::FloatToBf16Bits(normal(g));
+        for (int r = 0; r < TP; ++r) {
+          Rank& k = ranks[r];
+          use(k);
+          for (int i = 0; i < rows; ++i) {
+            std::memcpy(q_rank.data() + static_cast<size_t>(i) * HQR * D,
+                        q.data() + (static_cast<size_t>(i) * HQ + r * HQR) * D, HQR * D * 2);
+          }
+          ptrs(k).push_back(alloc(k, elems * 2));
+          outs(k).push_back(alloc(k, elems * 2));
+          if (gpu) {
+            CHECK_CUDA(cudaMemcpy(ptrs(k)[l], q_rank.data(), elems * 2, cudaMemcpyHostToDevice));
+          } else {
+            std::memcpy(ptrs(k)[l], q_rank.data(), elems * 2);
+          }
         }
       }
+    };
+    make_q(
+        S, qrng, [](Rank& k) -> std::vector<void*>& { return k.q_ptr; },
+        [](Rank& k) -> std::vector<void*>& { return k.o_ptr; });
+    make_q(
+        T, pqrng, [](Rank& k) -> std::vector<void*>& { return k.pq_ptr; },
+        [](Rank& k) -> std::vector<void*>& { return k.po_ptr; });
+    for (Rank& k : ranks) {
+      if (gpu) break;
+      k.check_q = alloc(k, q_elems * 2);
+      k.check_o = alloc(k, q_elems * 2);
     }
   }
   auto view = [&](const Rank& k, void* p) {
@@ -623,9 +682,13 @@ int main(int argc, char** argv) {
   auto qview = [&](const Rank& k, void* p) {
     return TensorView::Contiguous(p, DType::kBF16, {S, HQR, D}, k.device);
   };
+  auto pqview = [&](const Rank& k, void* p) {
+    return TensorView::Contiguous(p, DType::kBF16, {T, HQR, D}, k.device);
+  };
   // The step's ops: with --overlap those bound to the step's slot (so that
   // a graph captured for a slot replays on that slot's step buffers).
   int cur_slot = 0;
+  bool cur_prefill = false;  // the step has prefill chunks: the max_q_len T op
   auto append_layers = [&](Rank& k) {
     const fp4kv::CacheAppender& app = overlap ? k.slot_appender[cur_slot] : *k.appender;
     for (int l = 0; l < L; ++l) {
@@ -634,7 +697,12 @@ int main(int argc, char** argv) {
   };
   auto read_layers = [&](Rank& k) {
     for (int l = 0; l < L; ++l) {
-      if (attend) {
+      if (attend && cur_prefill) {
+        const fp4kv::CacheAttention& at =
+            overlap ? k.slot_prefill_attention[cur_slot] : *k.prefill_attention;
+        CHECK_OK(at.Run(l, pqview(k, k.pq_ptr[l]), pqview(k, k.po_ptr[l]), k.attn_ws,
+                        k.attn_ws_bytes, k.stream));
+      } else if (attend) {
         const fp4kv::CacheAttention& at = overlap ? k.slot_attention[cur_slot] : *k.attention;
         CHECK_OK(at.Run(l, qview(k, k.q_ptr[l]), qview(k, k.o_ptr[l]), k.attn_ws, k.attn_ws_bytes,
                         k.stream));
@@ -648,13 +716,9 @@ int main(int argc, char** argv) {
       }
     }
   };
-  // One step's layers: in a real model layer l's reads come before layer
-  // l+1's appends; here each phase runs over all layers so that a captured
-  // decode step can be timed per phase.
-  auto run_layers = [&](Rank& k) {
-    append_layers(k);
-    read_layers(k);
-  };
+  // A step's layers run as append_layers then read_layers: in a real model
+  // layer l's reads come before layer l+1's appends; here each phase runs
+  // over all layers so that a step can be timed per phase.
 
   // Requests: f.requests arrive over time; request 0 is forked into
   // f.samples children once its prompt is in.
@@ -708,9 +772,18 @@ int main(int argc, char** argv) {
     }
   }
   double decode_append_ms = 0, decode_read_ms = 0;  // summed over replayed steps (rank 0)
+  // Steps with prefill chunks (rank 0): their count, the time of their
+  // layers' appends and reads (CUDA events on a GPU, a steady clock on the
+  // CPU), the prefill tokens their attention covered (of them, those of
+  // chunks after a prefix hit, and such chunks).
+  int64_t prefill_steps = 0, prefill_attended = 0, prefill_attended_hit = 0, hit_chunks = 0;
+  double prefill_append_ms = 0, prefill_read_ms = 0;
+  // The CPU check of the prefill steps' attention (layer 0, every rank).
+  int64_t checked_steps = 0, checked_rows = 0, checked_last = 0, checked_hit_chunks = 0;
+  double check_s = 0;  // host time of the check (not counted in layers_s)
   // --overlap: host time between one step's launch and the next one's, the
   // device time of the steps, and the part of the host time they hid.
-  bool have_prev = false, prev_replay = false;
+  bool have_prev = false, prev_replay = false, prev_prefill = false;
   int prev_slot = 0;
   std::chrono::steady_clock::time_point prev_launched;
   double host_between_s = 0, device_step_s = 0, hidden_s = 0;
@@ -814,6 +887,61 @@ int main(int argc, char** argv) {
     ++err.seqs;
   };
 
+  // CPU check of a prefill step's attention, layer 0 (its output rows were
+  // poisoned before the step): every new token's row is written, and the row
+  // of each entry's last token equals bit for bit what the max_q_len 1 op
+  // (one query row per sequence: that last token's) computes for it. The CPU
+  // reference computes each row alone in fp64, so the two are the same math
+  // on the same row.
+  const uint16_t kPoison = 0xffff;  // a bf16 NaN: never written by attention
+  auto poison_prefill_out = [&](Rank& k) {
+    std::fill_n(static_cast<uint16_t*>(k.po_ptr[0]), pq_elems, kPoison);
+  };
+  auto check_prefill = [&](Rank& k, int rank, const std::vector<StepEntry>& entries,
+                           const std::vector<int>& entry_req) {
+    const size_t row = static_cast<size_t>(HQR) * D;
+    const uint16_t* pq = static_cast<const uint16_t*>(k.pq_ptr[0]);
+    const uint16_t* po = static_cast<const uint16_t*>(k.po_ptr[0]);
+    uint16_t* cq = static_cast<uint16_t*>(k.check_q);
+    const uint16_t* co = static_cast<const uint16_t*>(k.check_o);
+    std::vector<int64_t> last(entries.size());
+    int64_t tokens = 0;
+    for (size_t j = 0; j < entries.size(); ++j) {
+      tokens += entries[j].num_new_tokens;
+      last[j] = tokens - 1;
+      std::memcpy(cq + j * row, pq + last[j] * row, row * 2);
+    }
+    const fp4kv::CacheAttention& one = overlap ? k.slot_attention[cur_slot] : *k.attention;
+    CHECK_OK(
+        one.Run(0, qview(k, k.check_q), qview(k, k.check_o), k.attn_ws, k.attn_ws_bytes, k.stream));
+    for (int64_t t = 0; t < tokens; ++t) {
+      for (size_t i = 0; i < row; ++i) {
+        if (po[t * row + i] != kPoison) continue;
+        std::fprintf(stderr,
+                     "check: step %lld rank %d: the attention row of new token %lld "
+                     "was not written\n",
+                     static_cast<long long>(steps), rank, static_cast<long long>(t));
+        std::exit(1);
+      }
+    }
+    for (size_t j = 0; j < entries.size(); ++j) {
+      if (std::memcmp(co + j * row, po + last[j] * row, row * 2) != 0) {
+        std::fprintf(stderr,
+                     "check: step %lld rank %d entry %zu: the last token's attention row "
+                     "differs from the max_q_len 1 op's\n",
+                     static_cast<long long>(steps), rank, j);
+        std::exit(1);
+      }
+      const Request& r = reqs[entry_req[j]];
+      if (rank == 0 && r.state == Request::kPrefill && r.cached > 0) ++checked_hit_chunks;
+    }
+    if (rank == 0) {
+      ++checked_steps;
+      checked_rows += tokens;
+      checked_last += static_cast<int64_t>(entries.size());
+    }
+  };
+
   const auto t_start = std::chrono::steady_clock::now();
   while (done < static_cast<int>(reqs.size()) || arrived < f.requests) {
     // Arrivals: one or two new requests every few steps.
@@ -839,13 +967,14 @@ int main(int argc, char** argv) {
             text);
         CHECK_OK(ps.status());
         r.seq = ps->seq;
-        r.stored = static_cast<int>(ps->cached_tokens);
+        r.stored = r.cached = static_cast<int>(ps->cached_tokens);
         prefill_saved += ps->cached_tokens;
       } else {
         absl::StatusOr<SequenceId> created = on_all(
             "CreateSequence", [&](Rank& k) { return k.cache->CreateSequence(); }, text);
         CHECK_OK(created.status());
         r.seq = *created;
+        r.cached = 0;
       }
       r.state = Request::kPrefill;
       active.push_back(r.id);
@@ -900,6 +1029,7 @@ int main(int argc, char** argv) {
     CHECK_OK(info.status());
     copies += info->pages_copied;
     cur_slot = info->slot;
+    cur_prefill = !decode_only;
     // New K/V rows of every layer, in the step's token order; each rank
     // gets the columns of its heads.
     std::vector<int> entry_req;
@@ -983,15 +1113,47 @@ int main(int argc, char** argv) {
       }
       ++replays;
     } else {
+      // Eager: steps with prefill chunks (and, on the CPU, every step).
+      // Events (GPU) or a steady clock (CPU) around the appends and the reads.
+      const bool check = !gpu && attend && cur_prefill;
+      auto c = std::chrono::steady_clock::now();
+      for (Rank& k : ranks) {
+        if (check) poison_prefill_out(k);
+      }
+      check_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - c).count();
       for (Rank& k : ranks) {
         use(k);
-        if (gpu && overlap) CHECK_CUDA(cudaEventRecord(k.slot_ev[cur_slot][0], k.cs));
-        run_layers(k);
-        if (gpu && overlap) {
-          CHECK_CUDA(cudaEventRecord(k.slot_ev[cur_slot][1], k.cs));
-          CHECK_CUDA(cudaEventRecord(k.slot_ev[cur_slot][2], k.cs));
+        cudaEvent_t* ev = overlap ? k.slot_ev[cur_slot] : k.ev;
+        if (gpu) CHECK_CUDA(cudaEventRecord(ev[0], k.cs));
+        const auto c0 = std::chrono::steady_clock::now();
+        append_layers(k);
+        if (gpu) CHECK_CUDA(cudaEventRecord(ev[1], k.cs));
+        const auto c1 = std::chrono::steady_clock::now();
+        read_layers(k);
+        if (gpu) CHECK_CUDA(cudaEventRecord(ev[2], k.cs));
+        if (!gpu && cur_prefill && &k == &ranks[0]) {
+          const auto c2 = std::chrono::steady_clock::now();
+          prefill_append_ms += 1000.0 * std::chrono::duration<double>(c1 - c0).count();
+          prefill_read_ms += 1000.0 * std::chrono::duration<double>(c2 - c1).count();
         }
       }
+      if (cur_prefill) {
+        ++prefill_steps;
+        for (size_t j = 0; attend && j < entries.size(); ++j) {
+          const Request& r = reqs[entry_req[j]];
+          if (r.state != Request::kPrefill) continue;
+          prefill_attended += entries[j].num_new_tokens;
+          if (r.cached > 0) {
+            prefill_attended_hit += entries[j].num_new_tokens;
+            ++hit_chunks;
+          }
+        }
+      }
+      c = std::chrono::steady_clock::now();
+      for (int rank = 0; check && rank < TP; ++rank) {
+        check_prefill(ranks[rank], rank, entries, entry_req);
+      }
+      check_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - c).count();
     }
     if (overlap) {
       // The ids "sampled" by this step's decode tokens arrive now, while it
@@ -1060,6 +1222,9 @@ int main(int argc, char** argv) {
           if (prev_replay) {
             decode_append_ms += a_ms;
             decode_read_ms += r_ms;
+          } else if (prev_prefill) {
+            prefill_append_ms += a_ms;
+            prefill_read_ms += r_ms;
           }
         }
         const double host_ms =
@@ -1071,11 +1236,21 @@ int main(int argc, char** argv) {
       have_prev = true;
       prev_slot = cur_slot;
       prev_replay = gpu && decode_only;
+      prev_prefill = !decode_only;
     } else {
       sync_all();
+      if (gpu && cur_prefill) {
+        float a_ms = 0, r_ms = 0;
+        use(ranks[0]);
+        CHECK_CUDA(cudaEventElapsedTime(&a_ms, ranks[0].ev[0], ranks[0].ev[1]));
+        CHECK_CUDA(cudaEventElapsedTime(&r_ms, ranks[0].ev[1], ranks[0].ev[2]));
+        prefill_append_ms += a_ms;
+        prefill_read_ms += r_ms;
+      }
     }
     prev_launched = std::chrono::steady_clock::now();
-    layers_s += std::chrono::duration<double>(prev_launched - t1).count();
+    layers_s += std::chrono::duration<double>(prev_launched - t1).count() - check_s;
+    check_s = 0;
     ++steps;
     peak_pages = std::max(peak_pages, ranks[0].cache->Stats().pages_used);
     // Advance the requests.
@@ -1160,6 +1335,21 @@ int main(int argc, char** argv) {
     }
   }
   sync_all();
+  if (gpu && overlap && have_prev) {  // the last step's device time
+    use(ranks[0]);
+    float a_ms = 0, r_ms = 0;
+    CHECK_CUDA(cudaEventElapsedTime(&a_ms, ranks[0].slot_ev[prev_slot][0],
+                                    ranks[0].slot_ev[prev_slot][1]));
+    CHECK_CUDA(cudaEventElapsedTime(&r_ms, ranks[0].slot_ev[prev_slot][1],
+                                    ranks[0].slot_ev[prev_slot][2]));
+    if (prev_replay) {
+      decode_append_ms += a_ms;
+      decode_read_ms += r_ms;
+    } else if (prev_prefill) {
+      prefill_append_ms += a_ms;
+      prefill_read_ms += r_ms;
+    }
+  }
   const double secs =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
   const fp4kv::KVCacheStats st = ranks[0].cache->Stats();
@@ -1186,6 +1376,32 @@ int main(int argc, char** argv) {
         L, static_cast<long long>(replays), TP > 1 ? ", rank 0" : "",
         1000.0 * decode_append_ms / replays, attend ? "attention" : "materialize",
         1000.0 * decode_read_ms / replays);
+  }
+  if (attend && prefill_steps > 0) {
+    const double ms = prefill_append_ms + prefill_read_ms;
+    std::printf(
+        "prefill steps (%d layers, eager, %lld steps with prefill chunks%s): %lld prefill tokens "
+        "attended of %lld appended (%lld in %lld chunks after a prefix hit); append %.1f us, "
+        "attention %.1f us per step; %.0f prefill tokens/s in the layers' append + attention%s\n",
+        L, static_cast<long long>(prefill_steps), TP > 1 ? ", rank 0" : "",
+        static_cast<long long>(prefill_attended), static_cast<long long>(prefill_tokens),
+        static_cast<long long>(prefill_attended_hit), static_cast<long long>(hit_chunks),
+        1000.0 * prefill_append_ms / prefill_steps, 1000.0 * prefill_read_ms / prefill_steps,
+        prefill_attended / std::max(1e-9, ms / 1000.0), gpu ? "" : " [CPU reference speed]");
+  }
+  if (checked_steps > 0) {
+    std::printf(
+        "check: %lld prefill steps, layer 0%s: all %lld new tokens' attention rows written; the "
+        "last token's row of each of %lld entries (%lld chunks after a prefix hit) equals the "
+        "max_q_len 1 op's bit for bit\n",
+        static_cast<long long>(checked_steps), TP > 1 ? ", every rank" : "",
+        static_cast<long long>(checked_rows), static_cast<long long>(checked_last),
+        static_cast<long long>(checked_hit_chunks));
+  }
+  if (attend && prefill_attended != prefill_tokens) {
+    std::fprintf(stderr, "prefill tokens attended (%lld) != prefill tokens appended (%lld)\n",
+                 static_cast<long long>(prefill_attended), static_cast<long long>(prefill_tokens));
+    return 1;
   }
   if (overlap) {
     const double n = static_cast<double>(std::max<int64_t>(1, overlapped_steps));

@@ -207,7 +207,7 @@ if [ "${SKIP_EXAMPLES:-0}" != 1 ] && [ -x "$BUILD_DIR/serving_loop" ]; then
   note "== serving_loop --overlap=1"
   "$BUILD_DIR/serving_loop" --overlap=1 > "$OUT_DIR/serving_loop_overlap.log" 2>&1
   rc=$?
-  grep -E "^(overlap|done|time|prefix cache|dequantized)" "$OUT_DIR/serving_loop_overlap.log" | tee -a "$SUMMARY"
+  grep -E "^(overlap|done|time|decode step|prefill steps|prefix cache|dequantized)" "$OUT_DIR/serving_loop_overlap.log" | tee -a "$SUMMARY"
   [ "$rc" -ne 0 ] && { note "serving_loop --overlap=1: exit $rc"; status=1; }
   note "== serving_loop --overlap=1 --tp=2"
   "$BUILD_DIR/serving_loop" --overlap=1 --tp=2 > "$OUT_DIR/serving_loop_overlap_tp2.log" 2>&1
