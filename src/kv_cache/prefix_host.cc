@@ -156,6 +156,7 @@ absl::Status KVCacheState::PromoteInto(Sequence& q, absl::Span<const int32_t> pr
   std::vector<int32_t>& pages = prefix.match_pages;
   const std::vector<int32_t>& hostm = prefix.match_host;
   const int ps = geometry.page_size;
+  PollPromotions();
   for (int32_t page : pages) {
     if (page >= 0) allocator.Retain(page);  // revives cached ones: off the LRU
   }
@@ -172,29 +173,44 @@ absl::Status KVCacheState::PromoteInto(Sequence& q, absl::Span<const int32_t> pr
     --t.cached_count;
     src.push_back(h);
   }
-  if (src.empty()) return absl::OkStatus();
+  if (src.empty()) {
+    InheritPromotion(q, pages);  // device hits whose promotion may be in flight
+    return absl::OkStatus();
+  }
   const int64_t n = static_cast<int64_t>(src.size());
   const Stream stream = step.step_serial > 0 ? step.cur().stream : nullptr;
   absl::Status st = DemoteForAllocation(n, stream);
   for (int64_t i = 0; i < n; ++i) dst.push_back(allocator.Allocate());
-  int event = -1;
+  int event = -1;  // of the latest batch enqueued: it covers the earlier ones
   if (st.ok() && cuda) {
     const size_t chunk = static_cast<size_t>(options.max_pages_per_seq);
-    for (size_t b = 0; st.ok() && b < src.size(); b += chunk) {
+    for (size_t b = 0; b < src.size(); b += chunk) {
       const size_t e = std::min(src.size(), b + chunk);
       std::vector<int32_t> d(dst.begin() + b, dst.begin() + e), h(src.begin() + b, src.begin() + e);
+      int next = -1;
+      st = EnqueueSwapCopy(d, h, /*to_host=*/false, stream, &next, /*prefix_tier=*/true);
+      if (!st.ok()) break;
       if (event >= 0) host.free_events.push_back(event);  // a later one covers it
-      event = -1;
-      st = EnqueueSwapCopy(d, h, /*to_host=*/false, stream, &event, /*prefix_tier=*/true);
+      event = next;
     }
   } else if (st.ok()) {
     ReferencePageCopy(HostCopy(src.data(), dst.data(), n, false, /*prefix_tier=*/true));
+  }
+  if (event >= 0) {
+    // The promotion in flight: its pages are ordered after `event` wherever
+    // they go (even when dropped below after a later batch failed).
+    const uint64_t serial = ++t.promotion_serial;
+    for (int32_t p : dst) t.promoted_by[p] = serial;
+    ReleaseEvent(t.latest_event);
+    t.latest_event = event;
+    ++host.event_refs[event];
   }
   // The host pages go back (their copies are ordered before any later copy
   // that rewrites them: the copy stream runs in order).
   for (int32_t h : src) t.free_pages.push_back(h);
   if (!st.ok()) {
-    // A CUDA error enqueueing the copies: the promoted pages are dropped.
+    // A CUDA error enqueueing the copies: the promoted pages are dropped
+    // (they left the host index above, with their kHost Removed events).
     for (int32_t p : dst) allocator.Release(p);
     for (int32_t page : pages) {
       if (page >= 0) allocator.Release(page);
@@ -217,14 +233,45 @@ absl::Status KVCacheState::PromoteInto(Sequence& q, absl::Span<const int32_t> pr
   }
   t.promotions += n;
   t.hit_tokens += n * ps;
-  if (event >= 0) {
-    q.swapin_event = event;
-    host.event_refs[event] = 1;
-    if (t.pending_event >= 0 && --host.event_refs[t.pending_event] == 0) {
-      host.free_events.push_back(t.pending_event);
+  InheritPromotion(q, pages);  // the new pages: this promotion's event
+  return absl::OkStatus();
+}
+
+bool KVCacheState::PromotionPending(int32_t page) const {
+  const PrefixHostState& t = prefix_host;
+  return t.latest_event >= 0 && t.promoted_by[page] > t.promotions_done;
+}
+
+void KVCacheState::PollPromotions() {
+  PrefixHostState& t = prefix_host;
+  if (t.latest_event < 0) return;
+  const cudaError_t r = cudaEventQuery(host.swap_events[t.latest_event]);
+  if (r != cudaSuccess) {
+    if (r == cudaErrorNotReady) (void)cudaGetLastError();  // not an error: still in flight
+    return;
+  }
+  t.promotions_done = t.promotion_serial;
+  ReleaseEvent(t.latest_event);
+  t.latest_event = -1;
+}
+
+void KVCacheState::InheritPromotion(Sequence& q, absl::Span<const int32_t> pages) {
+  if (prefix_host.latest_event < 0) return;
+  for (int32_t page : pages) {
+    if (page >= 0 && PromotionPending(page)) {
+      HoldCopyEvent(q, prefix_host.latest_event);
+      return;
     }
-    t.pending_event = event;
-    ++host.event_refs[event];
+  }
+}
+
+absl::Status KVCacheState::OrderAfterPromotion(absl::Span<const int32_t> pages, Stream stream) {
+  if (prefix_host.latest_event < 0) return absl::OkStatus();
+  for (int32_t page : pages) {
+    if (!PromotionPending(page)) continue;
+    return CudaStatus(cudaStreamWaitEvent(reinterpret_cast<cudaStream_t>(stream),
+                                          host.swap_events[prefix_host.latest_event], 0),
+                      "cudaStreamWaitEvent(promotion)");
   }
   return absl::OkStatus();
 }
