@@ -61,6 +61,16 @@ absl::Status KVCacheState::DemoteForAllocation(int64_t n, Stream stream) {
   // page's copy: only the last page a batch gives a host page is copied.
   const uint64_t batch = ++t.batches;
   std::vector<int32_t> dev, hosts;
+  // The batch's kHost events in order, queued once its copies are enqueued
+  // (entry: the batch entry of a page demoted by this batch, -1: a page of
+  // an earlier one).
+  struct HostEvent {
+    bool stored;
+    BlockHash hash;
+    int32_t page;  // Stored: the device page (its token ids)
+    int32_t entry;
+  };
+  std::vector<HostEvent> events;
   const int ps = geometry.page_size;
   for (int64_t i = 0; i < evict; ++i) {
     BlockHash h;
@@ -80,10 +90,11 @@ absl::Status KVCacheState::DemoteForAllocation(int64_t n, Stream stream) {
     } else {
       for (int k = 0; k <= prio && hp < 0; ++k) hp = t.head[k];
       if (hp < 0) continue;  // dropped: no room at or below its priority
-      if (t.batch[hp] == batch) dev[t.batch_pos[hp]] = -1;  // its copy is cancelled
+      const bool same = t.batch[hp] == batch;
+      if (same) dev[t.batch_pos[hp]] = -1;  // its copy is cancelled
       HostLruUnlink(hp);
       t.index.erase(t.hash[hp]);
-      prefix.events.Removed(t.hash[hp], KVMedium::kHost);
+      events.push_back({false, t.hash[hp], -1, same ? t.batch_pos[hp] : -1});
       t.cached[hp] = 0;
       --t.cached_count;
       ++t.evictions;
@@ -98,38 +109,75 @@ absl::Status KVCacheState::DemoteForAllocation(int64_t n, Stream stream) {
     HostLruPushBack(hp);
     const absl::Span<const int32_t> ids = PageTokens(page);
     std::copy(ids.begin(), ids.end(), t.tokens.begin() + static_cast<int64_t>(hp) * ps);
-    prefix.events.Stored(h, nullptr, ids, ps, {}, /*continues=*/false, KVMedium::kHost);
+    events.push_back({true, h, page, static_cast<int32_t>(dev.size())});
     dev.push_back(page);
     hosts.push_back(hp);
   }
+  // copied[entry]: whether the entry's copy is made (cancelled ones never).
+  std::vector<uint8_t> copied(dev.size(), 0);
   size_t kept = 0;
+  std::vector<size_t> entry_of;  // batch entry of each kept page
   for (size_t i = 0; i < dev.size(); ++i) {
     if (dev[i] < 0) continue;
+    entry_of.push_back(i);
     dev[kept] = dev[i];
     hosts[kept++] = hosts[i];
   }
   dev.resize(kept);
   hosts.resize(kept);
-  t.demotions += static_cast<int64_t>(dev.size());
-  if (dev.empty()) return absl::OkStatus();
-  if (!cuda) {
+  // The copies: all of them (CPU: done now), or on a failure to enqueue
+  // (CUDA error) those of the batches enqueued before it.
+  size_t enqueued = dev.size();
+  absl::Status st = absl::OkStatus();
+  if (!dev.empty() && !cuda) {
     ReferencePageCopy(HostCopy(dev.data(), hosts.data(), static_cast<int64_t>(dev.size()), true,
                                /*prefix_tier=*/true));
-    return absl::OkStatus();
+  } else if (!dev.empty()) {
+    // Batches of at most max_pages_per_seq pages (the room of the swap ids),
+    // all on the copy stream after the work on `stream`; then `stream`
+    // (which rewrites the pages) waits for them. No host wait.
+    const size_t chunk = static_cast<size_t>(options.max_pages_per_seq);
+    for (size_t b = 0; b < dev.size(); b += chunk) {
+      const size_t e = std::min(dev.size(), b + chunk);
+      std::vector<int32_t> d(dev.begin() + b, dev.begin() + e),
+          h(hosts.begin() + b, hosts.begin() + e);
+      int event = -1;
+      st = EnqueueSwapCopy(d, h, /*to_host=*/true, stream, &event, /*prefix_tier=*/true);
+      if (!st.ok()) {
+        enqueued = b;
+        break;
+      }
+      host.free_events.push_back(event);  // stream order carries it; nothing waits on the event
+    }
   }
-  // Batches of at most max_pages_per_seq pages (the room of the swap ids),
-  // all on the copy stream after the work on `stream`; then `stream` (which
-  // rewrites the pages) waits for them. No host wait.
-  const size_t chunk = static_cast<size_t>(options.max_pages_per_seq);
-  for (size_t b = 0; b < dev.size(); b += chunk) {
-    const size_t e = std::min(dev.size(), b + chunk);
-    std::vector<int32_t> d(dev.begin() + b, dev.begin() + e), h(hosts.begin() + b, hosts.begin() + e);
-    int event = -1;
-    FP4KV_RETURN_IF_ERROR(EnqueueSwapCopy(d, h, /*to_host=*/true, stream, &event,
-                                          /*prefix_tier=*/true));
-    host.free_events.push_back(event);  // stream order carries it; nothing waits on the event
+  for (size_t k = 0; k < enqueued; ++k) copied[entry_of[k]] = 1;
+  // Pages whose copies were never enqueued leave the host tier again: no
+  // index entry for bytes never copied (their device pages stay evicted, as
+  // without a host tier). Their kHost events are never queued, nor are a
+  // cancelled entry's (stored, then removed by this batch: nothing to tell).
+  for (size_t k = enqueued; k < dev.size(); ++k) {
+    const int32_t hp = hosts[k];
+    HostLruUnlink(hp);
+    t.index.erase(t.hash[hp]);
+    t.cached[hp] = 0;
+    --t.cached_count;
+    t.free_pages.push_back(hp);
   }
-  return OrderAfterCopies(stream);
+  for (const HostEvent& e : events) {
+    if (!st.ok() && e.entry >= 0 && !copied[e.entry]) continue;
+    if (e.stored) {
+      prefix.events.Stored(e.hash, nullptr, PageTokens(e.page), ps, {}, /*continues=*/false,
+                           KVMedium::kHost);
+    } else {
+      prefix.events.Removed(e.hash, KVMedium::kHost);
+    }
+  }
+  t.demotions += static_cast<int64_t>(enqueued);
+  if (!cuda || enqueued == 0) return st;
+  // The enqueued copies read device pages that are free now: `stream`
+  // waits for them either way.
+  const absl::Status ordered = OrderAfterCopies(stream);
+  return st.ok() ? ordered : st;
 }
 
 void KVCacheState::FitMatch() {
