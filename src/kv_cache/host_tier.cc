@@ -443,7 +443,8 @@ absl::Status KVCache::SwapIn(SequenceId seq, Stream stream) {
   FP4KV_RETURN_IF_ERROR(s.MakeAvailable(n, "SwapIn"));
   internal::ScopedDevice scoped;
   FP4KV_RETURN_IF_ERROR(scoped.Set(s.options.device));
-  FP4KV_RETURN_IF_ERROR(s.DemoteForAllocation(n, stream));
+  // The pages this evicts are among the n below, written on the copy stream.
+  FP4KV_RETURN_IF_ERROR(s.DemoteForAllocation(n, stream, /*writes_on_copy_stream=*/s.cuda));
   std::vector<int32_t> pages;  // n: at most the pool's free pages (MakeAvailable)
   pages.reserve(static_cast<size_t>(n));
   for (int64_t i = 0; i < n; ++i) pages.push_back(s.allocator.Allocate());
@@ -452,6 +453,9 @@ absl::Status KVCache::SwapIn(SequenceId seq, Stream stream) {
     if (absl::Status st =
             s.EnqueueSwapCopy(pages, q->host_pages, /*to_host=*/false, stream, &event);
         !st.ok()) {
+      // Demotion copies may still read the pages that go back: a CUDA error
+      // only, so a host wait.
+      (void)cudaStreamSynchronize(s.host.copy_stream);
       for (size_t j = pages.size(); j-- > 0;) s.allocator.Release(pages[j]);
       return st;
     }

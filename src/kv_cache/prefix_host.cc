@@ -48,7 +48,8 @@ void KVCacheState::ClearHostPrefix() {
   t.index.clear();
 }
 
-absl::Status KVCacheState::DemoteForAllocation(int64_t n, Stream stream) {
+absl::Status KVCacheState::DemoteForAllocation(int64_t n, Stream stream,
+                                               bool writes_on_copy_stream) {
   PrefixHostState& t = prefix_host;
   if (t.pages_total == 0 || !prefix.enabled) return absl::OkStatus();
   const int64_t evict =
@@ -174,10 +175,17 @@ absl::Status KVCacheState::DemoteForAllocation(int64_t n, Stream stream) {
   }
   t.demotions += static_cast<int64_t>(enqueued);
   if (!cuda || enqueued == 0) return st;
-  // The enqueued copies read device pages that are free now: `stream`
-  // waits for them either way.
-  const absl::Status ordered = OrderAfterCopies(stream);
-  return st.ok() ? ordered : st;
+  if (!st.ok()) {
+    // The enqueued copies read device pages that are free now, and the
+    // caller gives up: let them finish (a host wait, on a CUDA error only).
+    (void)cudaStreamSynchronize(host.copy_stream);
+    return st;
+  }
+  // The evicted pages are free now: when n pages are allocated, they are
+  // among them (n minus the free pages were evicted). Written on the copy
+  // stream, they come after the copies in stream order; otherwise `stream`
+  // waits for the copies.
+  return writes_on_copy_stream ? absl::OkStatus() : OrderAfterCopies(stream);
 }
 
 void KVCacheState::FitMatch() {
@@ -227,7 +235,7 @@ absl::Status KVCacheState::PromoteInto(Sequence& q, absl::Span<const int32_t> pr
   }
   const int64_t n = static_cast<int64_t>(src.size());
   const Stream stream = step.step_serial > 0 ? step.cur().stream : nullptr;
-  absl::Status st = DemoteForAllocation(n, stream);
+  absl::Status st = DemoteForAllocation(n, stream, /*writes_on_copy_stream=*/cuda);
   for (int64_t i = 0; i < n; ++i) dst.push_back(allocator.Allocate());
   int event = -1;  // of the latest batch enqueued: it covers the earlier ones
   if (st.ok() && cuda) {
@@ -259,6 +267,9 @@ absl::Status KVCacheState::PromoteInto(Sequence& q, absl::Span<const int32_t> pr
   if (!st.ok()) {
     // A CUDA error enqueueing the copies: the promoted pages are dropped
     // (they left the host index above, with their kHost Removed events).
+    // Demotion copies may still read the device pages that go back: wait
+    // (an error path only).
+    if (cuda) (void)cudaStreamSynchronize(host.copy_stream);
     for (int32_t p : dst) allocator.Release(p);
     for (int32_t page : pages) {
       if (page >= 0) allocator.Release(page);

@@ -421,8 +421,11 @@ class KVCacheState {
   // after the work on `stream` and making `stream` wait for the copy; on
   // the CPU device the copy is done at once. Without a host tier: nothing
   // (Allocate evicts and drops). Call after every check of the caller
-  // passed: it changes the pool.
-  absl::Status DemoteForAllocation(int64_t n, Stream stream);
+  // passed: it changes the pool. `writes_on_copy_stream`: the caller
+  // allocates all n pages at once and writes them only on the copy stream
+  // (SwapIn, a promotion), after the demotion copies that read them: then
+  // `stream` does not wait.
+  absl::Status DemoteForAllocation(int64_t n, Stream stream, bool writes_on_copy_stream = false);
   // The host page holding `hash`, or -1.
   int32_t HostLookup(const BlockHash& hash) const;
   // Host LRU: unlinks a cached host page (it stays cached until freed).
