@@ -135,8 +135,8 @@ absl::Status KVCacheState::DemoteForAllocation(int64_t n, Stream stream,
                                /*prefix_tier=*/true));
   } else if (!dev.empty()) {
     // Batches of at most max_pages_per_seq pages (the room of the swap ids),
-    // all on the copy stream after the work on `stream`; then `stream`
-    // (which rewrites the pages) waits for them. No host wait.
+    // all on the copy stream after the work on `stream` (which may have
+    // written the pages). No host wait.
     const size_t chunk = static_cast<size_t>(options.max_pages_per_seq);
     for (size_t b = 0; b < dev.size(); b += chunk) {
       const size_t e = std::min(dev.size(), b + chunk);
