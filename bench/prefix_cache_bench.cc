@@ -61,8 +61,9 @@
 //     step b. promotion 0: none (the step alone). 1: CreateSequenceFromPrefix
 //     between step b's PrepareStep and its graph launch, so the copy runs
 //     during step b. 2: CreateSequenceFromPrefix after step a's launch (a
-//     serving loop admitting a request while a step runs): step b's
-//     PrepareStep makes its stream wait for the promotion. Counters (medians
+//     serving loop admitting a request while a step runs): the copy runs
+//     beside step b, whose sequences do not use the promoted pages (its
+//     PrepareStep does not wait for it). Counters (medians
 //     of 20 runs after 2 warm-up runs, CUDA events on the step's stream):
 //       graph_us   step b's graph replay (events around its launch)
 //       period_us  from the end of step a's graph to the end of step b's:
@@ -922,7 +923,7 @@ void BM_DecodeStepPromotion(benchmark::State& state) {
         !PROMO_CUDA(cudaEventRecord(end_a, cs))) {
       return;
     }
-    if (mode == 2 && !promote()) return;  // the next PrepareStep waits for it
+    if (mode == 2 && !promote()) return;  // in flight during step b (which does not wait)
     if (!prepare()) return;
     if (mode == 1 && !promote()) return;  // after the step's upload: beside the step
     if (!PROMO_CUDA(cudaEventRecord(start_b, cs)) || !PROMO_CUDA(cudaGraphLaunch(exec, cs)) ||

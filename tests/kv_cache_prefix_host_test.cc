@@ -3,12 +3,18 @@
 // CreateSequenceFromPrefix (byte-exact, all or nothing), MatchPrefix's split
 // by tier, KV events with their medium, and scale changes clearing both
 // tiers. The byte checks run on the CPU and (named Gpu/...) on GPU 0.
+// PromotionInFlight (GPU): who waits for a promotion's copy (sharers and
+// reusers of its pages) and who does not (steps of other sequences).
 #include <cuda_runtime_api.h>
 
+#include <atomic>
+#include <chrono>
 #include <map>
+#include <memory>
 #include <numeric>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "fp4kv/kv_cache.h"
@@ -92,6 +98,8 @@ class Model {
     tokens_.erase(id);
     return cache_->ReleaseSequence(id);
   }
+  // The K/V of a prompt token id prefilled before.
+  Token TokenOf(int32_t id) const { return by_id_.at(id); }
   // "" when every live sequence holds its tokens' bytes.
   std::string CheckResident() {
     if (absl::Status s = cache_->SynchronizeSwaps(); !s.ok()) return std::string(s.message());
@@ -199,6 +207,12 @@ TEST_P(PrefixHostTest, EvictedPagesAreDemotedAndPromotedBackByteExact) {
   ASSERT_TRUE(c.CheckInvariants().ok()) << c.CheckInvariants();
 }
 
+// A demotion batch whose copies fail to enqueue (a CUDA error) takes its
+// pages out of the host tier again and queues none of their kHost events
+// (docs/kv_cache.md, "Demotion"). No test injects that failure: nothing in
+// the library can make a CUDA call fail on demand, and the CPU device copies
+// at once. The success path below shows the deferred events unchanged:
+// every host eviction since b's first step, cancelled copies included.
 TEST_P(PrefixHostTest, FullHostTierDropsItsLeastRecentlyUsedPage) {
   KVCache c = testing::CreateCacheOrAbort(HostPrefixOptions(device_, 4, 2));
   Model m(&c, stream_);
@@ -363,6 +377,229 @@ TEST_P(PrefixHostTest, TwoStepSlotsDemoteRetiredPagesAndPromoteByteExact) {
 
 INSTANTIATE_TEST_SUITE_P(Cpu, PrefixHostTest, ::testing::Values(false));
 INSTANTIATE_TEST_SUITE_P(Gpu, PrefixHostTest, ::testing::Values(true));
+
+// ------------------------------------------------------ promotions in flight
+// A stream held at a host function until Release() (or 30 s, so that a
+// missing ordering fails the test instead of hanging it). A promotion's
+// copy follows the work on the latest step's stream: holding that stream
+// keeps the promotion in flight for as long as the test needs.
+class StreamHold {
+ public:
+  explicit StreamHold(cudaStream_t s) : released_(std::make_shared<std::atomic<bool>>(false)) {
+    auto* held = new std::shared_ptr<std::atomic<bool>>(released_);
+    ok_ = cudaLaunchHostFunc(s, &Wait, held) == cudaSuccess;
+    if (!ok_) delete held;
+  }
+  StreamHold(const StreamHold&) = delete;
+  StreamHold& operator=(const StreamHold&) = delete;
+  ~StreamHold() { Release(); }
+  bool ok() const { return ok_; }
+  void Release() { released_->store(true); }
+
+ private:
+  static void CUDART_CB Wait(void* p) {
+    std::unique_ptr<std::shared_ptr<std::atomic<bool>>> held(
+        static_cast<std::shared_ptr<std::atomic<bool>>*>(p));
+    const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+    while (!(*held)->load() && std::chrono::steady_clock::now() < end) {
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
+  }
+  std::shared_ptr<std::atomic<bool>> released_;
+  bool ok_ = false;
+};
+
+// Whether all work on `s` completes within `seconds` (polled: no host wait
+// that could hang).
+bool CompletesWithin(cudaStream_t s, double seconds) {
+  const auto end = std::chrono::steady_clock::now() +
+                   std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                       std::chrono::duration<double>(seconds));
+  for (;;) {
+    const cudaError_t r = cudaStreamQuery(s);
+    if (r == cudaSuccess) return true;
+    if (r != cudaErrorNotReady) return false;
+    (void)cudaGetLastError();
+    if (std::chrono::steady_clock::now() >= end) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+}
+
+// Two non-blocking streams (the held one must not stall the test's own
+// synchronous copies on the default stream): `a_` runs the setup steps and
+// is held while a promotion is in flight; `b_` runs the step under test.
+// The cache: 12 device pages, 8 host pages, one step slot.
+class PromotionInFlight : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    FP4KV_SKIP_WITHOUT_GPU();
+    ASSERT_EQ(cudaStreamCreateWithFlags(&a_, cudaStreamNonBlocking), cudaSuccess);
+    ASSERT_EQ(cudaStreamCreateWithFlags(&b_, cudaStreamNonBlocking), cudaSuccess);
+  }
+  void TearDown() override {
+    if (a_ != nullptr) (void)cudaStreamDestroy(a_);
+    if (b_ != nullptr) (void)cudaStreamDestroy(b_);
+  }
+  Stream A() const { return reinterpret_cast<Stream>(a_); }
+  Stream B() const { return reinterpret_cast<Stream>(b_); }
+
+  // Prefills pa (four full pages and one token) on A, releases it, and
+  // demotes its four cached pages with a 12-page step of a sequence without
+  // token ids (released: every device page free again).
+  void DemotePrompt(KVCache& c, Model& m, const std::vector<int32_t>& pa) {
+    absl::StatusOr<PrefixSequence> a = m.Prefill(pa);
+    ASSERT_TRUE(a.ok()) << a.status();
+    ASSERT_TRUE(m.Release(a->seq).ok());
+    const SequenceId hog = c.CreateSequence().value();
+    ASSERT_TRUE(c.PrepareStep({{hog, 12 * kPs}}, A()).ok());
+    ASSERT_TRUE(c.ReleaseSequence(hog).ok());
+    ASSERT_EQ(cudaStreamSynchronize(a_), cudaSuccess);
+    const PrefixMatch match = c.MatchPrefix(pa);
+    ASSERT_EQ(match.tokens_host, 16);
+    ASSERT_EQ(c.Stats().pages_free, 12);
+  }
+
+  cudaStream_t a_ = nullptr;
+  cudaStream_t b_ = nullptr;
+};
+
+TEST_F(PromotionInFlight, StepOfOtherSequencesDoesNotWaitForIt) {
+  KVCache c = testing::CreateCacheOrAbort(HostPrefixOptions(Device::Cuda(0), 12, 8));
+  Model m(&c, A());
+  const std::vector<int32_t> pa = Iota(17, 100);
+  ASSERT_NO_FATAL_FAILURE(DemotePrompt(c, m, pa));
+  absl::StatusOr<CacheAppender> app = c.appender();
+  ASSERT_TRUE(app.ok()) << app.status();
+  TokenFactory f(c);
+  std::vector<Token> ut;
+  for (int i = 0; i < kPs; ++i) ut.push_back(f.Make(5000 + i));
+  testing::StepInputs in;
+  ASSERT_TRUE(testing::FillStepInputs(c, ut, &in, B()).ok());
+  const SequenceId u = c.CreateSequence().value();
+
+  StreamHold hold(a_);
+  ASSERT_TRUE(hold.ok());
+  absl::StatusOr<PrefixSequence> p = c.CreateSequenceFromPrefix(pa);  // in flight behind A
+  ASSERT_TRUE(p.ok()) << p.status();
+  ASSERT_EQ(p->host_tokens, 16);
+  ASSERT_TRUE(c.PrepareStep({{u, kPs}}, B()).ok());
+  ASSERT_TRUE(testing::RunAppendAllLayers(c, *app, &in, B()).ok());
+  EXPECT_TRUE(CompletesWithin(b_, 10.0)) << "a step of another sequence waited for the promotion";
+  EXPECT_EQ(cudaStreamQuery(a_), cudaErrorNotReady) << "the promotion was not held";
+  (void)cudaGetLastError();
+  hold.Release();
+  ASSERT_EQ(cudaStreamSynchronize(a_), cudaSuccess);
+  ASSERT_TRUE(c.SynchronizeSwaps().ok());
+  ASSERT_EQ(cudaStreamSynchronize(b_), cudaSuccess);
+  const testing::PoolCopy pools = DownloadPools(c);
+  std::vector<Token> pt;
+  for (int i = 0; i < 16; ++i) pt.push_back(m.TokenOf(pa[i]));
+  EXPECT_EQ(testing::CheckSequenceBytes(c, pools, p->seq, pt), "");
+  EXPECT_EQ(testing::CheckSequenceBytes(c, pools, u, ut), "");
+  EXPECT_TRUE(c.CheckInvariants().ok()) << c.CheckInvariants();
+}
+
+TEST_F(PromotionInFlight, SequenceSharingThePromotedPagesWaitsForIt) {
+  KVCache c = testing::CreateCacheOrAbort(HostPrefixOptions(Device::Cuda(0), 12, 8));
+  Model m(&c, A());
+  const std::vector<int32_t> pa = Iota(17, 100);
+  const CacheGeometry& g = c.geometry();
+  const int64_t rows = 17, row = int64_t{g.num_kv_heads} * g.head_dim_k;
+  // The reference: layer 0 of pa's sequence read before it is demoted.
+  absl::StatusOr<PrefixSequence> a = m.Prefill(pa);
+  ASSERT_TRUE(a.ok()) << a.status();
+  testing::Buffer rk(c.device(), rows * row * 2), rv(c.device(), rows * row * 2);
+  testing::Buffer out_k(c.device(), rows * row * 2), out_v(c.device(), rows * row * 2);
+  ASSERT_TRUE(out_k.Fill(0xA5) && out_v.Fill(0xA5));
+  ASSERT_TRUE(c.ReadSequence(0, a->seq, rk.View(DType::kBF16, {rows, g.num_kv_heads, g.head_dim_k}),
+                             rv.View(DType::kBF16, {rows, g.num_kv_heads, g.head_dim_v}), A())
+                  .ok());
+  ASSERT_EQ(cudaStreamSynchronize(a_), cudaSuccess);
+  const std::vector<uint16_t> want_k = rk.DownloadAs<uint16_t>(rows * row);
+  const std::vector<uint16_t> want_v = rv.DownloadAs<uint16_t>(rows * row);
+  ASSERT_TRUE(m.Release(a->seq).ok());
+  const SequenceId hog = c.CreateSequence().value();
+  ASSERT_TRUE(c.PrepareStep({{hog, 12 * kPs}}, A()).ok());
+  ASSERT_TRUE(c.ReleaseSequence(hog).ok());
+  ASSERT_EQ(cudaStreamSynchronize(a_), cudaSuccess);
+  ASSERT_EQ(c.MatchPrefix(pa).tokens_host, 16);
+  absl::StatusOr<CacheAppender> app = c.appender();
+  ASSERT_TRUE(app.ok()) << app.status();
+  testing::StepInputs in;
+  const std::vector<Token> last = {m.TokenOf(pa[16])};
+  ASSERT_TRUE(testing::FillStepInputs(c, last, &in, B()).ok());
+
+  StreamHold hold(a_);
+  ASSERT_TRUE(hold.ok());
+  absl::StatusOr<PrefixSequence> p = c.CreateSequenceFromPrefix(pa);  // the promoter
+  ASSERT_TRUE(p.ok()) << p.status();
+  ASSERT_EQ(p->host_tokens, 16);
+  // Another sequence of the same prompt shares the promoted pages (device
+  // hits); its step and read on B come after the copy.
+  absl::StatusOr<PrefixSequence> s2 = c.CreateSequenceFromPrefix(pa);
+  ASSERT_TRUE(s2.ok()) << s2.status();
+  ASSERT_EQ(s2->cached_tokens, 16);
+  ASSERT_EQ(s2->host_tokens, 0);
+  ASSERT_TRUE(
+      c.PrepareStep({{s2->seq, 1, absl::Span<const int32_t>(pa.data() + 16, 1)}}, B()).ok());
+  ASSERT_TRUE(testing::RunAppendAllLayers(c, *app, &in, B()).ok());
+  EXPECT_FALSE(CompletesWithin(b_, 0.25)) << "the sharer's step did not wait for the promotion";
+  ASSERT_TRUE(c.ReadSequence(0, s2->seq,
+                             out_k.View(DType::kBF16, {rows, g.num_kv_heads, g.head_dim_k}),
+                             out_v.View(DType::kBF16, {rows, g.num_kv_heads, g.head_dim_v}), B())
+                  .ok());
+  hold.Release();
+  ASSERT_EQ(cudaStreamSynchronize(a_), cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(b_), cudaSuccess);
+  ASSERT_TRUE(c.SynchronizeSwaps().ok());
+  // Read on B while the copy was held back: equal only if B waited for it.
+  EXPECT_EQ(out_k.DownloadAs<uint16_t>(rows * row), want_k);
+  EXPECT_EQ(out_v.DownloadAs<uint16_t>(rows * row), want_v);
+  const testing::PoolCopy pools = DownloadPools(c);
+  std::vector<Token> st;
+  for (int32_t id : pa) st.push_back(m.TokenOf(id));
+  EXPECT_EQ(testing::CheckSequenceBytes(c, pools, s2->seq, st), "");
+  EXPECT_TRUE(c.CheckInvariants().ok()) << c.CheckInvariants();
+}
+
+TEST_F(PromotionInFlight, StepReusingAPromotedPageWaitsForIt) {
+  KVCache c = testing::CreateCacheOrAbort(HostPrefixOptions(Device::Cuda(0), 12, 8));
+  Model m(&c, A());
+  const std::vector<int32_t> pa = Iota(17, 100);
+  ASSERT_NO_FATAL_FAILURE(DemotePrompt(c, m, pa));
+  absl::StatusOr<CacheAppender> app = c.appender();
+  ASSERT_TRUE(app.ok()) << app.status();
+  TokenFactory f(c);
+  std::vector<Token> ut;
+  for (int i = 0; i < 12 * kPs; ++i) ut.push_back(f.Make(7000 + i));
+  testing::StepInputs in;
+  ASSERT_TRUE(testing::FillStepInputs(c, ut, &in, B()).ok());
+  const SequenceId u = c.CreateSequence().value();
+
+  StreamHold hold(a_);
+  ASSERT_TRUE(hold.ok());
+  absl::StatusOr<PrefixSequence> p = c.CreateSequenceFromPrefix(pa);
+  ASSERT_TRUE(p.ok()) << p.status();
+  ASSERT_EQ(p->host_tokens, 16);
+  // Released and out of the index: the promoted pages are free pages again
+  // (no eviction, so no demotion orders the next step after the copies).
+  ASSERT_TRUE(c.ReleaseSequence(p->seq).ok());
+  c.ResetPrefixCache();
+  ASSERT_EQ(c.Stats().pages_free, 12);
+  // u takes every page of the pool, the four promoted ones among them.
+  ASSERT_TRUE(c.PrepareStep({{u, 12 * kPs}}, B()).ok());
+  ASSERT_TRUE(testing::RunAppendAllLayers(c, *app, &in, B()).ok());
+  EXPECT_FALSE(CompletesWithin(b_, 0.25)) << "the step wrote pages the promotion still writes";
+  hold.Release();
+  ASSERT_EQ(cudaStreamSynchronize(a_), cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(b_), cudaSuccess);
+  ASSERT_TRUE(c.SynchronizeSwaps().ok());
+  // Had the step not waited, the copy (held back until now) would have
+  // overwritten four of u's pages after its appends.
+  const testing::PoolCopy pools = DownloadPools(c);
+  EXPECT_EQ(testing::CheckSequenceBytes(c, pools, u, ut), "");
+  EXPECT_TRUE(c.CheckInvariants().ok()) << c.CheckInvariants();
+}
 
 TEST(PrefixHostOptions, BadHostBytesAreRefusedNamingTheOption) {
   KVCacheOptions o = HostPrefixOptions(Device::Cpu(), 8, 0);

@@ -342,6 +342,10 @@ absl::StatusOr<KVCache> KVCache::Create(const KVCacheOptions& o) {
         internal::SizeHost(&t.batch_pos, prefix_host_pages, int32_t{0}, kCall, what));
     FP4KV_RETURN_IF_ERROR(internal::SizeHost(&t.tokens, prefix_host_pages * g.page_size,
                                              int32_t{0}, kCall, what));
+    if (s->cuda) {  // promotions in flight: per device page
+      FP4KV_RETURN_IF_ERROR(
+          internal::SizeHost(&t.promoted_by, g.num_pages, uint64_t{0}, kCall, what));
+    }
     try {
       // Twice the most entries it holds, as the pool's index: erasures leave
       // tombstones, and the headroom keeps inserts from growing the table.

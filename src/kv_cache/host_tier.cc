@@ -51,6 +51,7 @@ absl::Status KVCacheState::TakeEvent(int* out) {
     FP4KV_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
     host.swap_events.push_back(e);
     host.event_refs.push_back(0);
+    host.event_order.push_back(0);
     host.free_events.push_back(static_cast<int>(host.swap_events.size()) - 1);
   }
   *out = host.free_events.back();
@@ -90,6 +91,7 @@ absl::Status KVCacheState::EnqueueSwapCopy(const std::vector<int32_t>& pages,
     host.free_events.push_back(e);
     return st;
   }
+  host.event_order[e] = ++host.copies;
   *event = e;
   return absl::OkStatus();
 }
@@ -276,10 +278,21 @@ int64_t KVCacheState::PagesSwapPending() const {
   return n;
 }
 
+void KVCacheState::ReleaseEvent(int e) {
+  if (e >= 0 && --host.event_refs[e] == 0) host.free_events.push_back(e);
+}
+
 void KVCacheState::DropSwapIn(Sequence& q) {
-  if (q.swapin_event < 0) return;
-  if (--host.event_refs[q.swapin_event] == 0) host.free_events.push_back(q.swapin_event);
+  ReleaseEvent(q.swapin_event);
   q.swapin_event = -1;
+}
+
+void KVCacheState::HoldCopyEvent(Sequence& q, int e) {
+  if (e < 0 || q.swapin_event == e) return;
+  if (q.swapin_event >= 0 && host.event_order[q.swapin_event] >= host.event_order[e]) return;
+  DropSwapIn(q);
+  q.swapin_event = e;
+  ++host.event_refs[e];
 }
 
 absl::Status KVCacheState::OrderAfterCopies(Stream stream) {
@@ -430,7 +443,8 @@ absl::Status KVCache::SwapIn(SequenceId seq, Stream stream) {
   FP4KV_RETURN_IF_ERROR(s.MakeAvailable(n, "SwapIn"));
   internal::ScopedDevice scoped;
   FP4KV_RETURN_IF_ERROR(scoped.Set(s.options.device));
-  FP4KV_RETURN_IF_ERROR(s.DemoteForAllocation(n, stream));
+  // The pages this evicts are among the n below, written on the copy stream.
+  FP4KV_RETURN_IF_ERROR(s.DemoteForAllocation(n, stream, /*writes_on_copy_stream=*/s.cuda));
   std::vector<int32_t> pages;  // n: at most the pool's free pages (MakeAvailable)
   pages.reserve(static_cast<size_t>(n));
   for (int64_t i = 0; i < n; ++i) pages.push_back(s.allocator.Allocate());
@@ -439,6 +453,9 @@ absl::Status KVCache::SwapIn(SequenceId seq, Stream stream) {
     if (absl::Status st =
             s.EnqueueSwapCopy(pages, q->host_pages, /*to_host=*/false, stream, &event);
         !st.ok()) {
+      // Demotion copies may still read the pages that go back: a CUDA error
+      // only, so a host wait.
+      (void)cudaStreamSynchronize(s.host.copy_stream);
       for (size_t j = pages.size(); j-- > 0;) s.allocator.Release(pages[j]);
       return st;
     }

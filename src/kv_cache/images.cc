@@ -569,9 +569,13 @@ absl::StatusOr<SequenceId> KVCache::CommitImport(ImportReservation reservation, 
     if (st.ok()) run(internal::LaunchAdoptScales(ap, stream));
   }
   if (n > 0 && st.ok()) {
-    run(internal::CudaStatus(cudaMemcpyAsync(ids, q.pages.data(), 4 * static_cast<size_t>(n),
-                                             cudaMemcpyHostToDevice, cs),
-                             "cudaMemcpyAsync(import page ids)"));
+    // Reserved pages a promotion may still be writing: its copy goes first.
+    run(s.OrderAfterPromotion(q.pages, stream));
+    if (st.ok()) {
+      run(internal::CudaStatus(cudaMemcpyAsync(ids, q.pages.data(), 4 * static_cast<size_t>(n),
+                                               cudaMemcpyHostToDevice, cs),
+                               "cudaMemcpyAsync(import page ids)"));
+    }
     if (st.ok()) {
       if (host_image && kind == internal::MemKind::kPageable) {
         run(internal::PageableCopy(s, h, const_cast<uint8_t*>(in), q.pages, false, cs));

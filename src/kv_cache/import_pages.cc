@@ -128,10 +128,14 @@ absl::StatusOr<SequenceId> KVCache::ImportHalfPages(absl::Span<const HalfPagedCa
   absl::Status status = absl::OkStatus();
   const cudaStream_t cs = reinterpret_cast<cudaStream_t>(stream);
   if (s.cuda) {
-    status =
-        internal::CudaStatus(cudaMemcpyAsync(d_lists, lists.data(), lists.size() * sizeof(int32_t),
-                                             cudaMemcpyHostToDevice, cs),
-                             "cudaMemcpyAsync(import page lists)");
+    // New pages a promotion may still be writing: its copy goes first.
+    status = s.OrderAfterPromotion(q.pages, stream);
+    if (status.ok()) {
+      status = internal::CudaStatus(
+          cudaMemcpyAsync(d_lists, lists.data(), lists.size() * sizeof(int32_t),
+                          cudaMemcpyHostToDevice, cs),
+          "cudaMemcpyAsync(import page lists)");
+    }
   }
   for (int l = 0; l < L && status.ok(); ++l) {
     params[l].src_pages = d_lists;

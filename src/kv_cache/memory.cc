@@ -95,6 +95,8 @@ absl::StatusOr<Capacity> PlanCapacity(const CapacityInput& in) {
   int64_t book_per_page = PagePool::BookkeepingBytes(1, in.prefix_cache) + 4;
   if (in.prefix_cache) book_per_page = SatAdd(book_per_page, SatMul(4, g.page_size));
   if (in.events) book_per_page = SatAdd(book_per_page, KVEventQueue::kReserveBytesPerPage);
+  // The promotion serial of every page (CUDA, host tier of the prefix cache).
+  if (cuda && in.prefix_host_pages > 0) book_per_page = SatAdd(book_per_page, 8);
   // Fixed: region alignment, the step buffers (device), the host tables of a
   // step and of the layers, the pinned staging (CUDA), the host tier.
   const StepLayout sl = ComputeStepLayout(S, in.max_tokens_per_step, in.max_pages_per_seq,

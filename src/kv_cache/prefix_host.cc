@@ -48,7 +48,8 @@ void KVCacheState::ClearHostPrefix() {
   t.index.clear();
 }
 
-absl::Status KVCacheState::DemoteForAllocation(int64_t n, Stream stream) {
+absl::Status KVCacheState::DemoteForAllocation(int64_t n, Stream stream,
+                                               bool writes_on_copy_stream) {
   PrefixHostState& t = prefix_host;
   if (t.pages_total == 0 || !prefix.enabled) return absl::OkStatus();
   const int64_t evict =
@@ -61,6 +62,16 @@ absl::Status KVCacheState::DemoteForAllocation(int64_t n, Stream stream) {
   // page's copy: only the last page a batch gives a host page is copied.
   const uint64_t batch = ++t.batches;
   std::vector<int32_t> dev, hosts;
+  // The batch's kHost events in order, queued once its copies are enqueued
+  // (entry: the batch entry of a page demoted by this batch, -1: a page of
+  // an earlier one).
+  struct HostEvent {
+    bool stored;
+    BlockHash hash;
+    int32_t page;  // Stored: the device page (its token ids)
+    int32_t entry;
+  };
+  std::vector<HostEvent> events;
   const int ps = geometry.page_size;
   for (int64_t i = 0; i < evict; ++i) {
     BlockHash h;
@@ -80,10 +91,11 @@ absl::Status KVCacheState::DemoteForAllocation(int64_t n, Stream stream) {
     } else {
       for (int k = 0; k <= prio && hp < 0; ++k) hp = t.head[k];
       if (hp < 0) continue;  // dropped: no room at or below its priority
-      if (t.batch[hp] == batch) dev[t.batch_pos[hp]] = -1;  // its copy is cancelled
+      const bool same = t.batch[hp] == batch;
+      if (same) dev[t.batch_pos[hp]] = -1;  // its copy is cancelled
       HostLruUnlink(hp);
       t.index.erase(t.hash[hp]);
-      prefix.events.Removed(t.hash[hp], KVMedium::kHost);
+      events.push_back({false, t.hash[hp], -1, same ? t.batch_pos[hp] : -1});
       t.cached[hp] = 0;
       --t.cached_count;
       ++t.evictions;
@@ -98,38 +110,82 @@ absl::Status KVCacheState::DemoteForAllocation(int64_t n, Stream stream) {
     HostLruPushBack(hp);
     const absl::Span<const int32_t> ids = PageTokens(page);
     std::copy(ids.begin(), ids.end(), t.tokens.begin() + static_cast<int64_t>(hp) * ps);
-    prefix.events.Stored(h, nullptr, ids, ps, {}, /*continues=*/false, KVMedium::kHost);
+    events.push_back({true, h, page, static_cast<int32_t>(dev.size())});
     dev.push_back(page);
     hosts.push_back(hp);
   }
+  // copied[entry]: whether the entry's copy is made (cancelled ones never).
+  std::vector<uint8_t> copied(dev.size(), 0);
   size_t kept = 0;
+  std::vector<size_t> entry_of;  // batch entry of each kept page
   for (size_t i = 0; i < dev.size(); ++i) {
     if (dev[i] < 0) continue;
+    entry_of.push_back(i);
     dev[kept] = dev[i];
     hosts[kept++] = hosts[i];
   }
   dev.resize(kept);
   hosts.resize(kept);
-  t.demotions += static_cast<int64_t>(dev.size());
-  if (dev.empty()) return absl::OkStatus();
-  if (!cuda) {
+  // The copies: all of them (CPU: done now), or on a failure to enqueue
+  // (CUDA error) those of the batches enqueued before it.
+  size_t enqueued = dev.size();
+  absl::Status st = absl::OkStatus();
+  if (!dev.empty() && !cuda) {
     ReferencePageCopy(HostCopy(dev.data(), hosts.data(), static_cast<int64_t>(dev.size()), true,
                                /*prefix_tier=*/true));
-    return absl::OkStatus();
+  } else if (!dev.empty()) {
+    // Batches of at most max_pages_per_seq pages (the room of the swap ids),
+    // all on the copy stream after the work on `stream` (which may have
+    // written the pages). No host wait.
+    const size_t chunk = static_cast<size_t>(options.max_pages_per_seq);
+    for (size_t b = 0; b < dev.size(); b += chunk) {
+      const size_t e = std::min(dev.size(), b + chunk);
+      std::vector<int32_t> d(dev.begin() + b, dev.begin() + e),
+          h(hosts.begin() + b, hosts.begin() + e);
+      int event = -1;
+      st = EnqueueSwapCopy(d, h, /*to_host=*/true, stream, &event, /*prefix_tier=*/true);
+      if (!st.ok()) {
+        enqueued = b;
+        break;
+      }
+      host.free_events.push_back(event);  // stream order carries it; nothing waits on the event
+    }
   }
-  // Batches of at most max_pages_per_seq pages (the room of the swap ids),
-  // all on the copy stream after the work on `stream`; then `stream` (which
-  // rewrites the pages) waits for them. No host wait.
-  const size_t chunk = static_cast<size_t>(options.max_pages_per_seq);
-  for (size_t b = 0; b < dev.size(); b += chunk) {
-    const size_t e = std::min(dev.size(), b + chunk);
-    std::vector<int32_t> d(dev.begin() + b, dev.begin() + e), h(hosts.begin() + b, hosts.begin() + e);
-    int event = -1;
-    FP4KV_RETURN_IF_ERROR(EnqueueSwapCopy(d, h, /*to_host=*/true, stream, &event,
-                                          /*prefix_tier=*/true));
-    host.free_events.push_back(event);  // stream order carries it; nothing waits on the event
+  for (size_t k = 0; k < enqueued; ++k) copied[entry_of[k]] = 1;
+  // Pages whose copies were never enqueued leave the host tier again: no
+  // index entry for bytes never copied (their device pages stay evicted, as
+  // without a host tier). Their kHost events are never queued, nor are a
+  // cancelled entry's (stored, then removed by this batch: nothing to tell).
+  for (size_t k = enqueued; k < dev.size(); ++k) {
+    const int32_t hp = hosts[k];
+    HostLruUnlink(hp);
+    t.index.erase(t.hash[hp]);
+    t.cached[hp] = 0;
+    --t.cached_count;
+    t.free_pages.push_back(hp);
   }
-  return OrderAfterCopies(stream);
+  for (const HostEvent& e : events) {
+    if (!st.ok() && e.entry >= 0 && !copied[e.entry]) continue;
+    if (e.stored) {
+      prefix.events.Stored(e.hash, nullptr, PageTokens(e.page), ps, {}, /*continues=*/false,
+                           KVMedium::kHost);
+    } else {
+      prefix.events.Removed(e.hash, KVMedium::kHost);
+    }
+  }
+  t.demotions += static_cast<int64_t>(enqueued);
+  if (!cuda || enqueued == 0) return st;
+  if (!st.ok()) {
+    // The enqueued copies read device pages that are free now, and the
+    // caller gives up: let them finish (a host wait, on a CUDA error only).
+    (void)cudaStreamSynchronize(host.copy_stream);
+    return st;
+  }
+  // The evicted pages are free now: when n pages are allocated, they are
+  // among them (n minus the free pages were evicted). Written on the copy
+  // stream, they come after the copies in stream order; otherwise `stream`
+  // waits for the copies.
+  return writes_on_copy_stream ? absl::OkStatus() : OrderAfterCopies(stream);
 }
 
 void KVCacheState::FitMatch() {
@@ -156,6 +212,7 @@ absl::Status KVCacheState::PromoteInto(Sequence& q, absl::Span<const int32_t> pr
   std::vector<int32_t>& pages = prefix.match_pages;
   const std::vector<int32_t>& hostm = prefix.match_host;
   const int ps = geometry.page_size;
+  PollPromotions();
   for (int32_t page : pages) {
     if (page >= 0) allocator.Retain(page);  // revives cached ones: off the LRU
   }
@@ -172,29 +229,47 @@ absl::Status KVCacheState::PromoteInto(Sequence& q, absl::Span<const int32_t> pr
     --t.cached_count;
     src.push_back(h);
   }
-  if (src.empty()) return absl::OkStatus();
+  if (src.empty()) {
+    InheritPromotion(q, pages);  // device hits whose promotion may be in flight
+    return absl::OkStatus();
+  }
   const int64_t n = static_cast<int64_t>(src.size());
   const Stream stream = step.step_serial > 0 ? step.cur().stream : nullptr;
-  absl::Status st = DemoteForAllocation(n, stream);
+  absl::Status st = DemoteForAllocation(n, stream, /*writes_on_copy_stream=*/cuda);
   for (int64_t i = 0; i < n; ++i) dst.push_back(allocator.Allocate());
-  int event = -1;
+  int event = -1;  // of the latest batch enqueued: it covers the earlier ones
   if (st.ok() && cuda) {
     const size_t chunk = static_cast<size_t>(options.max_pages_per_seq);
-    for (size_t b = 0; st.ok() && b < src.size(); b += chunk) {
+    for (size_t b = 0; b < src.size(); b += chunk) {
       const size_t e = std::min(src.size(), b + chunk);
       std::vector<int32_t> d(dst.begin() + b, dst.begin() + e), h(src.begin() + b, src.begin() + e);
+      int next = -1;
+      st = EnqueueSwapCopy(d, h, /*to_host=*/false, stream, &next, /*prefix_tier=*/true);
+      if (!st.ok()) break;
       if (event >= 0) host.free_events.push_back(event);  // a later one covers it
-      event = -1;
-      st = EnqueueSwapCopy(d, h, /*to_host=*/false, stream, &event, /*prefix_tier=*/true);
+      event = next;
     }
   } else if (st.ok()) {
     ReferencePageCopy(HostCopy(src.data(), dst.data(), n, false, /*prefix_tier=*/true));
+  }
+  if (event >= 0) {
+    // The promotion in flight: its pages are ordered after `event` wherever
+    // they go (even when dropped below after a later batch failed).
+    const uint64_t serial = ++t.promotion_serial;
+    for (int32_t p : dst) t.promoted_by[p] = serial;
+    ReleaseEvent(t.latest_event);
+    t.latest_event = event;
+    ++host.event_refs[event];
   }
   // The host pages go back (their copies are ordered before any later copy
   // that rewrites them: the copy stream runs in order).
   for (int32_t h : src) t.free_pages.push_back(h);
   if (!st.ok()) {
-    // A CUDA error enqueueing the copies: the promoted pages are dropped.
+    // A CUDA error enqueueing the copies: the promoted pages are dropped
+    // (they left the host index above, with their kHost Removed events).
+    // Demotion copies may still read the device pages that go back: wait
+    // (an error path only).
+    if (cuda) (void)cudaStreamSynchronize(host.copy_stream);
     for (int32_t p : dst) allocator.Release(p);
     for (int32_t page : pages) {
       if (page >= 0) allocator.Release(page);
@@ -217,14 +292,45 @@ absl::Status KVCacheState::PromoteInto(Sequence& q, absl::Span<const int32_t> pr
   }
   t.promotions += n;
   t.hit_tokens += n * ps;
-  if (event >= 0) {
-    q.swapin_event = event;
-    host.event_refs[event] = 1;
-    if (t.pending_event >= 0 && --host.event_refs[t.pending_event] == 0) {
-      host.free_events.push_back(t.pending_event);
+  InheritPromotion(q, pages);  // the new pages: this promotion's event
+  return absl::OkStatus();
+}
+
+bool KVCacheState::PromotionPending(int32_t page) const {
+  const PrefixHostState& t = prefix_host;
+  return t.latest_event >= 0 && t.promoted_by[page] > t.promotions_done;
+}
+
+void KVCacheState::PollPromotions() {
+  PrefixHostState& t = prefix_host;
+  if (t.latest_event < 0) return;
+  const cudaError_t r = cudaEventQuery(host.swap_events[t.latest_event]);
+  if (r != cudaSuccess) {
+    if (r == cudaErrorNotReady) (void)cudaGetLastError();  // not an error: still in flight
+    return;
+  }
+  t.promotions_done = t.promotion_serial;
+  ReleaseEvent(t.latest_event);
+  t.latest_event = -1;
+}
+
+void KVCacheState::InheritPromotion(Sequence& q, absl::Span<const int32_t> pages) {
+  if (prefix_host.latest_event < 0) return;
+  for (int32_t page : pages) {
+    if (page >= 0 && PromotionPending(page)) {
+      HoldCopyEvent(q, prefix_host.latest_event);
+      return;
     }
-    t.pending_event = event;
-    ++host.event_refs[event];
+  }
+}
+
+absl::Status KVCacheState::OrderAfterPromotion(absl::Span<const int32_t> pages, Stream stream) {
+  if (prefix_host.latest_event < 0) return absl::OkStatus();
+  for (int32_t page : pages) {
+    if (!PromotionPending(page)) continue;
+    return CudaStatus(cudaStreamWaitEvent(reinterpret_cast<cudaStream_t>(stream),
+                                          host.swap_events[prefix_host.latest_event], 0),
+                      "cudaStreamWaitEvent(promotion)");
   }
   return absl::OkStatus();
 }

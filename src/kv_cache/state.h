@@ -261,7 +261,11 @@ struct HostTierState {
   cudaEvent_t copy_drained = nullptr;  // recorded on the copy stream, waited by the caller's
   std::vector<cudaEvent_t> swap_events;
   std::vector<int> free_events;
-  std::vector<int> event_refs;  // sequences waiting on a SwapIn event
+  std::vector<int> event_refs;  // holders of an event (sequences, the latest promotion)
+  // Per event: the copy-stream order of the copy it was last recorded after
+  // (the copy stream runs in order: a later event covers an earlier one).
+  std::vector<uint64_t> event_order;
+  uint64_t copies = 0;  // copies enqueued on the copy stream
   std::vector<SwapOutCopy> outs;
   // Two or more step slots: per page, the step_serial from which no step in
   // flight can use it any more (step_serial + step_slots at its latest
@@ -296,9 +300,18 @@ struct PrefixHostState {
   HostVector<BlockHash> hash;       // per page
   HostVector<int32_t> tokens;       // [pages_total * page_size] token ids
   absl::flat_hash_map<BlockHash, int32_t, BlockHashHasher> index;
-  // CUDA: a promotion copy (host tier event) the next PrepareStep's stream
-  // waits for (sequences that share promoted pages need not hold its event).
-  int pending_event = -1;
+  // CUDA: promotions whose copies may be in flight (docs/kv_cache.md,
+  // "Promotions in flight"). Per device page, the serial of the promotion
+  // that last wrote it (0: none); promotions up to `promotions_done` are
+  // known complete (a cudaEventQuery, never a host wait); `latest_event` (a
+  // host tier event this state holds a reference of; -1: none in flight) is
+  // recorded after the latest promotion's copy and, the copy stream running
+  // in order, covers every earlier one. A sequence that shares a page whose
+  // promotion may be in flight holds that event as its swapin_event; a page
+  // handed to a writer on another stream makes that stream wait for it.
+  HostVector<uint64_t> promoted_by;  // [num_pages]
+  uint64_t promotion_serial = 0, promotions_done = 0;
+  int latest_event = -1;
   int64_t demotions = 0, promotions = 0, evictions = 0, hit_tokens = 0;
 };
 
@@ -408,8 +421,11 @@ class KVCacheState {
   // after the work on `stream` and making `stream` wait for the copy; on
   // the CPU device the copy is done at once. Without a host tier: nothing
   // (Allocate evicts and drops). Call after every check of the caller
-  // passed: it changes the pool.
-  absl::Status DemoteForAllocation(int64_t n, Stream stream);
+  // passed: it changes the pool. `writes_on_copy_stream`: the caller
+  // allocates all n pages at once and writes them only on the copy stream
+  // (SwapIn, a promotion), after the demotion copies that read them: then
+  // `stream` does not wait.
+  absl::Status DemoteForAllocation(int64_t n, Stream stream, bool writes_on_copy_stream = false);
   // The host page holding `hash`, or -1.
   int32_t HostLookup(const BlockHash& hash) const;
   // Host LRU: unlinks a cached host page (it stays cached until freed).
@@ -426,6 +442,17 @@ class KVCacheState {
   void FitMatch();
   // Checks prefix_host's invariants (CheckInvariants).
   absl::Status CheckHostPrefix() const;
+  // Promotions in flight (PrefixHostState::latest_event): whether `page`
+  // was written by a promotion not known complete; advancing what is known
+  // complete (a cudaEventQuery: no host wait); q holding the latest
+  // promotion's event when `pages` (which it shares) hold such a page;
+  // `stream` waiting for it when it is handed such a page to write (CUDA;
+  // nothing on the CPU). The waits are device facts only: no decision of
+  // the host depends on them.
+  bool PromotionPending(int32_t page) const;
+  void PollPromotions();
+  void InheritPromotion(Sequence& q, absl::Span<const int32_t> pages);
+  absl::Status OrderAfterPromotion(absl::Span<const int32_t> pages, Stream stream);
 
   // A new empty sequence (KVCache::CreateSequence).
   SequenceId NewSequence();
@@ -482,6 +509,11 @@ class KVCacheState {
   int64_t PagesSwapPending() const;
 
   void DropSwapIn(Sequence& q);
+  // Makes q hold host tier event `e` (a reference) as its swapin_event, or
+  // keeps the one it holds when that one comes later in copy-stream order.
+  void HoldCopyEvent(Sequence& q, int e);
+  // Drops one reference of host tier event `e` (-1: none).
+  void ReleaseEvent(int e);
 
   // Makes `stream` wait for everything enqueued on the copy stream so far
   // (before a kernel that rewrites the whole pool: a re-encode).

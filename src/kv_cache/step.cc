@@ -98,7 +98,10 @@ absl::StatusOr<StepInfo> KVCache::PrepareStep(absl::Span<const StepEntry> entrie
   internal::StepSlot& slot = s.step.slots[k];
 
   internal::ScopedDevice scoped;
-  if (s.cuda) FP4KV_RETURN_IF_ERROR(scoped.Set(s.options.device));
+  if (s.cuda) {
+    FP4KV_RETURN_IF_ERROR(scoped.Set(s.options.device));
+    s.PollPromotions();  // no host wait: what is known complete now
+  }
   if (N > 1 && s.step.step_serial > 0) {
     // The step in flight is complete once this event is (its kernels were
     // enqueued before this call); then wait for the step that last used
@@ -147,20 +150,15 @@ absl::StatusOr<StepInfo> KVCache::PrepareStep(absl::Span<const StepEntry> entrie
       FP4KV_CUDA_RETURN_IF_ERROR(
           cudaStreamWaitEvent(reinterpret_cast<cudaStream_t>(stream), prev.done, 0));
     }
-    // Sequences swapped back in: the step's stream waits for their copies.
+    // Sequences swapped back in, or holding pages whose promotion from the
+    // host tier of the prefix cache may be in flight (their own or shared):
+    // the step's stream waits for their copies. Steps of other sequences
+    // do not.
     for (int i = 0; i < n; ++i) {
       KVCacheState::Sequence& q = *s.step.step_seqs[i];
       if (q.swapin_event < 0) continue;
       FP4KV_RETURN_IF_ERROR(s.OrderAfterSwapIn(q, stream));
       s.DropSwapIn(q);
-    }
-    // Pages promoted from the host tier of the prefix cache that sequences
-    // other than their promoter may share: the step's stream waits too.
-    if (int& e = s.prefix_host.pending_event; e >= 0) {
-      FP4KV_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(
-          reinterpret_cast<cudaStream_t>(stream), s.host.swap_events[e], 0));
-      if (--s.host.event_refs[e] == 0) s.host.free_events.push_back(e);
-      e = -1;
     }
   }
 
@@ -173,7 +171,10 @@ absl::StatusOr<StepInfo> KVCache::PrepareStep(absl::Span<const StepEntry> entrie
   for (size_t c = 0; c < s.step.cow_src.size(); ++c) {
     const int32_t dst = s.allocator.Allocate();
     s.step.cow_dst.push_back(dst);
-    if (absl::Status st = s.CopyPage(s.step.cow_src[c], dst, stream); !st.ok()) {
+    // A page a promotion may still be writing: its copy goes first.
+    absl::Status st = s.OrderAfterPromotion({&dst, 1}, stream);
+    if (st.ok()) st = s.CopyPage(s.step.cow_src[c], dst, stream);
+    if (!st.ok()) {
       for (int32_t p : s.step.cow_dst) s.allocator.Release(p);
       return st;
     }
@@ -198,6 +199,7 @@ absl::StatusOr<StepInfo> KVCache::PrepareStep(absl::Span<const StepEntry> entrie
   int dirty_lo = S;
   int dirty_hi = -1;
   size_t next_cow = 0;
+  bool reused_promoted = false;  // a new page a promotion may still be writing
   for (int i = 0; i < n; ++i) {
     KVCacheState::Sequence& q = *s.step.step_seqs[i];
     const SequenceId id = entries[i].seq;
@@ -215,7 +217,10 @@ absl::StatusOr<StepInfo> KVCache::PrepareStep(absl::Span<const StepEntry> entrie
       q.chain.tail_maybe_indexed = false;
     }
     const size_t pages_after = static_cast<size_t>(CeilDiv(new_len, ps));
-    while (q.pages.size() < pages_after) q.pages.push_back(s.allocator.Allocate());
+    while (q.pages.size() < pages_after) {
+      q.pages.push_back(s.allocator.Allocate());
+      reused_promoted = reused_promoted || s.PromotionPending(q.pages.back());
+    }
     int64_t j = old_len / ps;
     int64_t e = old_len % ps;
     for (int64_t pos = old_len; pos < new_len; ++pos) {
@@ -265,6 +270,12 @@ absl::StatusOr<StepInfo> KVCache::PrepareStep(absl::Span<const StepEntry> entrie
 
   if (s.cuda) {
     const cudaStream_t cs = reinterpret_cast<cudaStream_t>(stream);
+    // The step's appends into a page a promotion may still be writing come
+    // after that copy.
+    if (reused_promoted) {
+      FP4KV_CUDA_RETURN_IF_ERROR(
+          cudaStreamWaitEvent(cs, s.host.swap_events[s.prefix_host.latest_event], 0));
+    }
     const internal::StepLayout& sl = s.mem.step_layout;
     const uint8_t* host = slot.h_base;
     FP4KV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(slot.d_base, host, sl.slots + 8 * slot_upload,
