@@ -565,7 +565,7 @@ void BM_PrefillAttention(benchmark::State& state) {
   state.counters["materialize_us"] = materialize_ms * 1e3;
   (void)cudaStreamDestroy(s);
 }
-// The issue's shapes, NVFP4 and FP8 keys: a prompt from nothing (4 x 8192),
+// The target shapes, NVFP4 and FP8 keys: a prompt from nothing (4 x 8192),
 // extend (8 x 2048 over 6144), a chunk over a long prefix (1 x 8192 over
 // 24576), and a mixed step (2 chunks of 2048 over 4096 plus 128 decode rows
 // over 4096), then its prefill part and its decode part alone.
