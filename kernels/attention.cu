@@ -8,6 +8,7 @@
 #include <climits>
 #include <cstdlib>
 #include <cstring>
+#include <type_traits>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -49,32 +50,32 @@ absl::Status ChooseFamily(AttentionFamily* family) {
       "FP4KV_ATTENTION_KERNEL: expected tokens_in_m or rows_in_m, got \"", env, "\""));
 }
 
-absl::Status LaunchDecode(const AttentionParams& p, Stream stream) {
-  switch (p.v.head_dim) {
+// Calls fn(std::integral_constant<int, D>{}) for head dim d in {64, 128, 256}.
+template <class Fn>
+absl::Status ForHeadDim(int d, Fn&& fn) {
+  switch (d) {
     case 64:
-      return LaunchDecodeAttentionDim<64>(p, stream);
+      return fn(std::integral_constant<int, 64>{});
     case 128:
-      return LaunchDecodeAttentionDim<128>(p, stream);
+      return fn(std::integral_constant<int, 128>{});
     case 256:
-      return LaunchDecodeAttentionDim<256>(p, stream);
+      return fn(std::integral_constant<int, 256>{});
     default:
       return absl::UnimplementedError(
-          absl::StrCat("DecodeAttention on CUDA: head_dim ", p.v.head_dim, " (64, 128, 256)"));
+          absl::StrCat("DecodeAttention on CUDA: head_dim ", d, " (64, 128, 256)"));
   }
 }
 
+absl::Status LaunchDecode(const AttentionParams& p, Stream stream) {
+  return ForHeadDim(p.v.head_dim, [&](auto d) {
+    return LaunchDecodeAttentionDim<decltype(d)::value>(p, stream);
+  });
+}
+
 absl::Status LaunchPrefill(const AttentionParams& p, Stream stream) {
-  switch (p.v.head_dim) {
-    case 64:
-      return LaunchAttentionPrefillDim<64>(p, stream);
-    case 128:
-      return LaunchAttentionPrefillDim<128>(p, stream);
-    case 256:
-      return LaunchAttentionPrefillDim<256>(p, stream);
-    default:
-      return absl::UnimplementedError(
-          absl::StrCat("DecodeAttention on CUDA: head_dim ", p.v.head_dim, " (64, 128, 256)"));
-  }
+  return ForHeadDim(p.v.head_dim, [&](auto d) {
+    return LaunchAttentionPrefillDim<decltype(d)::value>(p, stream);
+  });
 }
 
 }  // namespace
@@ -102,21 +103,12 @@ absl::Status PrepareDecodeAttention(const DecodeAttention::Options& o,
   absl::Status st = [&]() -> absl::Status {
     FP4KV_RETURN_IF_ERROR(ChooseFamily(&out->family));
     const bool prefill = o.max_q_len > kDecodeRowsQLen;
-    int* pc = &out->prefill_ctas_per_sm;
-    switch (o.geometry.head_dim_v) {
-      case 64:
-        FP4KV_RETURN_IF_ERROR(PrepareDecodeAttentionDim<64>(o, out));
-        return prefill ? PrepareAttentionPrefillDim<64>(o, pc) : absl::OkStatus();
-      case 128:
-        FP4KV_RETURN_IF_ERROR(PrepareDecodeAttentionDim<128>(o, out));
-        return prefill ? PrepareAttentionPrefillDim<128>(o, pc) : absl::OkStatus();
-      case 256:
-        FP4KV_RETURN_IF_ERROR(PrepareDecodeAttentionDim<256>(o, out));
-        return prefill ? PrepareAttentionPrefillDim<256>(o, pc) : absl::OkStatus();
-      default:
-        return absl::UnimplementedError(absl::StrCat("DecodeAttention on CUDA: head_dim ",
-                                                     o.geometry.head_dim_v, " (64, 128, 256)"));
-    }
+    return ForHeadDim(o.geometry.head_dim_v, [&](auto d) -> absl::Status {
+      constexpr int kD = decltype(d)::value;
+      FP4KV_RETURN_IF_ERROR(PrepareDecodeAttentionDim<kD>(o, out));
+      return prefill ? PrepareAttentionPrefillDim<kD>(o, &out->prefill_ctas_per_sm)
+                     : absl::OkStatus();
+    });
   }();
   if (previous != o.device.ordinal) {
     const cudaError_t err = cudaSetDevice(previous);
