@@ -244,7 +244,7 @@ void BM_DecodeAttention(benchmark::State& state) {
 }
 // The issue's table for both families and both key formats, then group 8
 // and head_dim 64 at 64 x 4096.
-void DecodeAttentionArgs(benchmark::internal::Benchmark* b) {
+void DecodeAttentionCases(benchmark::internal::Benchmark* b) {
   for (int rows_in_m = 0; rows_in_m < 2; ++rows_in_m) {
     for (int fp8 = 0; fp8 < 2; ++fp8) {
       for (const auto& s : {std::pair<int, int>{64, 4096}, {256, 2048}, {8, 16384}, {128, 512},
@@ -259,7 +259,7 @@ void DecodeAttentionArgs(benchmark::internal::Benchmark* b) {
 }
 BENCHMARK(BM_DecodeAttention)
     ->ArgNames({"batch", "seq_len", "q_len", "fp8_keys", "group", "head_dim", "rows_in_m"})
-    ->Apply(DecodeAttentionArgs)
+    ->Apply(DecodeAttentionCases)
     ->UseManualTime()
     ->Iterations(1)
     ->Unit(benchmark::kMicrosecond);
@@ -477,7 +477,7 @@ void BM_PrefillAttention(benchmark::State& state) {
   BENCH_CHECK(state, op.ok(), ("DecodeAttention::Create: " + op.status().ToString()).c_str());
   BENCH_CHECK(state, ws.Alloc(static_cast<size_t>(std::max<int64_t>(op->WorkspaceBytes(), 256))),
               "workspace");
-  struct DecodeAttentionArgs a;  // `struct`: the args function below has the same name
+  DecodeAttentionArgs a;
   a.q = TensorView::Contiguous(q.get(), DType::kBF16, {total_q, kQoHeads, kDim}, d);
   if (o.max_q_len > 1) {
     a.q_indptr = TensorView::Contiguous(qptr.get(), DType::kI32, {requests + 1}, d);
