@@ -35,8 +35,8 @@ __global__ void __launch_bounds__(kCopyThreads) PageCopyVecKernel(const PageCopy
     const int64_t l = u / p.num_pages;
     if (threadIdx.x < 4) {
       const int r = threadIdx.x;
-      const int64_t s = p.src_ids != nullptr ? p.src_ids[i] : i;
-      const int64_t d = p.dst_ids != nullptr ? p.dst_ids[i] : i;
+      const int64_t s = p.SrcPage(i);
+      const int64_t d = p.DstPage(i);
       src[r] = reinterpret_cast<const uint4*>(p.src + l * p.src_layer_stride + p.src_region[r] +
                                               s * p.page_bytes[r]);
       dst[r] = reinterpret_cast<uint4*>(p.dst + l * p.dst_layer_stride + p.dst_region[r] +
@@ -74,8 +74,8 @@ __global__ void __launch_bounds__(kCopyThreads) PageCopyKernel(const PageCopyPar
     const int64_t l = u / (p.num_pages * 4);
     const int64_t bytes = p.page_bytes[r];
     if (bytes == 0) continue;
-    const int64_t s = p.src_ids != nullptr ? p.src_ids[i] : i;
-    const int64_t d = p.dst_ids != nullptr ? p.dst_ids[i] : i;
+    const int64_t s = p.SrcPage(i);
+    const int64_t d = p.DstPage(i);
     const uint8_t* from = p.src + l * p.src_layer_stride + p.src_region[r] + s * bytes;
     uint8_t* to = p.dst + l * p.dst_layer_stride + p.dst_region[r] + d * bytes;
     const uintptr_t a = reinterpret_cast<uintptr_t>(from) | reinterpret_cast<uintptr_t>(to) |

@@ -179,9 +179,13 @@ struct ReencodeParams {
 // (K data, V data, K scales, V scales), pages of page_bytes[r] at
 //   base + l * layer_stride + region[r] + id * page_bytes[r].
 // List position i copies page src_ids[i] of src to page dst_ids[i] of dst
-// (a null list: id = i), for every layer and region. The stores must not
-// overlap. Either side may be mapped pinned host memory (device addresses).
+// (a null list: id = i), for every layer and region; or, with inline_ids
+// set, pages ids[i] and ids[kInlineIds + i] (a short list that travels in
+// the launch itself, so that the copy needs no upload of its ids before it).
+// The stores must not overlap. Either side may be mapped pinned host memory
+// (device addresses).
 struct PageCopyParams {
+  static constexpr int kInlineIds = 64;
   const uint8_t* src = nullptr;
   uint8_t* dst = nullptr;
   int64_t src_layer_stride = 0, dst_layer_stride = 0;
@@ -196,6 +200,15 @@ struct PageCopyParams {
   // need far fewer in flight than device copies and leave the SMs to
   // concurrent kernels.
   int max_ctas = 0;
+  bool inline_ids = false;  // num_pages <= kInlineIds
+  int32_t ids[2 * kInlineIds] = {};
+
+  FP4KV_HD int64_t SrcPage(int64_t i) const {
+    return inline_ids ? ids[i] : src_ids != nullptr ? src_ids[i] : i;
+  }
+  FP4KV_HD int64_t DstPage(int64_t i) const {
+    return inline_ids ? ids[kInlineIds + i] : dst_ids != nullptr ? dst_ids[i] : i;
+  }
 };
 
 // Requantizes the blocks of listed pages of a pool, per layer and side, from

@@ -359,9 +359,9 @@ TEST_P(QuantizeCacheHostTest, GridMatchesReference) {
     std::vector<uint8_t> want = c.out;
     auto op = PagedCacheQuantizer::Create(c.Options(Device::Cpu()));
     ASSERT_TRUE(op.ok()) << op.status();
-    ASSERT_TRUE(op->Run(c.Args(in.data(), want.data(), Device::Cpu()),
-                        c.Cache(want.data(), Device::Cpu()))
-                    .ok());
+    ASSERT_TRUE(
+        op->Run(c.Args(in.data(), want.data(), Device::Cpu()), c.Cache(want.data(), Device::Cpu()))
+            .ok());
     ASSERT_NE(want, c.out) << "the case wrote nothing";
     for (uint32_t rows_per_cta : kRowsPerCta) {
       std::vector<uint8_t> got = c.out;
@@ -383,6 +383,63 @@ TEST_P(QuantizeCacheHostTest, GridMatchesReference) {
 INSTANTIATE_TEST_SUITE_P(Sweep, QuantizeCacheHostTest,
                          ::testing::ValuesIn(testing::QuantizeCacheSweep()),
                          [](const auto& info) { return info.param.Name(); });
+
+// ------------------------------------------------------------- page copy
+// A short page list given in the launch itself (inline ids, what the host
+// tier's small promotions and demotions use) copies the same pages as the
+// same list given by pointers, and nothing else.
+TEST(PageCopyHostTest, InlineIdsCopyWhatListedIdsCopy) {
+  const int layers = 3;
+  const int64_t page_bytes[4] = {48, 48, 0, 16};  // K, V data; no K scales (FP8 keys), V scales
+  const int64_t src_pages = 7, dst_pages = 9;
+  const auto layout = [&](int64_t pages, int64_t region[4]) {
+    int64_t off = 0;
+    for (int r = 0; r < 4; ++r) {
+      region[r] = off;
+      off += pages * page_bytes[r];
+    }
+    return off;  // bytes per layer
+  };
+  internal::PageCopyParams p;
+  p.src_layer_stride = layout(src_pages, p.src_region);
+  p.dst_layer_stride = layout(dst_pages, p.dst_region);
+  for (int r = 0; r < 4; ++r) p.page_bytes[r] = page_bytes[r];
+  p.num_layers = layers;
+  std::vector<uint8_t> src(static_cast<size_t>(layers * p.src_layer_stride));
+  for (size_t i = 0; i < src.size(); ++i) src[i] = static_cast<uint8_t>(i * 131 + 7);
+  const std::vector<int32_t> from = {4, 0, 6, 2};
+  const std::vector<int32_t> to = {8, 3, 0, 5};
+  p.src = src.data();
+  p.num_pages = static_cast<int64_t>(from.size());
+
+  std::vector<uint8_t> want(static_cast<size_t>(layers * p.dst_layer_stride), 0xA5);
+  std::vector<uint8_t> got = want;
+  internal::PageCopyParams listed = p;
+  listed.dst = want.data();
+  listed.src_ids = from.data();
+  listed.dst_ids = to.data();
+  internal::ReferencePageCopy(listed);
+
+  internal::PageCopyParams inlined = p;
+  inlined.dst = got.data();
+  inlined.inline_ids = true;
+  std::copy(from.begin(), from.end(), inlined.ids);
+  std::copy(to.begin(), to.end(), inlined.ids + internal::PageCopyParams::kInlineIds);
+  internal::ReferencePageCopy(inlined);
+  EXPECT_EQ(FirstDifference(want, got), "");
+
+  // The listed copy moved exactly the four pages of every layer and region.
+  int64_t changed = 0;
+  for (uint8_t b : want) changed += b != 0xA5;
+  int64_t copied = 0;
+  for (int r = 0; r < 4; ++r) copied += layers * 4 * page_bytes[r];
+  EXPECT_LE(changed, copied);
+  EXPECT_GT(changed, copied * 9 / 10);
+  for (size_t j = 0; j < from.size(); ++j) {
+    EXPECT_EQ(inlined.SrcPage(static_cast<int64_t>(j)), from[j]);
+    EXPECT_EQ(inlined.DstPage(static_cast<int64_t>(j)), to[j]);
+  }
+}
 
 }  // namespace
 }  // namespace fp4kv

@@ -255,6 +255,33 @@ TEST_P(PrefixHostTest, FullHostTierDropsItsLeastRecentlyUsedPage) {
   ASSERT_TRUE(c.CheckInvariants().ok()) << c.CheckInvariants();
 }
 
+// Short host-tier copies (page ids in the launch): demotions and
+// promotions of 1, 2 and 3 pages, each back on the device byte for byte.
+TEST_P(PrefixHostTest, ShortDemotionsAndPromotionsAreByteExact) {
+  for (int pages : {1, 2, 3}) {
+    SCOPED_TRACE(::testing::Message() << pages << " pages");
+    KVCache c = testing::CreateCacheOrAbort(HostPrefixOptions(device_, 8, 8));
+    Model m(&c, stream_);
+    const std::vector<int32_t> pa = Iota(pages * kPs + 1, 100 * pages);
+    absl::StatusOr<PrefixSequence> a = m.Prefill(pa);
+    ASSERT_TRUE(a.ok()) << a.status();
+    ASSERT_TRUE(m.Release(a->seq).ok());
+    // A step of eight pages without token ids evicts (demotes) a's pages.
+    const SequenceId hog = c.CreateSequence().value();
+    ASSERT_TRUE(c.PrepareStep({{hog, 8 * kPs}}, stream_).ok());
+    ASSERT_TRUE(c.ReleaseSequence(hog).ok());
+    EXPECT_EQ(c.Stats().host_prefix_demotions, pages);
+    ASSERT_EQ(c.MatchPrefix(pa).tokens_host, pages * kPs);
+    absl::StatusOr<PrefixSequence> a2 = m.Prefill(pa);
+    ASSERT_TRUE(a2.ok()) << a2.status();
+    EXPECT_EQ(a2->host_tokens, pages * kPs);
+    EXPECT_EQ(c.Stats().host_prefix_promotions, pages);
+    EXPECT_EQ(m.CheckResident(), "");
+    ASSERT_TRUE(m.Release(a2->seq).ok());
+    ASSERT_TRUE(c.CheckInvariants().ok()) << c.CheckInvariants();
+  }
+}
+
 TEST_P(PrefixHostTest, PromotionThatDoesNotFitEndsTheMatchBeforeTheHostPages) {
   KVCache c = testing::CreateCacheOrAbort(HostPrefixOptions(device_, 6, 8));
   Model m(&c, stream_);

@@ -115,7 +115,7 @@ class Model {
 TEST_P(SwapTest, SwapOutInRoundTripIsByteExact) {
   for (KeyFormat keys : {KeyFormat::kNvfp4, KeyFormat::kFp8}) {
     for (Layout layout : {Layout::kNHD, Layout::kHND}) {
-      for (int page_size : {1, 4, 5}) {
+      for (int page_size : {1, 4, 5, 8, 16}) {  // 13, 4, 3, 2, 1 pages for a
         SCOPED_TRACE(::testing::Message() << LayoutName(layout) << " page " << page_size << " keys "
                                           << KeyFormatName(keys));
         KVCache cache = testing::CreateCacheOrAbort(SwapOptions(device_, 40, 40, layout, page_size, keys));
@@ -154,6 +154,35 @@ TEST_P(SwapTest, SwapOutInRoundTripIsByteExact) {
         EXPECT_TRUE(cache.CheckInvariants().ok()) << cache.CheckInvariants();
       }
     }
+  }
+}
+
+// Host copies of up to PageCopyParams::kInlineIds (64) pages carry their
+// page ids in the launch; longer ones upload them first. A 100-page
+// sequence (page size 1) goes out and back byte for byte, with its freed
+// pages overwritten meanwhile (150 device pages: the 128 of another
+// sequence's step take at least 78 of them).
+TEST_P(SwapTest, SwapOfMorePagesThanTheLaunchCarriesIsByteExact) {
+  for (KeyFormat keys : {KeyFormat::kNvfp4, KeyFormat::kFp8}) {
+    SCOPED_TRACE(KeyFormatName(keys));
+    KVCacheOptions o = SwapOptions(device_, 150, 120, Layout::kNHD, 1, keys);
+    o.max_pages_per_seq = 128;
+    o.max_tokens_per_step = 128;
+    KVCache cache = testing::CreateCacheOrAbort(o);
+    Model m(&cache, stream_, 5);
+    const SequenceId a = m.Create();
+    ASSERT_TRUE(m.Step({{a, 100}}).ok());
+    ASSERT_TRUE(cache.SwapOut(a, stream_).ok());
+    const SequenceId b = m.Create();
+    ASSERT_TRUE(m.Step({{b, 128}}).ok());  // reuses pages a freed
+    ASSERT_TRUE(cache.SynchronizeSwaps().ok());
+    EXPECT_EQ(cache.Stats().host_pages_used, 100);
+    ASSERT_TRUE(cache.ReleaseSequence(b).ok());
+    m.tokens().erase(b);
+    ASSERT_TRUE(cache.SwapIn(a, stream_).ok());
+    ASSERT_TRUE(m.Step({{a, 1}}).ok());
+    EXPECT_EQ(m.CheckResident(), "");
+    EXPECT_TRUE(cache.CheckInvariants().ok()) << cache.CheckInvariants();
   }
 }
 

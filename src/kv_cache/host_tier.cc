@@ -69,21 +69,33 @@ absl::Status KVCacheState::EnqueueSwapCopy(const std::vector<int32_t>& pages,
     FP4KV_CUDA_RETURN_IF_ERROR(
         cudaEventRecord(host.copy_ready, reinterpret_cast<cudaStream_t>(stream)));
     FP4KV_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(host.copy_stream, host.copy_ready, 0));
-    // [2, n] ids (device pages, then host pages) in the swap ids' room for
-    // [2, max_pages_per_seq]; the host copy sized by n, not the capacity.
-    int32_t* d_ids = reinterpret_cast<int32_t*>(mem.d_step + mem.step_layout.swap_ids);
-    internal::HostVector<int32_t> ids;
-    FP4KV_RETURN_IF_ERROR(internal::SizeHost(
-        &ids, 2 * n, int32_t{0}, to_host ? "SwapOut" : "SwapIn", "the swap's page ids"));
-    std::copy(pages.begin(), pages.end(), ids.begin());
-    std::copy(host_ids.begin(), host_ids.end(), ids.begin() + n);
-    // From pageable memory: staged before the call returns.
-    FP4KV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(d_ids, ids.data(), ids.size() * sizeof(int32_t),
-                                               cudaMemcpyHostToDevice, host.copy_stream));
     const Stream side = reinterpret_cast<Stream>(host.copy_stream);
-    FP4KV_RETURN_IF_ERROR(LaunchPageCopy(to_host ? HostCopy(d_ids, d_ids + n, n, true, prefix_tier)
-                                                 : HostCopy(d_ids + n, d_ids, n, false, prefix_tier),
-                                         side));
+    if (n <= PageCopyParams::kInlineIds) {
+      // A short list travels in the launch: no upload ahead of the copy.
+      PageCopyParams p = HostCopy(nullptr, nullptr, n, to_host, prefix_tier);
+      p.inline_ids = true;
+      const std::vector<int32_t>& src = to_host ? pages : host_ids;
+      const std::vector<int32_t>& dst = to_host ? host_ids : pages;
+      std::copy(src.begin(), src.end(), p.ids);
+      std::copy(dst.begin(), dst.end(), p.ids + PageCopyParams::kInlineIds);
+      FP4KV_RETURN_IF_ERROR(LaunchPageCopy(p, side));
+    } else {
+      // [2, n] ids (device pages, then host pages) in the swap ids' room for
+      // [2, max_pages_per_seq]; the host copy sized by n, not the capacity.
+      int32_t* d_ids = reinterpret_cast<int32_t*>(mem.d_step + mem.step_layout.swap_ids);
+      internal::HostVector<int32_t> ids;
+      FP4KV_RETURN_IF_ERROR(internal::SizeHost(
+          &ids, 2 * n, int32_t{0}, to_host ? "SwapOut" : "SwapIn", "the swap's page ids"));
+      std::copy(pages.begin(), pages.end(), ids.begin());
+      std::copy(host_ids.begin(), host_ids.end(), ids.begin() + n);
+      // From pageable memory: staged before the call returns.
+      FP4KV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(d_ids, ids.data(), ids.size() * sizeof(int32_t),
+                                                 cudaMemcpyHostToDevice, host.copy_stream));
+      FP4KV_RETURN_IF_ERROR(LaunchPageCopy(to_host
+                                               ? HostCopy(d_ids, d_ids + n, n, true, prefix_tier)
+                                               : HostCopy(d_ids + n, d_ids, n, false, prefix_tier),
+                                           side));
+    }
     FP4KV_CUDA_RETURN_IF_ERROR(cudaEventRecord(host.swap_events[e], host.copy_stream));
     return absl::OkStatus();
   }();

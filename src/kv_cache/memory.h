@@ -31,12 +31,14 @@ constexpr int64_t kHostMapBytes = int64_t{64} << 20;
 // Longest sequence of the default max_pages_per_seq (KVCacheOptions).
 constexpr int64_t kDefaultMaxSeqTokens = 32768;
 // CTAs of a page copy to or from host memory (PCIe-bound; see PageCopyParams).
-// Few: 32 CTAs of 256 threads keep enough bytes in flight to fill PCIe (a
-// 4096-page promotion or demotion at 94.6-94.8% of a pinned cudaMemcpyAsync
-// on an H200), and leave the SMs to the steps that run beside the copy (a
-// 64-sequence decode step beside a 4096-page promotion: 6.84 ms against 6.33
-// alone; 52.1 ms with 512 CTAs, 9.3 ms with 64).
-constexpr int kHostCopyCtas = 32;
+// Few: 24 CTAs of 256 threads keep enough bytes in flight to fill PCIe, and
+// leave the SMs to the steps that run beside the copy. On an H200, one run
+// for each count: a 64-sequence, 32-layer decode step beside a 4096-page
+// promotion took 6.30 ms against 6.15 alone with 24 CTAs (6.21 with 16, 6.86
+// with 32, 9.3 with 64, 52.1 with 512); the promotion itself 85.2% of a
+// pinned cudaMemcpyAsync with 24 (70.7% with 16, 81.7% with 32), the
+// demotion 94.9% with 16, 24 or 32.
+constexpr int kHostCopyCtas = 24;
 
 inline int64_t RoundUp(int64_t x, int64_t a) { return (x + a - 1) / a * a; }
 

@@ -14,8 +14,8 @@ void ReferencePageCopy(const PageCopyParams& p) {
       const int64_t bytes = p.page_bytes[r];
       if (bytes == 0) continue;  // the K scales of FP8 keys
       for (int64_t i = 0; i < p.num_pages; ++i) {
-        const int64_t s = p.src_ids != nullptr ? p.src_ids[i] : i;
-        const int64_t d = p.dst_ids != nullptr ? p.dst_ids[i] : i;
+        const int64_t s = p.SrcPage(i);
+        const int64_t d = p.DstPage(i);
         std::memcpy(p.dst + l * p.dst_layer_stride + p.dst_region[r] + d * bytes,
                     p.src + l * p.src_layer_stride + p.src_region[r] + s * bytes,
                     static_cast<size_t>(bytes));
