@@ -1092,7 +1092,7 @@ NB_MODULE(_core, m) {
       .def_prop_ro("slot", &CacheAttention::slot);
 
   // ---- KVCache
-  nb::class_<KVCache>(m, "KVCache",
+  nb::class_<KVCache>(m, "KVCache", nb::is_weak_referenceable(),
                       "The stateful NVFP4 KV cache of a whole model (kv_cache.h). Views and "
                       "bound ops keep it alive.")
       .def("__init__",
