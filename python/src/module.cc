@@ -90,7 +90,11 @@ T Take(absl::StatusOr<T>&& r) {
   return *std::move(r);
 }
 
-// Runs `f` (a C++ call that touches no Python object) without the GIL.
+// Runs `f` (a C++ call that touches no Python object) without the GIL. Only
+// the functional ops do (they touch caller memory only, and may run
+// concurrently, ops.h); calls on a KVCache and its bound ops keep the GIL, so
+// Python threads cannot break the cache's rule that its calls are
+// serialized.
 template <typename F>
 absl::Status NoGil(F&& f) {
   nb::gil_scoped_release release;
@@ -1047,7 +1051,7 @@ NB_MODULE(_core, m) {
       .def("run",
            [](const CacheAppender& op, int layer, nb::handle key, nb::handle value, uintptr_t stream) {
              const TensorView k = In(key, "key"), v = In(value, "value");
-             Check(NoGil([&] { return op.Run(layer, k, v, StreamOf(stream)); }));
+             Check(op.Run(layer, k, v, StreamOf(stream)));
            },
            "layer"_a, "key"_a, "value"_a, "stream"_a = 0,
            "Quantizes the step's new rows key [R, H, Dk], value [R, H, Dv] into layer `layer`.")
@@ -1058,7 +1062,7 @@ NB_MODULE(_core, m) {
       .def("run",
            [](const CacheMaterializer& op, int layer, nb::handle out, uintptr_t stream) {
              const TensorView o = Out(out, "out");
-             Check(NoGil([&] { return op.Run(layer, o, StreamOf(stream)); }));
+             Check(op.Run(layer, o, StreamOf(stream)));
            },
            "layer"_a, "out"_a, "stream"_a = 0)
       .def("for_slot", [](const CacheMaterializer& op, int slot) { return Take(op.ForSlot(slot)); },
@@ -1068,7 +1072,7 @@ NB_MODULE(_core, m) {
       .def("run",
            [](const CacheDequantizer& op, int layer, nb::handle k_out, nb::handle v_out, uintptr_t stream) {
              const TensorView k = Out(k_out, "k_out"), v = Out(v_out, "v_out");
-             Check(NoGil([&] { return op.Run(layer, k, v, StreamOf(stream)); }));
+             Check(op.Run(layer, k, v, StreamOf(stream)));
            },
            "layer"_a, "k_out"_a, "v_out"_a, "stream"_a = 0)
       .def("for_slot", [](const CacheDequantizer& op, int slot) { return Take(op.ForSlot(slot)); },
@@ -1081,7 +1085,7 @@ NB_MODULE(_core, m) {
              const TensorView qv = In(q, "q"), o = Out(out, "out"), l = OutOpt(lse, "lse"),
                               s = InOpt(sinks, "sinks");
              const Bytes w = OutBytes(workspace, "workspace");
-             Check(NoGil([&] { return op.Run(layer, qv, o, w.data, w.size, StreamOf(stream), l, s); }));
+             Check(op.Run(layer, qv, o, w.data, w.size, StreamOf(stream), l, s));
            },
            "layer"_a, "q"_a, "out"_a, "workspace"_a = nb::none(), "stream"_a = 0,
            "lse"_a = nb::none(), "sinks"_a = nb::none(),
@@ -1140,7 +1144,7 @@ NB_MODULE(_core, m) {
       .def("read_sequence",
            [](const KVCache& c, int layer, SequenceId seq, nb::handle k_out, nb::handle v_out, uintptr_t stream) {
              const TensorView k = Out(k_out, "k_out"), v = Out(v_out, "v_out");
-             Check(NoGil([&] { return c.ReadSequence(layer, seq, k, v, StreamOf(stream)); }));
+             Check(c.ReadSequence(layer, seq, k, v, StreamOf(stream)));
            },
            "layer"_a, "seq"_a, "k_out"_a, "v_out"_a, "stream"_a = 0)
       // export / import
@@ -1148,7 +1152,7 @@ NB_MODULE(_core, m) {
       .def("export_sequence",
            [](const KVCache& c, SequenceId s, nb::handle dst, uintptr_t stream) {
              const Bytes b = BytesOf(Out(dst, "dst"), "dst");
-             Check(NoGil([&] { return c.ExportSequence(s, b.data, b.size, StreamOf(stream)); }));
+             Check(c.ExportSequence(s, b.data, b.size, StreamOf(stream)));
            },
            "seq"_a, "dst"_a, "stream"_a = 0)
       .def("reserve_import",

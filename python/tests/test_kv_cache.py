@@ -248,3 +248,81 @@ def test_bound_dequantizer_and_materializer(rng):
     fp8_tables = np.from_dlpack(c.step_views()["fp8_block_tables"])
     assert list(fp8_tables[0, :2]) == [1, 2]
     assert out[1].any() and not out[0].any()
+
+
+def test_import_half_pages(rng):
+    c = make_cache(num_layers=2, k_global_scales=[0.01, 0.02], v_global_scales=[0.03, 0.04])
+    layers, src = [], []
+    for _ in range(2):
+        k, v = halves(rng, 3, S, H, D), halves(rng, 3, S, H, D)
+        layers.append(fp4kv.HalfPagedCache(k, v))
+        src.append((k, v))
+    s = c.import_half_pages(layers, [2, 0], 20)  # tokens in source pages 2 then 0
+    assert c.sequence_length(s) == 20
+    for layer, (gk, _) in enumerate([(0.01, 0.03), (0.02, 0.04)]):
+        k_out, v_out = np.zeros((20, H, D), np.float16), np.zeros((20, H, D), np.float16)
+        c.read_sequence(layer, s, k_out, v_out)
+        rows = np.concatenate([src[layer][0][2], src[layer][0][0]])[:20]
+        kp, ks = ref.quantize_rows(rows.reshape(-1, D).astype(np.float32), gk)
+        np.testing.assert_array_equal(k_out, ref.dequantize_rows(kp, ks, gk).astype(np.float16).reshape(20, H, D))
+
+
+def test_late_token_ids_make_pages_shareable(rng):
+    pc = fp4kv.PrefixCacheOptions()
+    pc.enabled = True
+    c = make_cache(num_layers=1, prefix_cache=pc, k_global_scales=[0.01], v_global_scales=[0.01])
+    s = c.create_sequence()
+    c.prepare_step([(s, 33)])  # ids not known yet
+    c.appender(fp4kv.DType.f16).run(0, halves(rng, 33, H, D), halves(rng, 33, H, D))
+    prompt = np.arange(500, 533, dtype=np.int32)
+    assert c.match_prefix(prompt).tokens == 0
+    c.set_token_ids(s, 0, prompt)
+    assert c.match_prefix(prompt).tokens == 32
+    with pytest.raises(fp4kv.InvalidArgumentError, match="ids"):
+        c.set_token_ids(s, 0, [1, 2, 3])  # differs from the known ids
+
+
+def test_calibrate_global_scales(rng):
+    c = make_cache(num_layers=1)
+    k, v = halves(rng, 40, H, D, scale=2.0), halves(rng, 40, H, D)
+    cal = fp4kv.Calibrator(max_elements=k.size, dtype=fp4kv.DType.f16)
+    c.calibrate_global_scales(0, k, v, cal)
+    sc = c.read_scales(0)
+    assert sc.k_calibrated and sc.k == fp4kv.make_global_scale(float(np.abs(k).max()))
+    assert sc.v == fp4kv.make_global_scale(float(np.abs(v).max()))
+    g, amax = np.zeros(1, np.float32), np.zeros(1, np.float32)
+    cal.run(k, g, amax=amax)
+    assert amax[0] == np.abs(k).max() and g[0] == sc.k
+
+
+def test_two_step_slots(rng):
+    c = make_cache(num_layers=1, step_slots=2, k_global_scales=[0.01], v_global_scales=[0.01])
+    s = c.create_sequence()
+    app = c.appender(fp4kv.DType.f16)
+    per_slot = [app.for_slot(0), app.for_slot(1)]
+    assert [a.slot for a in per_slot] == [0, 1]
+    with pytest.raises(fp4kv.InvalidArgumentError, match="slot"):
+        app.for_slot(2)
+    for step in range(4):
+        info = c.prepare_step([(s, 3)])
+        assert info.slot == step % 2
+        per_slot[info.slot].run(0, halves(rng, 3, H, D), halves(rng, 3, H, D))
+    assert c.sequence_length(s) == 12 and c.layer_tokens(0) == 12
+    assert np.from_dlpack(c.step_views(0)["seq_lens"])[0] == 9
+    assert np.from_dlpack(c.step_views(1)["seq_lens"])[0] == 12
+
+
+def test_cuda_device_without_a_gpu_is_an_error_not_a_crash():
+    o = fp4kv.KVCacheOptions()
+    o.num_layers = 1
+    o.geometry = fp4kv.CacheGeometry(num_kv_heads=1, head_dim_k=64, page_size=16, num_pages=4)
+    o.device = fp4kv.Device("cuda:0")
+    assert o.device == fp4kv.Device.cuda(0) and o.device.is_cuda
+    try:
+        c = fp4kv.KVCache(o)
+    except fp4kv.FailedPreconditionError as e:
+        assert "CUDA" in str(e) or "cuda" in str(e)
+    else:  # a machine with a GPU: the views are CUDA tensors
+        assert c.layer_cache(0).k_data.__dlpack_device__() == (2, 0)
+    with pytest.raises(fp4kv.InvalidArgumentError, match="device"):
+        fp4kv.Device("tpu")
