@@ -161,7 +161,10 @@ struct Bytes {
   int64_t size = 0;
 };
 Bytes BytesOf(const TensorView& v, const char* name) {
-  if (!v.IsContiguous()) ThrowInvalid(std::string(name) + ": expected a contiguous tensor, got strides of shape " + v.ShapeString());
+  if (!v.IsContiguous()) {
+    ThrowInvalid(std::string(name) + ": expected a contiguous tensor, got a strided view of shape " +
+                 v.ShapeString());
+  }
   const int64_t n = v.numel();
   return Bytes{v.data, n * DTypeSize(v.dtype)};
 }
@@ -170,8 +173,8 @@ Bytes OutBytes(nb::handle h, const char* name) {
   return BytesOf(Out(h, name), name);
 }
 
-// A global scale: a number (the value) or a tensor whose first fp32 element
-// is read when the op runs (GlobalScale::Pointer).
+// A global scale: a number (the value; Python and numpy scalars) or a tensor
+// whose first fp32 element is read when the op runs (GlobalScale::Pointer).
 GlobalScale ScaleOf(nb::handle h, const char* name) {
   if (PyFloat_Check(h.ptr()) || PyLong_Check(h.ptr()) ||
       (!nb::hasattr(h, "__dlpack__") && PyNumber_Check(h.ptr()) && !PyObject_CheckBuffer(h.ptr()))) {
@@ -1036,9 +1039,9 @@ NB_MODULE(_core, m) {
       .def_prop_ro("has_tokens", &SequenceImageHeader::has_tokens);
   m.def("parse_sequence_image_header",
         [](nb::handle image) {
-          const Bytes b = BytesOf(In(image, "image"), "image");
           const TensorView v = In(image, "image");
-          if (v.device.is_cuda()) ThrowInvalid("image: expected host memory for the header, got a CUDA tensor");
+          if (v.device.is_cuda()) ThrowInvalid("image: expected host memory, got a CUDA tensor");
+          const Bytes b = BytesOf(v, "image");
           return Take(ParseSequenceImageHeader(b.data, b.size));
         },
         "image"_a, "Parses and validates the header at the start of a host image.");
