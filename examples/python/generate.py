@@ -421,7 +421,7 @@ def main():
         ("fp4kv K8V4", lambda: Fp4kvCache(cfg, args.max_len, args.chunk, device, fp4kv.KeyFormat.fp8)),
     ]
     rows = []
-    with torch.inference_mode():
+    with torch.no_grad():
         for name, make in caches:
             ids, rate = generate(model, make, prompt_ids, args.max_new_tokens, tok_fields["eos"],
                                  args.chunk, device)
