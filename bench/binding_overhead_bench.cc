@@ -54,8 +54,10 @@ std::vector<uint16_t> Rows(int64_t n) { return std::vector<uint16_t>(n, 0x2e66);
 void BM_CppAppenderRun(benchmark::State& state) {
   Setup s = Make();
   std::vector<uint16_t> k = Rows(kHeads * kDim), v = Rows(kHeads * kDim);
-  const fp4kv::TensorView kv = fp4kv::TensorView::Contiguous(k.data(), fp4kv::DType::kF16, {1, kHeads, kDim});
-  const fp4kv::TensorView vv = fp4kv::TensorView::Contiguous(v.data(), fp4kv::DType::kF16, {1, kHeads, kDim});
+  const fp4kv::TensorView kv =
+      fp4kv::TensorView::Contiguous(k.data(), fp4kv::DType::kF16, {1, kHeads, kDim});
+  const fp4kv::TensorView vv =
+      fp4kv::TensorView::Contiguous(v.data(), fp4kv::DType::kF16, {1, kHeads, kDim});
   for (auto _ : state) {
     absl::Status st = s.append.Run(0, kv, vv);
     if (!st.ok()) state.SkipWithError(st.ToString().c_str());
@@ -67,8 +69,10 @@ BENCHMARK(BM_CppAppenderRun)->Repetitions(15)->ReportAggregatesOnly(true);
 void BM_CppAttentionRun(benchmark::State& state) {
   Setup s = Make();
   std::vector<uint16_t> q = Rows(8 * kQoHeads * kDim), out(8 * kQoHeads * kDim);
-  const fp4kv::TensorView qv = fp4kv::TensorView::Contiguous(q.data(), fp4kv::DType::kF16, {8, kQoHeads, kDim});
-  const fp4kv::TensorView ov = fp4kv::TensorView::Contiguous(out.data(), fp4kv::DType::kF16, {8, kQoHeads, kDim});
+  const fp4kv::TensorView qv =
+      fp4kv::TensorView::Contiguous(q.data(), fp4kv::DType::kF16, {8, kQoHeads, kDim});
+  const fp4kv::TensorView ov =
+      fp4kv::TensorView::Contiguous(out.data(), fp4kv::DType::kF16, {8, kQoHeads, kDim});
   for (auto _ : state) {
     absl::Status st = s.attend.Run(0, qv, ov, nullptr, 0);
     if (!st.ok()) state.SkipWithError(st.ToString().c_str());
