@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Builds fp4kv and runs the whole test suite (GPU tests skip without a GPU).
-#   bash scripts/test.sh              # Release build in build/
-#   bash scripts/test.sh --sanitize   # ASan + UBSan build of the tests in build-asan/
+#   bash scripts/test.sh              # Release build in build/; then installs the Python
+#                                     # package fp4kv built on it and runs its tests
+#                                     # (scripts/test_python.sh)
+#   bash scripts/test.sh --sanitize   # ASan + UBSan build of the C++ tests in build-asan/
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install_deps.sh
@@ -21,4 +23,5 @@ else
   cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DFP4KV_BUILD_TESTS=ON -DFP4KV_BUILD_BENCHMARKS=ON -DFP4KV_BUILD_EXAMPLES=ON >/dev/null
   cmake --build build -j"$jobs"
   ctest --test-dir build --output-on-failure -j"$jobs"
+  bash scripts/test_python.sh build
 fi

@@ -1,0 +1,86 @@
+// The C++ side of the Python binding's overhead (python/bench/overhead.py
+// runs the same calls from Python; docs/python.md).
+//
+//   BM_CppAppenderRun: CacheAppender::Run of one step of 1 new token.
+//   BM_CppAttentionRun: CacheAttention::Run of that step: 1 query row, 4 qo
+//     heads over 2 KV heads, head_dim 64, a context of 16 tokens.
+// CPU device, f16, given global scales (no calibration path), one layer,
+// page size 16: the op itself takes about a microsecond, so the difference
+// from the Python timings is the cost of the binding (argument parsing,
+// DLPack import of each tensor, the exception check, the GIL release).
+// Eager calls, median of the repetitions.
+#include <cstdint>
+#include <vector>
+
+#include "benchmark/benchmark.h"
+#include "fp4kv/kv_cache.h"
+
+namespace {
+
+constexpr int kHeads = 2, kQoHeads = 4, kDim = 64, kContext = 16;
+
+struct Setup {
+  fp4kv::KVCache cache;
+  fp4kv::CacheAppender append;
+  fp4kv::CacheAttention attend;
+};
+
+Setup Make() {
+  fp4kv::KVCacheOptions o;
+  o.num_layers = 1;
+  o.geometry.num_kv_heads = kHeads;
+  o.geometry.head_dim_k = o.geometry.head_dim_v = kDim;
+  o.geometry.page_size = 16;
+  o.geometry.num_pages = 64;
+  o.k_global_scales = {0.01f};
+  o.v_global_scales = {0.01f};
+  o.max_seqs_per_step = 8;
+  o.max_tokens_per_step = 64;
+  fp4kv::KVCache cache = *fp4kv::KVCache::Create(o);
+  const fp4kv::SequenceId seq = *cache.CreateSequence();
+  (void)*cache.PrepareStep({{seq, kContext - 1}});
+  (void)*cache.PrepareStep({{seq, 1}});
+  fp4kv::CacheAppender append = *cache.appender(fp4kv::DType::kF16);
+  fp4kv::CacheAttentionOptions a;
+  a.num_qo_heads = kQoHeads;
+  a.dtype = fp4kv::DType::kF16;
+  fp4kv::CacheAttention attend = *cache.attention(a);
+  return Setup{std::move(cache), append, attend};
+}
+
+// f16 rows of small values (0x2e66 ~ 0.1).
+std::vector<uint16_t> Rows(int64_t n) { return std::vector<uint16_t>(n, 0x2e66); }
+
+void BM_CppAppenderRun(benchmark::State& state) {
+  Setup s = Make();
+  std::vector<uint16_t> k = Rows(kHeads * kDim), v = Rows(kHeads * kDim);
+  const fp4kv::TensorView kv =
+      fp4kv::TensorView::Contiguous(k.data(), fp4kv::DType::kF16, {1, kHeads, kDim});
+  const fp4kv::TensorView vv =
+      fp4kv::TensorView::Contiguous(v.data(), fp4kv::DType::kF16, {1, kHeads, kDim});
+  for (auto _ : state) {
+    absl::Status st = s.append.Run(0, kv, vv);
+    if (!st.ok()) state.SkipWithError(st.ToString().c_str());
+    benchmark::DoNotOptimize(st);
+  }
+}
+BENCHMARK(BM_CppAppenderRun)->Repetitions(15)->ReportAggregatesOnly(true);
+
+void BM_CppAttentionRun(benchmark::State& state) {
+  Setup s = Make();
+  std::vector<uint16_t> q = Rows(8 * kQoHeads * kDim), out(8 * kQoHeads * kDim);
+  const fp4kv::TensorView qv =
+      fp4kv::TensorView::Contiguous(q.data(), fp4kv::DType::kF16, {8, kQoHeads, kDim});
+  const fp4kv::TensorView ov =
+      fp4kv::TensorView::Contiguous(out.data(), fp4kv::DType::kF16, {8, kQoHeads, kDim});
+  for (auto _ : state) {
+    absl::Status st = s.attend.Run(0, qv, ov, nullptr, 0);
+    if (!st.ok()) state.SkipWithError(st.ToString().c_str());
+    benchmark::DoNotOptimize(st);
+  }
+}
+BENCHMARK(BM_CppAttentionRun)->Repetitions(15)->ReportAggregatesOnly(true);
+
+}  // namespace
+
+BENCHMARK_MAIN();
