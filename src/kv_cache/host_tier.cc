@@ -31,7 +31,11 @@ PageCopyParams KVCacheState::HostCopy(const int32_t* src, const int32_t* dst, in
   p.dst_ids = dst;
   p.num_pages = n;
   p.num_layers = options.num_layers;
-  p.max_ctas = kHostCopyCtas;
+  // A copy of at most kHostCopyBurstUnits (layer, page) units takes one CTA
+  // a unit (one wave, microseconds long): its time is the PCIe round trips
+  // of a unit, not of several units in turn. Longer copies keep to
+  // kHostCopyCtas.
+  p.max_ctas = n * options.num_layers <= kHostCopyBurstUnits ? 0 : kHostCopyCtas;
   return p;
 }
 
