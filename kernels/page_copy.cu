@@ -18,18 +18,33 @@ constexpr int kCopyThreads = 256;
 constexpr int64_t kMaxCtas = 4096;
 constexpr int kRequantThreads = 256;
 
-constexpr int kUnroll = 4;  // 16-byte words each thread has in flight
+// 16-byte words each thread has in flight: 8 x 256 threads cover a whole
+// (layer, page) unit of the usual shapes (18 KiB at 8 KV heads, head_dim
+// 128, page 16) in one round, so a unit read over PCIe (a promotion from
+// the host tier) costs one round trip rather than two.
+constexpr int kUnroll = 8;
+// At most 64 registers a thread: a copy CTA then takes at most a quarter of
+// an SM's register file, so that a decode attention CTA beside it (128
+// threads x 128 registers, four to an SM) loses one slot, not two.
+constexpr int kCopyCtasPerSm = 4;
 
 // The usual case (every region's page size and base a multiple of 16
 // bytes): one CTA copies all four regions of one (layer, page) at a time, as
 // one run of 16-byte words with kUnroll loads in flight per thread before
 // the stores (scale pages alone are too small to keep a CTA busy).
-__global__ void __launch_bounds__(kCopyThreads) PageCopyVecKernel(const PageCopyParams p) {
+__global__ void __launch_bounds__(kCopyThreads, kCopyCtasPerSm)
+    PageCopyVecKernel(const PageCopyParams p) {
   __shared__ const uint4* src[4];
   __shared__ uint4* dst[4];
   const int64_t w1 = p.page_bytes[0] / 16, w2 = w1 + p.page_bytes[1] / 16,
                 w3 = w2 + p.page_bytes[2] / 16, words = w3 + p.page_bytes[3] / 16;
   const int64_t units = p.num_pages * p.num_layers;
+  // Region and offset of word k of a unit (recomputed for the stores rather
+  // than kept in registers across the loads).
+  const auto locate = [&](int64_t k, int* r, int64_t* off) {
+    *r = (k >= w1) + (k >= w2) + (k >= w3);
+    *off = k - (*r == 0 ? 0 : *r == 1 ? w1 : *r == 2 ? w2 : w3);
+  };
   for (int64_t u = blockIdx.x; u < units; u += gridDim.x) {
     const int64_t i = u % p.num_pages;
     const int64_t l = u / p.num_pages;
@@ -45,18 +60,21 @@ __global__ void __launch_bounds__(kCopyThreads) PageCopyVecKernel(const PageCopy
     __syncthreads();
     for (int64_t k0 = threadIdx.x; k0 < words; k0 += kUnroll * blockDim.x) {
       uint4 v[kUnroll];
-      int r[kUnroll];
-      int64_t off[kUnroll];
 #pragma unroll
       for (int j = 0; j < kUnroll; ++j) {
         const int64_t k = k0 + j * static_cast<int64_t>(blockDim.x);
-        r[j] = (k >= w1) + (k >= w2) + (k >= w3);
-        off[j] = k - (r[j] == 0 ? 0 : r[j] == 1 ? w1 : r[j] == 2 ? w2 : w3);
-        if (k < words) v[j] = src[r[j]][off[j]];
+        int r;
+        int64_t off;
+        locate(k, &r, &off);
+        if (k < words) v[j] = src[r][off];
       }
 #pragma unroll
       for (int j = 0; j < kUnroll; ++j) {
-        if (k0 + j * static_cast<int64_t>(blockDim.x) < words) dst[r[j]][off[j]] = v[j];
+        const int64_t k = k0 + j * static_cast<int64_t>(blockDim.x);
+        int r;
+        int64_t off;
+        locate(k, &r, &off);
+        if (k < words) dst[r][off] = v[j];
       }
     }
     __syncthreads();  // before the next unit's pointers
