@@ -628,6 +628,43 @@ TEST_F(PromotionInFlight, StepReusingAPromotedPageWaitsForIt) {
   EXPECT_TRUE(c.CheckInvariants().ok()) << c.CheckInvariants();
 }
 
+// A step whose stream waits for a promotion uploads its step buffers before
+// that wait: the upload overlaps the copy, and the next one-slot
+// PrepareStep (which waits on the host for the previous upload) does not wait
+// for the promotion.
+TEST_F(PromotionInFlight, StepUploadDoesNotWaitForIt) {
+  KVCache c = testing::CreateCacheOrAbort(HostPrefixOptions(Device::Cuda(0), 12, 8));
+  Model m(&c, A());
+  const std::vector<int32_t> pa = Iota(17, 100);
+  ASSERT_NO_FATAL_FAILURE(DemotePrompt(c, m, pa));
+  const SequenceId u = c.CreateSequence().value();
+
+  StreamHold hold(a_);
+  ASSERT_TRUE(hold.ok());
+  absl::StatusOr<PrefixSequence> p = c.CreateSequenceFromPrefix(pa);  // in flight behind A
+  ASSERT_TRUE(p.ok()) << p.status();
+  ASSERT_EQ(p->host_tokens, 16);
+  // The promoted sequence's own step (no copy on write: its new token opens
+  // a page): B waits for the copy after the step's upload.
+  ASSERT_TRUE(
+      c.PrepareStep({{p->seq, 1, absl::Span<const int32_t>(pa.data() + 16, 1)}}, B()).ok());
+  const auto t0 = std::chrono::steady_clock::now();
+  ASSERT_TRUE(c.PrepareStep({{u, 1}}, B()).ok());
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_LT(seconds, 5.0) << "the next PrepareStep waited for the promotion on the host";
+  EXPECT_EQ(cudaStreamQuery(a_), cudaErrorNotReady) << "the promotion was not held";
+  (void)cudaGetLastError();
+  EXPECT_EQ(cudaStreamQuery(b_), cudaErrorNotReady) << "B did not wait for the promotion";
+  (void)cudaGetLastError();
+  hold.Release();
+  ASSERT_EQ(cudaStreamSynchronize(a_), cudaSuccess);
+  ASSERT_TRUE(c.SynchronizeSwaps().ok());
+  ASSERT_EQ(cudaStreamSynchronize(b_), cudaSuccess);
+  EXPECT_EQ(c.SequenceLength(p->seq).value(), 17);
+  EXPECT_TRUE(c.CheckInvariants().ok()) << c.CheckInvariants();
+}
+
 TEST(PrefixHostOptions, BadHostBytesAreRefusedNamingTheOption) {
   KVCacheOptions o = HostPrefixOptions(Device::Cpu(), 8, 0);
   o.prefix_cache.host_bytes = -1;

@@ -83,6 +83,19 @@ absl::Status CheckStepEntries(KVCacheState& s, absl::Span<const StepEntry> entri
   return absl::OkStatus();
 }
 
+// Sequences of the step swapped back in, or holding pages whose promotion
+// from the host tier of the prefix cache may be in flight (their own or
+// shared): `stream` waits for their copies. Steps of other sequences do not.
+absl::Status OrderStepAfterSwapIns(KVCacheState& s, int n, Stream stream) {
+  for (int i = 0; i < n; ++i) {
+    KVCacheState::Sequence& q = *s.step.step_seqs[i];
+    if (q.swapin_event < 0) continue;
+    FP4KV_RETURN_IF_ERROR(s.OrderAfterSwapIn(q, stream));
+    s.DropSwapIn(q);
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace internal
 
 // ------------------------------------------------------------------- steps
@@ -150,23 +163,26 @@ absl::StatusOr<StepInfo> KVCache::PrepareStep(absl::Span<const StepEntry> entrie
       FP4KV_CUDA_RETURN_IF_ERROR(
           cudaStreamWaitEvent(reinterpret_cast<cudaStream_t>(stream), prev.done, 0));
     }
-    // Sequences swapped back in, or holding pages whose promotion from the
-    // host tier of the prefix cache may be in flight (their own or shared):
-    // the step's stream waits for their copies. Steps of other sequences
-    // do not.
-    for (int i = 0; i < n; ++i) {
-      KVCacheState::Sequence& q = *s.step.step_seqs[i];
-      if (q.swapin_event < 0) continue;
-      FP4KV_RETURN_IF_ERROR(s.OrderAfterSwapIn(q, stream));
-      s.DropSwapIn(q);
-    }
   }
+  // Waits of the step's stream for copies on the copy stream (sequences
+  // swapped back in, pages promoted from or demoted to the host tier of the
+  // prefix cache). The upload below writes only the slot's step buffers, so
+  // without copies on write (which read and write pages on `stream` here)
+  // the waits follow the upload: the upload then overlaps the copies, and
+  // upload_done (which the next one-slot PrepareStep waits for on the host)
+  // does not wait for them.
+  const bool waits_after_upload = s.step.cow_src.empty();
+  if (s.cuda && !waits_after_upload)
+    FP4KV_RETURN_IF_ERROR(internal::OrderStepAfterSwapIns(s, n, stream));
 
   // Copies on write first: undone if one cannot be enqueued.
   const int64_t evictions_before = s.allocator.evictions();
+  const int64_t demotions_before = s.prefix_host.demotions;
   // Cached pages the allocations below evict go to the host tier of the
-  // prefix cache (copied before this step's work on `stream` rewrites them).
-  FP4KV_RETURN_IF_ERROR(s.DemoteForAllocation(need, stream));
+  // prefix cache (copied before this step's work on `stream` rewrites them:
+  // `stream` waits for the copies, here or after the upload).
+  FP4KV_RETURN_IF_ERROR(
+      s.DemoteForAllocation(need, stream, /*writes_on_copy_stream=*/waits_after_upload));
   s.step.cow_dst.clear();
   for (size_t c = 0; c < s.step.cow_src.size(); ++c) {
     const int32_t dst = s.allocator.Allocate();
@@ -270,16 +286,10 @@ absl::StatusOr<StepInfo> KVCache::PrepareStep(absl::Span<const StepEntry> entrie
 
   if (s.cuda) {
     const cudaStream_t cs = reinterpret_cast<cudaStream_t>(stream);
-    // The step's appends into a page a promotion may still be writing come
-    // after that copy.
-    if (reused_promoted) {
-      FP4KV_CUDA_RETURN_IF_ERROR(
-          cudaStreamWaitEvent(cs, s.host.swap_events[s.prefix_host.latest_event], 0));
-    }
     const internal::StepLayout& sl = s.mem.step_layout;
     const uint8_t* host = slot.h_base;
-    FP4KV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(slot.d_base, host, sl.slots + 8 * slot_upload,
-                                               cudaMemcpyHostToDevice, cs));
+    FP4KV_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(slot.d_base, host, sl.slots + 8 * slot_upload, cudaMemcpyHostToDevice, cs));
     if (dirty_hi >= dirty_lo) {
       const int64_t row_bytes = 4 * static_cast<int64_t>(M);
       const int64_t off = sl.tables + dirty_lo * row_bytes;
@@ -289,6 +299,18 @@ absl::StatusOr<StepInfo> KVCache::PrepareStep(absl::Span<const StepEntry> entrie
     }
     FP4KV_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.upload_done, cs));
     slot.upload_pending = true;
+    if (waits_after_upload) {
+      FP4KV_RETURN_IF_ERROR(internal::OrderStepAfterSwapIns(s, n, stream));
+      if (s.prefix_host.demotions != demotions_before) {
+        FP4KV_RETURN_IF_ERROR(s.OrderAfterCopies(stream));
+      }
+    }
+    // The step's appends into a page a promotion may still be writing come
+    // after that copy.
+    if (reused_promoted) {
+      FP4KV_CUDA_RETURN_IF_ERROR(
+          cudaStreamWaitEvent(cs, s.host.swap_events[s.prefix_host.latest_event], 0));
+    }
   }
   return info;
 }
@@ -360,11 +382,13 @@ absl::Span<const int32_t> KVCache::host_seq_lens() const {
 }
 absl::Span<const int32_t> KVCache::host_kv_page_indptr() const {
   if (state_ == nullptr) return {};
-  return absl::Span<const int32_t>(state_->step.cur().h_kv_indptr, state_->step.cur().info.num_seqs + 1);
+  return absl::Span<const int32_t>(state_->step.cur().h_kv_indptr,
+                                   state_->step.cur().info.num_seqs + 1);
 }
 absl::Span<const int32_t> KVCache::host_token_indptr() const {
   if (state_ == nullptr) return {};
-  return absl::Span<const int32_t>(state_->step.cur().h_token_indptr, state_->step.cur().info.num_seqs + 1);
+  return absl::Span<const int32_t>(state_->step.cur().h_token_indptr,
+                                   state_->step.cur().info.num_seqs + 1);
 }
 absl::Span<const int32_t> KVCache::host_block_table(int row) const {
   if (state_ == nullptr || row < 0 || row >= state_->options.max_seqs_per_step) return {};
