@@ -486,6 +486,15 @@ class PromotionInFlight : public ::testing::Test {
     ASSERT_EQ(c.Stats().pages_free, 12);
   }
 
+  // Promotes pa's four host pages (after DemotePrompt): with A held by the
+  // caller's StreamHold, the copy stays in flight until the hold is released.
+  void PromoteHeld(KVCache& c, const std::vector<int32_t>& pa, PrefixSequence* out) {
+    absl::StatusOr<PrefixSequence> p = c.CreateSequenceFromPrefix(pa);
+    ASSERT_TRUE(p.ok()) << p.status();
+    ASSERT_EQ(p->host_tokens, 16);
+    *out = *p;
+  }
+
   cudaStream_t a_ = nullptr;
   cudaStream_t b_ = nullptr;
 };
@@ -506,9 +515,8 @@ TEST_F(PromotionInFlight, StepOfOtherSequencesDoesNotWaitForIt) {
 
   StreamHold hold(a_);
   ASSERT_TRUE(hold.ok());
-  absl::StatusOr<PrefixSequence> p = c.CreateSequenceFromPrefix(pa);  // in flight behind A
-  ASSERT_TRUE(p.ok()) << p.status();
-  ASSERT_EQ(p->host_tokens, 16);
+  PrefixSequence p;
+  ASSERT_NO_FATAL_FAILURE(PromoteHeld(c, pa, &p));  // in flight behind A
   ASSERT_TRUE(c.PrepareStep({{u, kPs}}, B()).ok());
   ASSERT_TRUE(testing::RunAppendAllLayers(c, *app, &in, B()).ok());
   EXPECT_TRUE(CompletesWithin(b_, 10.0)) << "a step of another sequence waited for the promotion";
@@ -521,7 +529,7 @@ TEST_F(PromotionInFlight, StepOfOtherSequencesDoesNotWaitForIt) {
   const testing::PoolCopy pools = DownloadPools(c);
   std::vector<Token> pt;
   for (int i = 0; i < 16; ++i) pt.push_back(m.TokenOf(pa[i]));
-  EXPECT_EQ(testing::CheckSequenceBytes(c, pools, p->seq, pt), "");
+  EXPECT_EQ(testing::CheckSequenceBytes(c, pools, p.seq, pt), "");
   EXPECT_EQ(testing::CheckSequenceBytes(c, pools, u, ut), "");
   EXPECT_TRUE(c.CheckInvariants().ok()) << c.CheckInvariants();
 }
@@ -558,9 +566,8 @@ TEST_F(PromotionInFlight, SequenceSharingThePromotedPagesWaitsForIt) {
 
   StreamHold hold(a_);
   ASSERT_TRUE(hold.ok());
-  absl::StatusOr<PrefixSequence> p = c.CreateSequenceFromPrefix(pa);  // the promoter
-  ASSERT_TRUE(p.ok()) << p.status();
-  ASSERT_EQ(p->host_tokens, 16);
+  PrefixSequence p;
+  ASSERT_NO_FATAL_FAILURE(PromoteHeld(c, pa, &p));  // the promoter
   // Another sequence of the same prompt shares the promoted pages (device
   // hits); its step and read on B come after the copy.
   absl::StatusOr<PrefixSequence> s2 = c.CreateSequenceFromPrefix(pa);
@@ -605,12 +612,11 @@ TEST_F(PromotionInFlight, StepReusingAPromotedPageWaitsForIt) {
 
   StreamHold hold(a_);
   ASSERT_TRUE(hold.ok());
-  absl::StatusOr<PrefixSequence> p = c.CreateSequenceFromPrefix(pa);
-  ASSERT_TRUE(p.ok()) << p.status();
-  ASSERT_EQ(p->host_tokens, 16);
+  PrefixSequence p;
+  ASSERT_NO_FATAL_FAILURE(PromoteHeld(c, pa, &p));
   // Released and out of the index: the promoted pages are free pages again
   // (no eviction, so no demotion orders the next step after the copies).
-  ASSERT_TRUE(c.ReleaseSequence(p->seq).ok());
+  ASSERT_TRUE(c.ReleaseSequence(p.seq).ok());
   c.ResetPrefixCache();
   ASSERT_EQ(c.Stats().pages_free, 12);
   // u takes every page of the pool, the four promoted ones among them.
@@ -641,13 +647,11 @@ TEST_F(PromotionInFlight, StepUploadDoesNotWaitForIt) {
 
   StreamHold hold(a_);
   ASSERT_TRUE(hold.ok());
-  absl::StatusOr<PrefixSequence> p = c.CreateSequenceFromPrefix(pa);  // in flight behind A
-  ASSERT_TRUE(p.ok()) << p.status();
-  ASSERT_EQ(p->host_tokens, 16);
+  PrefixSequence p;
+  ASSERT_NO_FATAL_FAILURE(PromoteHeld(c, pa, &p));  // in flight behind A
   // The promoted sequence's own step (no copy on write: its new token opens
   // a page): B waits for the copy after the step's upload.
-  ASSERT_TRUE(
-      c.PrepareStep({{p->seq, 1, absl::Span<const int32_t>(pa.data() + 16, 1)}}, B()).ok());
+  ASSERT_TRUE(c.PrepareStep({{p.seq, 1, absl::Span<const int32_t>(pa.data() + 16, 1)}}, B()).ok());
   const auto t0 = std::chrono::steady_clock::now();
   ASSERT_TRUE(c.PrepareStep({{u, 1}}, B()).ok());
   const double seconds =
@@ -661,7 +665,7 @@ TEST_F(PromotionInFlight, StepUploadDoesNotWaitForIt) {
   ASSERT_EQ(cudaStreamSynchronize(a_), cudaSuccess);
   ASSERT_TRUE(c.SynchronizeSwaps().ok());
   ASSERT_EQ(cudaStreamSynchronize(b_), cudaSuccess);
-  EXPECT_EQ(c.SequenceLength(p->seq).value(), 17);
+  EXPECT_EQ(c.SequenceLength(p.seq).value(), 17);
   EXPECT_TRUE(c.CheckInvariants().ok()) << c.CheckInvariants();
 }
 

@@ -266,6 +266,7 @@ class Fp4kvCache:
             num_kv_heads=cfg["kv_heads"], head_dim_k=cfg["head_dim"], page_size=page,
             num_pages=(max_len + page - 1) // page + 4, key_format=key_format)
         o.device = fp4kv.Device(f"cuda:{torch.device(device).index or 0}")
+        self.device = o.device
         o.max_seqs_per_step = 1
         o.max_tokens_per_step = chunk
         o.max_pages_per_seq = (max_len + page - 1) // page
@@ -300,7 +301,7 @@ class Fp4kvCache:
         the first append's rows."""
         fp4kv = self.fp4kv
         n = max(k.numel() for k in ks + vs)
-        cal = fp4kv.Calibrator(n, fp4kv.DType.bf16, fp4kv.Device("cuda:0"))
+        cal = fp4kv.Calibrator(n, fp4kv.DType.bf16, self.device)
         for layer, (k, v) in enumerate(zip(ks, vs)):
             self.cache.calibrate_global_scales(layer, k.contiguous(), v.contiguous(), cal,
                                                stream=self.stream())
