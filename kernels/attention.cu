@@ -26,9 +26,10 @@ absl::Status PrepareDecodeAttentionDim(const DecodeAttention::Options& o,
                                        AttentionKernelSetup* out);
 template <int D>
 absl::Status LaunchDecodeAttentionDim(const AttentionParams& p, Stream stream);
-// kernels/attention_prefill_d{64,128,256}.cu (kernels/attention/prefill.cuh).
+// kernels/attention_prefill_d{64,128,256}.cu (kernels/attention/prefill_launch.cuh).
 template <int D>
-absl::Status PrepareAttentionPrefillDim(const DecodeAttention::Options& o, int* ctas_per_sm);
+absl::Status PrepareAttentionPrefillDim(const DecodeAttention::Options& o,
+                                        AttentionKernelSetup* out);
 template <int D>
 absl::Status LaunchAttentionPrefillDim(const AttentionParams& p, Stream stream);
 
@@ -106,8 +107,7 @@ absl::Status PrepareDecodeAttention(const DecodeAttention::Options& o,
     return ForHeadDim(o.geometry.head_dim_v, [&](auto d) -> absl::Status {
       constexpr int kD = decltype(d)::value;
       FP4KV_RETURN_IF_ERROR(PrepareDecodeAttentionDim<kD>(o, out));
-      return prefill ? PrepareAttentionPrefillDim<kD>(o, &out->prefill_ctas_per_sm)
-                     : absl::OkStatus();
+      return prefill ? PrepareAttentionPrefillDim<kD>(o, out) : absl::OkStatus();
     });
   }();
   if (previous != o.device.ordinal) {

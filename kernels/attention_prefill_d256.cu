@@ -1,6 +1,6 @@
 // Prefill attention kernels of head dim 256 (kernels/attention/prefill.cuh),
 // one translation unit per head dim.
-#include "kernels/attention/prefill.cuh"
+#include "kernels/attention/prefill_launch.cuh"
 
 namespace fp4kv {
 namespace internal {

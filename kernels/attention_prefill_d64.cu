@@ -1,6 +1,7 @@
-// Prefill attention kernels of head dim 64 (kernels/attention/prefill.cuh),
+// Prefill attention kernels of head dim 64 (kernels/attention/prefill.cuh,
+// kernels/attention/prefill_sm90.cuh),
 // one translation unit per head dim.
-#include "kernels/attention/prefill.cuh"
+#include "kernels/attention/prefill_launch.cuh"
 
 namespace fp4kv {
 namespace internal {

@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 source scripts/env.sh
 prefix=$(mktemp -d)
 trap 'rm -rf "$prefix" build-consumer' EXIT
-cmake -S . -B build-install -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 \
+cmake -S . -B build-install -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90a \
   -DFP4KV_BUILD_TESTS=OFF -DFP4KV_BUILD_BENCHMARKS=OFF -DFP4KV_BUILD_EXAMPLES=OFF >/dev/null
 cmake --build build-install -j"$(nproc)"
 cmake --install build-install --prefix "$prefix" >/dev/null

@@ -29,7 +29,7 @@ launcher=()
 if command -v ccache >/dev/null 2>&1; then
   launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache -DCMAKE_CUDA_COMPILER_LAUNCHER=ccache)
 fi
-cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 \
+cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90a \
   -DFP4KV_BUILD_TESTS=ON -DFP4KV_BUILD_BENCHMARKS=ON -DFP4KV_BUILD_EXAMPLES=ON -DBUILD_SHARED_LIBS=ON \
   "${launcher[@]}"
 if [ -n "${TARGETS:-}" ]; then

@@ -12,7 +12,7 @@ jobs=$(nproc)
 if [ "${1:-}" = "--sanitize" ]; then
   # Host code under the sanitizers; one CUDA architecture is enough here.
   cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DFP4KV_SANITIZE=ON \
-    -DCMAKE_CUDA_ARCHITECTURES=90 -DFP4KV_BUILD_BENCHMARKS=OFF -DFP4KV_BUILD_EXAMPLES=OFF >/dev/null
+    -DCMAKE_CUDA_ARCHITECTURES=90a -DFP4KV_BUILD_BENCHMARKS=OFF -DFP4KV_BUILD_EXAMPLES=OFF >/dev/null
   cmake --build build-asan -j"$jobs"
   # protect_shadow_gap=0 lets the CUDA runtime map memory under ASan;
   # allocator_may_return_null=1 lets an impossible allocation fail as it does

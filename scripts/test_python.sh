@@ -13,7 +13,7 @@ python=${PYTHON:-python3}
 build=${1:-build}
 jobs=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}
 if [ ! -f "$build/CMakeCache.txt" ]; then
-  cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 \
+  cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90a \
     -DFP4KV_LIBRARY_ONLY=ON >/dev/null
 fi
 cmake --build "$build" -j"$jobs" --target fp4kv

@@ -121,7 +121,8 @@ absl::StatusOr<DecodeAttention> DecodeAttention::Create(const Options& o) {
   }
   return DecodeAttention(o, num_sms, workspace_bytes, setup.merge_overlaps,
                          static_cast<int>(setup.family), setup.ctas_per_sm,
-                         setup.prefill_ctas_per_sm, setup.ctas_per_sm_rows);
+                         setup.prefill_ctas_per_sm, setup.ctas_per_sm_rows,
+                         static_cast<int>(setup.prefill_family));
 }
 
 namespace internal {
@@ -263,6 +264,7 @@ absl::Status DecodeAttentionRunner::Run(const DecodeAttention& op, const DecodeA
   p->ctas_per_sm = op.ctas_per_sm_;
   p->prefill_ctas_per_sm = op.prefill_ctas_per_sm_;
   p->ctas_per_sm_rows = op.ctas_per_sm_rows_;
+  p->prefill_family = static_cast<PrefillFamily>(op.prefill_family_);
   if (!op.options_.device.is_cuda()) {
     ReferenceDecodeAttention(*p);
     return absl::OkStatus();

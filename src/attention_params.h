@@ -25,6 +25,10 @@ namespace internal {
 // Create()) forces the other family, for tests and comparisons.
 enum class AttentionFamily : int { kRowsInM = 0, kTokensInM = 1 };
 
+// The prefill kernel family (kernels/attention/prefill_launch.cuh): mma.sync
+// (sm_80 and up) or wgmma (sm_90a builds on compute capability 9.0).
+enum class PrefillFamily : int { kMma = 0, kWgmma = 1 };
+
 // Query rows (group * q_len) of the largest item the tokens-in-M kernel takes.
 inline constexpr int kTokensInMMaxRows = 8;
 
@@ -90,6 +94,7 @@ struct AttentionParams {
   // Resident CTAs of the prefill kernel per SM (found at Create() when
   // max_q_len > kDecodeRowsQLen; its persistent grid is num_sms times this).
   int prefill_ctas_per_sm = 0;
+  PrefillFamily prefill_family = PrefillFamily::kMma;  // see AttentionKernelSetup
   int ctas_per_sm_rows = 0;  // see AttentionKernelSetup
 
   // Reference only (tests): when set, the CPU reference also stores every
@@ -171,6 +176,8 @@ struct AttentionKernelSetup {
   // Resident CTAs per SM of the prefill kernel (0: not prepared, max_q_len
   // <= kDecodeRowsQLen).
   int prefill_ctas_per_sm = 0;
+  // The prefill kernel family Run() launches (max_q_len > kDecodeRowsQLen).
+  PrefillFamily prefill_family = PrefillFamily::kMma;
   // max_q_len > kDecodeRowsQLen with the tokens-in-M family: the decode
   // requests too long for it (group * q_len > 8) run on the rows-in-M kernel
   // in a launch of their own; its resident CTAs per SM (0: its bound).

@@ -71,36 +71,44 @@ std::string Compare(const AttentionCase& c, const std::vector<uint8_t>& got) {
   return testing::CompareAttentionOutputs(c, w.blob, got, RelTol(c.spec), kLseTol, &w.exact);
 }
 
-// Sets FP4KV_ATTENTION_KERNEL (read by DecodeAttention::Create) for its
+// Sets environment variable `var` (read by DecodeAttention::Create) for its
 // lifetime; "" leaves it unset.
-class ScopedKernelFamily {
+class ScopedEnv {
  public:
-  explicit ScopedKernelFamily(const char* family) {
-    const char* old = std::getenv("FP4KV_ATTENTION_KERNEL");
+  ScopedEnv(const char* var, const char* value) : var_(var) {
+    const char* old = std::getenv(var);
     had_ = old != nullptr;
     if (had_) old_ = old;
-    if (family[0] != '\0') {
-      setenv("FP4KV_ATTENTION_KERNEL", family, 1);
+    if (value[0] != '\0') {
+      setenv(var, value, 1);
     } else {
-      unsetenv("FP4KV_ATTENTION_KERNEL");
+      unsetenv(var);
     }
   }
-  ~ScopedKernelFamily() {
+  ~ScopedEnv() {
     if (had_) {
-      setenv("FP4KV_ATTENTION_KERNEL", old_.c_str(), 1);
+      setenv(var_.c_str(), old_.c_str(), 1);
     } else {
-      unsetenv("FP4KV_ATTENTION_KERNEL");
+      unsetenv(var_.c_str());
     }
   }
 
  private:
+  std::string var_;
   bool had_ = false;
   std::string old_;
 };
 
-// Both kernel families: the default choice (tokens in M wherever it takes
-// the shape) and rows in M, forced.
-constexpr const char* kFamilies[] = {"", "rows_in_m"};
+// The kernel families a case runs on: each decode family (FP4KV_ATTENTION_KERNEL:
+// the default choice, tokens in M wherever it takes the shape, and rows in
+// M forced) with the default prefill family, and for ops that launch the
+// prefill kernel the mma.sync prefill family forced too
+// (FP4KV_PREFILL_KERNEL; the default is the wgmma family on sm_90).
+struct KernelFamilies {
+  const char* decode;
+  const char* prefill;
+};
+constexpr KernelFamilies kFamilies[] = {{"", ""}, {"rows_in_m", ""}, {"", "mma"}};
 
 void ExpectFamilyMatchesReference(AttentionCase& c, const std::string& name, bool graph_rounds);
 
@@ -108,12 +116,14 @@ void ExpectFamilyMatchesReference(AttentionCase& c, const std::string& name, boo
 // graph_rounds) two replays of one captured graph after rewriting the inputs.
 void ExpectGpuMatchesReference(AttentionCase& c, const std::string& name,
                                bool graph_rounds = true) {
-  for (const char* family : kFamilies) {
-    ScopedKernelFamily scoped(family);
-    ExpectFamilyMatchesReference(c,
-                                 name + (family[0] != '\0' ? std::string(" [") + family + "]"
-                                                           : std::string(" [default]")),
-                                 graph_rounds);
+  const bool prefill = c.Options(Device::Cuda(0)).max_q_len > kDecodeRowsQLen;
+  for (const KernelFamilies& f : kFamilies) {
+    if (f.prefill[0] != '\0' && !prefill) continue;
+    ScopedEnv decode("FP4KV_ATTENTION_KERNEL", f.decode);
+    ScopedEnv prefill_family("FP4KV_PREFILL_KERNEL", f.prefill);
+    std::string label = f.decode[0] != '\0' ? f.decode : "default";
+    if (f.prefill[0] != '\0') label += std::string(", prefill ") + f.prefill;
+    ExpectFamilyMatchesReference(c, name + " [" + label + "]", graph_rounds);
     if (::testing::Test::HasFatalFailure()) return;
   }
 }
@@ -178,12 +188,55 @@ TEST(GpuAttentionFamily, UnknownFamilyIsRejectedAtCreate) {
   FP4KV_SKIP_WITHOUT_GPU();
   AttentionSpec spec;
   AttentionCase c = testing::MakeAttentionCase(spec, 5);
-  ScopedKernelFamily scoped("fastest");
+  ScopedEnv scoped("FP4KV_ATTENTION_KERNEL", "fastest");
   auto op = DecodeAttention::Create(c.Options(Device::Cuda(0)));
   ASSERT_FALSE(op.ok());
   EXPECT_EQ(op.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(op.status().message().find("FP4KV_ATTENTION_KERNEL"), std::string::npos)
       << op.status();
+}
+
+TEST(GpuAttentionFamily, PrefillFamilyFromTheEnvironment) {
+  FP4KV_SKIP_WITHOUT_GPU();
+  AttentionSpec spec;
+  spec.q_len = 40;  // max_q_len 40: an op that launches the prefill kernel
+  spec.max_seq_len = 80;
+  AttentionCase c = testing::MakeAttentionCase(spec, 5);
+  {
+    ScopedEnv scoped("FP4KV_PREFILL_KERNEL", "fastest");
+    auto op = DecodeAttention::Create(c.Options(Device::Cuda(0)));
+    ASSERT_FALSE(op.ok());
+    EXPECT_EQ(op.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(op.status().message().find("FP4KV_PREFILL_KERNEL"), std::string::npos)
+        << op.status();
+  }
+  {
+    ScopedEnv scoped("FP4KV_PREFILL_KERNEL", "mma");
+    EXPECT_TRUE(DecodeAttention::Create(c.Options(Device::Cuda(0))).ok());
+  }
+  int major = 0, minor = 0;
+  FP4KV_ASSERT_CUDA(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0));
+  FP4KV_ASSERT_CUDA(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, 0));
+#if defined(FP4KV_LIBRARY_HAS_SM90A)
+  const bool wgmma = major == 9 && minor == 0;
+#else
+  const bool wgmma = false;
+#endif
+  ScopedEnv scoped("FP4KV_PREFILL_KERNEL", "wgmma");
+  auto op = DecodeAttention::Create(c.Options(Device::Cuda(0)));
+  if (wgmma) {
+    EXPECT_TRUE(op.ok()) << op.status();
+  } else {
+    ASSERT_FALSE(op.ok());
+    EXPECT_EQ(op.status().code(), absl::StatusCode::kFailedPrecondition) << op.status();
+  }
+  // Head dim 256 has no wgmma kernel.
+  AttentionSpec wide = spec;
+  wide.head_dim = 256;
+  AttentionCase cw = testing::MakeAttentionCase(wide, 5);
+  auto op256 = DecodeAttention::Create(cw.Options(Device::Cuda(0)));
+  ASSERT_FALSE(op256.ok());
+  EXPECT_EQ(op256.status().code(), absl::StatusCode::kFailedPrecondition) << op256.status();
 }
 
 TEST_P(GpuAttentionTest, MatchesReferenceEagerAndInGraphs) {

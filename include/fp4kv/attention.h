@@ -124,7 +124,8 @@ class DecodeAttention {
  private:
   friend struct internal::DecodeAttentionRunner;
   DecodeAttention(const Options& o, int num_sms, int64_t workspace_bytes, bool merge_overlaps,
-                  int family, int ctas_per_sm, int prefill_ctas_per_sm, int ctas_per_sm_rows)
+                  int family, int ctas_per_sm, int prefill_ctas_per_sm, int ctas_per_sm_rows,
+                  int prefill_family)
       : options_(o),
         num_sms_(num_sms),
         workspace_bytes_(workspace_bytes),
@@ -132,7 +133,8 @@ class DecodeAttention {
         family_(family),
         ctas_per_sm_(ctas_per_sm),
         prefill_ctas_per_sm_(prefill_ctas_per_sm),
-        ctas_per_sm_rows_(ctas_per_sm_rows) {}
+        ctas_per_sm_rows_(ctas_per_sm_rows),
+        prefill_family_(prefill_family) {}
   Options options_;
   int num_sms_ = 0;
   int64_t workspace_bytes_ = 0;
@@ -141,6 +143,7 @@ class DecodeAttention {
   int ctas_per_sm_ = 0;          // resident CTAs an SM, found at Create() (CUDA)
   int prefill_ctas_per_sm_ = 0;  // the same for the prefill kernel (max_q_len > kDecodeRowsQLen)
   int ctas_per_sm_rows_ = 0;     // and for the rows-in-M decode launch beside it
+  int prefill_family_ = 0;       // prefill kernel family chosen at Create() (CUDA)
 };
 
 // Create + Run with a caller-given workspace (WorkspaceBytes() of the same

@@ -108,16 +108,181 @@ __device__ __forceinline__ int PrefillItems(const internal::AttentionParams& p,
   return tiles * p.num_kv_heads;
 }
 
-// The raw codes and scales of one thread's chunks of a K/V tile.
-template <int D, bool kFp8K>
-struct PrefillRaw {
-  using Cfg = PrefillConfig<D>;
-  static constexpr int kKWords = kFp8K ? 8 : 4;  // 32 values of a key row
-  uint32_t k[Cfg::kPasses][kKWords];
-  uint32_t v[Cfg::kPasses][4];
-  uint32_t ks[Cfg::kPasses], vs[Cfg::kPasses];  // two scale bytes each (low first)
-  uint32_t ok;                                   // bit i: chunk of pass i valid
+// Every CTA of a prefill kernel of kThreads threads computes the same
+// schedule: item_prefix[b] = first item of request b, item_prefix[B] = all
+// items. Ends with a CTA barrier.
+template <int kThreads>
+__device__ __forceinline__ int PrefillSchedule(const internal::AttentionParams& p, int rows,
+                                               int* item_prefix, int* scan_tmp) {
+  const int B = p.batch_size, tid = threadIdx.x;
+  const int per = (B + kThreads - 1) / kThreads;
+  const int b0 = tid * per, b1 = b0 + per < B ? b0 + per : B;
+  int mine = 0;
+  for (int b = b0; b < b1; ++b) {
+    const int n = PrefillItems(p, GetAttnRequest(p, b), rows);
+    item_prefix[b] = n;
+    mine += n;
+  }
+  int total;
+  int base = BlockExclusiveScan<kThreads / 32>(mine, scan_tmp, &total);
+  for (int b = b0; b < b1; ++b) {
+    const int n = item_prefix[b];
+    item_prefix[b] = base;
+    base += n;
+  }
+  if (tid == 0) item_prefix[B] = total;
+  __syncthreads();
+  return item_prefix[B];
+}
+
+// One item of a prefill kernel: request b's query rows [row0, row0 + rows)
+// (of n_rows = group * q_len) on KV head `head`, and the key range
+// [t_begin, t_end) they attend (the causal bound of the last query, the
+// window of the first). Within a request the row tiles nearest the end
+// (most keys under the causal mask) come first.
+struct PrefillItem {
+  AttnRequest r;
+  int b, head, row0, n_rows, pos_base, t_begin, t_end;
 };
+
+__device__ __forceinline__ PrefillItem ResolvePrefillItem(const internal::AttentionParams& p,
+                                                          const int* item_prefix, int item,
+                                                          int rows) {
+  PrefillItem it;
+  int lo = 0, hi = p.batch_size;
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) >> 1;
+    if (item_prefix[mid] <= item) {
+      lo = mid;
+    } else {
+      hi = mid;
+    }
+  }
+  it.b = lo;
+  it.r = GetAttnRequest(p, it.b);
+  const int local = item - item_prefix[it.b];
+  it.n_rows = p.group * it.r.q_len;
+  const int tiles = (it.n_rows + rows - 1) / rows;
+  it.head = local % p.num_kv_heads;
+  it.row0 = (tiles - 1 - local / p.num_kv_heads) * rows;
+  it.pos_base = it.r.len - it.r.q_len;  // position of query 0
+  const int qi_first = it.row0 / p.group;
+  const int qi_last = min(it.r.q_len - 1, (it.row0 + rows - 1) / p.group);
+  it.t_end = min(it.r.len, it.pos_base + qi_last + 1);
+  int t_begin = it.r.lo;
+  if (p.window_left >= 0) t_begin = max(t_begin, it.pos_base + qi_first - p.window_left);
+  it.t_begin = max(t_begin, 0);
+  return it;
+}
+
+// The raw codes and scales of one thread's chunks (32 values of one token
+// row, K and V) of a K/V tile, kPasses tokens.
+template <int kPasses, bool kFp8K>
+struct PrefillRaw {
+  static constexpr int kKWords = kFp8K ? 8 : 4;  // 32 values of a key row
+  uint32_t k[kPasses][kKWords];
+  uint32_t v[kPasses][4];
+  uint32_t ks[kPasses], vs[kPasses];  // two scale bytes each (low first)
+  uint32_t ok;                        // bit i: chunk of pass i valid
+};
+
+// Where a thread's chunk of a (request, KV head) starts: pointers at page 0,
+// entry 0, plus the request's block-table row.
+struct PrefillChunkBase {
+  const uint8_t* k;
+  const uint8_t* v;
+  const uint8_t* ks;  // null for FP8 keys
+  const uint8_t* vs;
+  int64_t table_row;
+};
+
+template <bool kFp8K>
+__device__ __forceinline__ PrefillChunkBase MakePrefillChunkBase(const internal::AttentionParams& p,
+                                                                 int b, int head, int chunk) {
+  PrefillChunkBase c;
+  c.table_row = static_cast<int64_t>(b) * p.table_row_stride;
+  c.k = p.k.data + head * p.k.data_head + chunk * (kFp8K ? 32 : 16);
+  c.v = p.v.data + head * p.v.data_head + chunk * 16;
+  c.ks = kFp8K ? nullptr : p.k.scales + head * p.k.scale_head + chunk * 2;
+  c.vs = p.v.scales + head * p.v.scale_head + chunk * 2;
+  return c;
+}
+
+// Loads the chunk of tokens t + i * kTokStep (i < kPasses): zeros and a
+// clear `ok` bit for tokens at or past t_end and for table entries outside
+// [0, num_pages).
+template <int kPasses, int kTokStep, bool kFp8K>
+__device__ __forceinline__ void LoadPrefillRaw(const internal::AttentionParams& p,
+                                               const PrefillChunkBase& cb, int t, int t_end,
+                                               PrefillRaw<kPasses, kFp8K>& raw) {
+  raw.ok = 0;
+#pragma unroll
+  for (int i = 0; i < kPasses; ++i) {
+    const int ti = t + i * kTokStep;
+    bool valid = ti < t_end;
+    int64_t pg = -1;
+    int pe = 0;
+    if (valid) {
+      const int pj = ti / p.page_size;
+      pe = ti - pj * p.page_size;
+      pg = internal::TableEntry(p.block_tables, p.tables_i64, cb.table_row + pj);
+      valid = pg >= 0 && pg < p.num_pages;
+    }
+#pragma unroll
+    for (int w = 0; w < PrefillRaw<kPasses, kFp8K>::kKWords; ++w) raw.k[i][w] = 0;
+#pragma unroll
+    for (int w = 0; w < 4; ++w) raw.v[i][w] = 0;
+    raw.ks[i] = raw.vs[i] = 0;
+    if (valid) {
+      raw.ok |= 1u << i;
+      const uint8_t* kr = cb.k + pg * p.k.data_page + pe * p.k.data_entry;
+      const uint8_t* vr = cb.v + pg * p.v.data_page + pe * p.v.data_entry;
+      if constexpr (kFp8K) {
+        // FP8 key rows are 16-byte aligned (the cache contract).
+        const uint4 a0 = __ldg(reinterpret_cast<const uint4*>(kr));
+        const uint4 a1 = __ldg(reinterpret_cast<const uint4*>(kr + 16));
+        raw.k[i][0] = a0.x, raw.k[i][1] = a0.y, raw.k[i][2] = a0.z, raw.k[i][3] = a0.w;
+        raw.k[i][4] = a1.x, raw.k[i][5] = a1.y, raw.k[i][6] = a1.z, raw.k[i][7] = a1.w;
+      } else {
+        // Code rows are 8-byte aligned (the cache contract).
+        const uint2 a0 = __ldg(reinterpret_cast<const uint2*>(kr));
+        const uint2 a1 = __ldg(reinterpret_cast<const uint2*>(kr + 8));
+        raw.k[i][0] = a0.x, raw.k[i][1] = a0.y, raw.k[i][2] = a1.x, raw.k[i][3] = a1.y;
+        const uint8_t* ksr = cb.ks + pg * p.k.scale_page + pe * p.k.scale_entry;
+        raw.ks[i] = __ldg(ksr) | (static_cast<uint32_t>(__ldg(ksr + 1)) << 8);
+      }
+      const uint2 b0 = __ldg(reinterpret_cast<const uint2*>(vr));
+      const uint2 b1 = __ldg(reinterpret_cast<const uint2*>(vr + 8));
+      raw.v[i][0] = b0.x, raw.v[i][1] = b0.y, raw.v[i][2] = b1.x, raw.v[i][3] = b1.y;
+      const uint8_t* vsr = cb.vs + pg * p.v.scale_page + pe * p.v.scale_entry;
+      raw.vs[i] = __ldg(vsr) | (static_cast<uint32_t>(__ldg(vsr + 1)) << 8);
+    }
+  }
+}
+
+// Decodes pass i of a thread's chunk to f16: kh[j] / vh[j] are the 16-byte
+// pieces j = 0..3 (8 values each; NVFP4 in DecodeWordHalf2's order, FP8
+// keys in natural order).
+template <int kPasses, bool kFp8K>
+__device__ __forceinline__ void DecodePrefillChunk(const PrefillRaw<kPasses, kFp8K>& raw, int i,
+                                                   uint32_t (&kh)[4][4], uint32_t (&vh)[4][4]) {
+  if constexpr (kFp8K) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      device::Fp8KeyWordToHalf2(raw.k[i][2 * j], &kh[j][0], &kh[j][1]);
+      device::Fp8KeyWordToHalf2(raw.k[i][2 * j + 1], &kh[j][2], &kh[j][3]);
+    }
+  } else {
+    const uint32_t m0 = device::ScalePairMultiplier((raw.ks[i] & 0xffu) * 0x0101u);
+    const uint32_t m1 = device::ScalePairMultiplier((raw.ks[i] >> 8) * 0x0101u);
+#pragma unroll
+    for (int w = 0; w < 4; ++w) device::DecodeWordHalf2(raw.k[i][w], w < 2 ? m0 : m1, kh[w]);
+  }
+  const uint32_t m0 = device::ScalePairMultiplier((raw.vs[i] & 0xffu) * 0x0101u);
+  const uint32_t m1 = device::ScalePairMultiplier((raw.vs[i] >> 8) * 0x0101u);
+#pragma unroll
+  for (int w = 0; w < 4; ++w) device::DecodeWordHalf2(raw.v[i][w], w < 2 ? m0 : m1, vh[w]);
+}
 
 template <int D, bool kBf16, bool kSoftCap, bool kFp8K>
 __global__ void __launch_bounds__(kAttnThreads, PrefillConfig<D>::kCtasPerSm)
@@ -133,27 +298,7 @@ __global__ void __launch_bounds__(kAttnThreads, PrefillConfig<D>::kCtasPerSm)
 
   // ---- Schedule: items per request, prefix over requests.
   __shared__ int scan_tmp[kAttnWarps];
-  const int B = p.batch_size;
-  {
-    const int per = (B + kAttnThreads - 1) / kAttnThreads;
-    const int b0 = tid * per, b1 = b0 + per < B ? b0 + per : B;
-    int mine = 0;
-    for (int b = b0; b < b1; ++b) {
-      const int n = PrefillItems(p, GetAttnRequest(p, b), Cfg::kRows);
-      item_prefix[b] = n;
-      mine += n;
-    }
-    int total;
-    int base = BlockExclusiveScan(mine, scan_tmp, &total);
-    for (int b = b0; b < b1; ++b) {
-      const int n = item_prefix[b];
-      item_prefix[b] = base;
-      base += n;
-    }
-    if (tid == 0) item_prefix[B] = total;
-    __syncthreads();
-  }
-  const int total_items = item_prefix[B];
+  const int total_items = PrefillSchedule<kAttnThreads>(p, Cfg::kRows, item_prefix, scan_tmp);
 
   uint16_t* qs = reinterpret_cast<uint16_t*>(smem + Cfg::kQOff);
   const uint32_t q_sm = SmemAddr(smem + Cfg::kQOff);
@@ -164,35 +309,11 @@ __global__ void __launch_bounds__(kAttnThreads, PrefillConfig<D>::kCtasPerSm)
   const float gv = p.v_scale.Get();
 
   for (int item = blockIdx.x; item < total_items; item += gridDim.x) {
-    // ---- Resolve the item.
-    int b;
-    {
-      int lo = 0, hi = B;
-      while (hi - lo > 1) {
-        const int mid = (lo + hi) >> 1;
-        if (item_prefix[mid] <= item) {
-          lo = mid;
-        } else {
-          hi = mid;
-        }
-      }
-      b = lo;
-    }
-    const AttnRequest r = GetAttnRequest(p, b);
-    const int local = item - item_prefix[b];
-    const int n_rows = p.group * r.q_len;
-    const int tiles = (n_rows + Cfg::kRows - 1) / Cfg::kRows;
-    const int head = local % p.num_kv_heads;
-    const int mt_item = tiles - 1 - local / p.num_kv_heads;
-    const int row0 = mt_item * Cfg::kRows;
-    const int wrow0 = row0 + Cfg::kWarpRows * warp;  // this warp's first row
-    const int pos_base = r.len - r.q_len;             // position of query 0
-    const int qi_first = row0 / p.group;
-    const int qi_last = min(r.q_len - 1, (row0 + Cfg::kRows - 1) / p.group);
-    const int t_end = min(r.len, pos_base + qi_last + 1);
-    int t_begin = r.lo;
-    if (p.window_left >= 0) t_begin = max(t_begin, pos_base + qi_first - p.window_left);
-    t_begin = max(t_begin, 0);
+    const PrefillItem it = ResolvePrefillItem(p, item_prefix, item, Cfg::kRows);
+    const AttnRequest& r = it.r;
+    const int b = it.b, head = it.head, n_rows = it.n_rows, pos_base = it.pos_base;
+    const int t_begin = it.t_begin, t_end = it.t_end;
+    const int wrow0 = it.row0 + Cfg::kWarpRows * warp;  // this warp's first row
 
     // ---- Q rows of this warp into shared memory (the warp's own rows):
     // lane 2 r + h stages half h of row r of each m-tile; bf16 rows scaled
@@ -300,59 +421,14 @@ __global__ void __launch_bounds__(kAttnThreads, PrefillConfig<D>::kCtasPerSm)
     // ---- Tile loads: thread tid takes chunk tid % kChunks of tokens
     // tid / kChunks + i * kTokPerPass.
     const int chunk = tid % Cfg::kChunks;
-    const int64_t table_row = static_cast<int64_t>(b) * p.table_row_stride;
-    const uint8_t* kbase = p.k.data + head * p.k.data_head + chunk * (kFp8K ? 32 : 16);
-    const uint8_t* vbase = p.v.data + head * p.v.data_head + chunk * 16;
-    const uint8_t* ksbase = kFp8K ? nullptr : p.k.scales + head * p.k.scale_head + chunk * 2;
-    const uint8_t* vsbase = p.v.scales + head * p.v.scale_head + chunk * 2;
-    const auto load_tile = [&](int t0, PrefillRaw<D, kFp8K>& raw) {
-      raw.ok = 0;
-#pragma unroll
-      for (int i = 0; i < Cfg::kPasses; ++i) {
-        const int t = t0 + tid / Cfg::kChunks + i * Cfg::kTokPerPass;
-        bool valid = t < t_end;
-        int64_t pg = -1;
-        int pe = 0;
-        if (valid) {
-          const int pj = t / p.page_size;
-          pe = t - pj * p.page_size;
-          pg = internal::TableEntry(p.block_tables, p.tables_i64, table_row + pj);
-          valid = pg >= 0 && pg < p.num_pages;
-        }
-#pragma unroll
-        for (int w = 0; w < PrefillRaw<D, kFp8K>::kKWords; ++w) raw.k[i][w] = 0;
-#pragma unroll
-        for (int w = 0; w < 4; ++w) raw.v[i][w] = 0;
-        raw.ks[i] = raw.vs[i] = 0;
-        if (valid) {
-          raw.ok |= 1u << i;
-          const uint8_t* kr = kbase + pg * p.k.data_page + pe * p.k.data_entry;
-          const uint8_t* vr = vbase + pg * p.v.data_page + pe * p.v.data_entry;
-          if constexpr (kFp8K) {
-            // FP8 key rows are 16-byte aligned (the cache contract).
-            const uint4 a0 = __ldg(reinterpret_cast<const uint4*>(kr));
-            const uint4 a1 = __ldg(reinterpret_cast<const uint4*>(kr + 16));
-            raw.k[i][0] = a0.x, raw.k[i][1] = a0.y, raw.k[i][2] = a0.z, raw.k[i][3] = a0.w;
-            raw.k[i][4] = a1.x, raw.k[i][5] = a1.y, raw.k[i][6] = a1.z, raw.k[i][7] = a1.w;
-          } else {
-            // Code rows are 8-byte aligned (the cache contract).
-            const uint2 a0 = __ldg(reinterpret_cast<const uint2*>(kr));
-            const uint2 a1 = __ldg(reinterpret_cast<const uint2*>(kr + 8));
-            raw.k[i][0] = a0.x, raw.k[i][1] = a0.y, raw.k[i][2] = a1.x, raw.k[i][3] = a1.y;
-            const uint8_t* ksr = ksbase + pg * p.k.scale_page + pe * p.k.scale_entry;
-            raw.ks[i] = __ldg(ksr) | (static_cast<uint32_t>(__ldg(ksr + 1)) << 8);
-          }
-          const uint2 b0 = __ldg(reinterpret_cast<const uint2*>(vr));
-          const uint2 b1 = __ldg(reinterpret_cast<const uint2*>(vr + 8));
-          raw.v[i][0] = b0.x, raw.v[i][1] = b0.y, raw.v[i][2] = b1.x, raw.v[i][3] = b1.y;
-          const uint8_t* vsr = vsbase + pg * p.v.scale_page + pe * p.v.scale_entry;
-          raw.vs[i] = __ldg(vsr) | (static_cast<uint32_t>(__ldg(vsr + 1)) << 8);
-        }
-      }
+    using Raw = PrefillRaw<Cfg::kPasses, kFp8K>;
+    const PrefillChunkBase cb = MakePrefillChunkBase<kFp8K>(p, b, head, chunk);
+    const auto load_tile = [&](int t0, Raw& raw) {
+      LoadPrefillRaw<Cfg::kPasses, Cfg::kTokPerPass>(p, cb, t0 + tid / Cfg::kChunks, t_end, raw);
     };
     // Decodes a thread's chunks into shared buffer `buf`; returns whether
     // all of its tokens were valid.
-    const auto store_tile = [&](const PrefillRaw<D, kFp8K>& raw, int buf) {
+    const auto store_tile = [&](const Raw& raw, int buf) {
       const uint32_t kb = k_sm + buf * Cfg::kTileBytes;
       const uint32_t vb = v_sm + buf * Cfg::kTileBytes;
 #pragma unroll
@@ -360,31 +436,12 @@ __global__ void __launch_bounds__(kAttnThreads, PrefillConfig<D>::kCtasPerSm)
         const int tt = tid / Cfg::kChunks + i * Cfg::kTokPerPass;
         const uint32_t kdst = kb + (tt * Cfg::kStride + chunk * 32) * 2;
         const uint32_t vdst = vb + (tt * Cfg::kStride + chunk * 32) * 2;
-        if constexpr (kFp8K) {
+        uint32_t kh[4][4], vh[4][4];
+        DecodePrefillChunk(raw, i, kh, vh);
 #pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            uint32_t h[4];
-            device::Fp8KeyWordToHalf2(raw.k[i][2 * j], &h[0], &h[1]);
-            device::Fp8KeyWordToHalf2(raw.k[i][2 * j + 1], &h[2], &h[3]);
-            StShared16(kdst + 16 * j, h[0], h[1], h[2], h[3]);
-          }
-        } else {
-          const uint32_t m0 = device::ScalePairMultiplier((raw.ks[i] & 0xffu) * 0x0101u);
-          const uint32_t m1 = device::ScalePairMultiplier((raw.ks[i] >> 8) * 0x0101u);
-#pragma unroll
-          for (int w = 0; w < 4; ++w) {
-            uint32_t h[4];
-            device::DecodeWordHalf2(raw.k[i][w], w < 2 ? m0 : m1, h);
-            StShared16(kdst + 16 * w, h[0], h[1], h[2], h[3]);
-          }
-        }
-        const uint32_t m0 = device::ScalePairMultiplier((raw.vs[i] & 0xffu) * 0x0101u);
-        const uint32_t m1 = device::ScalePairMultiplier((raw.vs[i] >> 8) * 0x0101u);
-#pragma unroll
-        for (int w = 0; w < 4; ++w) {
-          uint32_t h[4];
-          device::DecodeWordHalf2(raw.v[i][w], w < 2 ? m0 : m1, h);
-          StShared16(vdst + 16 * w, h[0], h[1], h[2], h[3]);
+        for (int j = 0; j < 4; ++j) {
+          StShared16(kdst + 16 * j, kh[j][0], kh[j][1], kh[j][2], kh[j][3]);
+          StShared16(vdst + 16 * j, vh[j][0], vh[j][1], vh[j][2], vh[j][3]);
         }
         if (chunk == 0) tok_ok[buf * kBN + tt] = static_cast<uint8_t>((raw.ok >> i) & 1u);
       }
@@ -418,7 +475,7 @@ __global__ void __launch_bounds__(kAttnThreads, PrefillConfig<D>::kCtasPerSm)
     // tile j + 2 loaded into registers) after tile j's multiplies, with one
     // barrier per tile.
     const int n_tiles = t_begin < t_end ? (t_end - t_begin + kBN - 1) / kBN : 0;
-    PrefillRaw<D, kFp8K> raw;
+    Raw raw;
     bool tile_ok = false;
     if (n_tiles > 0) {
       load_tile(t_begin, raw);
@@ -614,77 +671,6 @@ __global__ void __launch_bounds__(kAttnThreads, PrefillConfig<D>::kCtasPerSm)
 
 }  // namespace kernels
 
-namespace internal {
-
-using PrefillKernelFn = void (*)(AttentionParams);
-
-template <int D, bool kBf16, bool kFp8K>
-PrefillKernelFn SelectPrefillKernel(bool soft_cap) {
-  return soft_cap ? &kernels::PrefillAttentionKernel<D, kBf16, true, kFp8K>
-                  : &kernels::PrefillAttentionKernel<D, kBf16, false, kFp8K>;
-}
-
-inline size_t PrefillSmemBytes(int bytes, int max_batch) {
-  return static_cast<size_t>(bytes) + (static_cast<size_t>(max_batch) + 1) * sizeof(int);
-}
-
-// Create()-time setup: raises the kernel's dynamic shared memory limit and
-// finds how many of its CTAs an SM holds (the persistent grid per SM).
-template <int D, bool kBf16, bool kFp8K>
-absl::Status PreparePrefillFor(const DecodeAttention::Options& o, int* ctas_per_sm) {
-  const PrefillKernelFn fn = SelectPrefillKernel<D, kBf16, kFp8K>(o.logits_soft_cap > 0.0f);
-  const size_t smem = PrefillSmemBytes(kernels::PrefillConfig<D>::kBytes, o.max_batch);
-  FP4KV_CUDA_RETURN_IF_ERROR(
-      cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-  int resident = 0;
-  FP4KV_CUDA_RETURN_IF_ERROR(
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, fn, kernels::kAttnThreads, smem));
-  if (resident < 1) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "options.max_batch: the prefill attention kernel's schedule of ", o.max_batch,
-        " requests does not fit an SM's shared memory beside its tiles (",
-        kernels::PrefillConfig<D>::kBytes, " bytes)"));
-  }
-  *ctas_per_sm = resident;
-  return absl::OkStatus();
-}
-
-template <int D, bool kBf16, bool kFp8K>
-absl::Status LaunchPrefillFor(const AttentionParams& p, Stream stream) {
-  const PrefillKernelFn fn = SelectPrefillKernel<D, kBf16, kFp8K>(p.soft_cap > 0.0f);
-  const size_t smem = PrefillSmemBytes(kernels::PrefillConfig<D>::kBytes, p.max_batch);
-  const int grid = p.num_sms * (p.prefill_ctas_per_sm > 0 ? p.prefill_ctas_per_sm : 1);
-  fn<<<grid, kernels::kAttnThreads, smem, stream>>>(p);
-  return CudaStatus(cudaGetLastError(), "PrefillAttentionKernel launch");
-}
-
-template <int D>
-absl::Status PrepareAttentionPrefillDim(const DecodeAttention::Options& o, int* ctas_per_sm) {
-  const bool bf16 = o.dtype == DType::kBF16;
-  if (o.geometry.fp8_keys()) {
-    return bf16 ? PreparePrefillFor<D, true, true>(o, ctas_per_sm)
-                : PreparePrefillFor<D, false, true>(o, ctas_per_sm);
-  }
-  return bf16 ? PreparePrefillFor<D, true, false>(o, ctas_per_sm)
-              : PreparePrefillFor<D, false, false>(o, ctas_per_sm);
-}
-
-template <int D>
-absl::Status LaunchAttentionPrefillDim(const AttentionParams& p, Stream stream) {
-  if (p.fp8_keys) {
-    return p.dtype == DType::kBF16 ? LaunchPrefillFor<D, true, true>(p, stream)
-                                   : LaunchPrefillFor<D, false, true>(p, stream);
-  }
-  return p.dtype == DType::kBF16 ? LaunchPrefillFor<D, true, false>(p, stream)
-                                 : LaunchPrefillFor<D, false, false>(p, stream);
-}
-
-#define FP4KV_INSTANTIATE_ATTENTION_PREFILL_DIM(D)                                     \
-  template absl::Status PrepareAttentionPrefillDim<D>(const DecodeAttention::Options&, \
-                                                      int*);                           \
-  template absl::Status LaunchAttentionPrefillDim<D>(const AttentionParams&, Stream);
-
-}  // namespace internal
 }  // namespace fp4kv
 
 #endif  // FP4KV_KERNELS_ATTENTION_PREFILL_CUH_

@@ -126,7 +126,9 @@ __device__ __forceinline__ void AttnSplit(int span, int c, int* splits, int* chu
   *splits = (span + ch - 1) / ch;
 }
 
-// Block-wide exclusive scan of one int per thread (kAttnThreads threads).
+// Block-wide exclusive scan of one int per thread (kWarps warps; tmp holds
+// kWarps ints).
+template <int kWarps = kAttnWarps>
 __device__ __forceinline__ int BlockExclusiveScan(int v, int* tmp, int* total) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   int x = v;
@@ -139,7 +141,7 @@ __device__ __forceinline__ int BlockExclusiveScan(int v, int* tmp, int* total) {
   __syncthreads();
   int base = 0, all = 0;
 #pragma unroll
-  for (int w = 0; w < kAttnWarps; ++w) {
+  for (int w = 0; w < kWarps; ++w) {
     const int t = tmp[w];
     if (w < warp) base += t;
     all += t;

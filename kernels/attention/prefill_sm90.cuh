@@ -1,0 +1,441 @@
+// Internal: the sm_90a family of the prefill kernel (requests with many new
+// tokens), head dims 64 and 128. Same contract, schedule, number formats and
+// online softmax as PrefillAttentionKernel (kernels/attention/prefill.cuh);
+// what differs is who does what:
+//
+// - A CTA is three warpgroups: two consumers of 64 query rows each (an item
+//   is 128 rows, as in the mma.sync family) and one producer. The producer
+//   loads each K/V tile of 64 tokens from the pages (any page size, i32/i64
+//   tables, oob entries masked), decodes it to f16 and stores it in the
+//   128-byte-swizzled layout wgmma reads; the consumers multiply.
+// - Tiles pass through a ring of kStages shared buffers guarded by two
+//   mbarriers each: `full` (the producer's 128 threads arrive after their
+//   stores and an async-proxy fence) and `empty` (the consumers' 256 threads
+//   arrive once their wgmmas on the buffer have completed). Producer and
+//   consumers walk the same items and tiles, so one tile counter gives both
+//   the buffer and the phase. The producer keeps two tiles of codes in
+//   registers (loads of tile j + 2 in flight while tile j is decoded).
+// - A consumer computes S = Q K^T with wgmma m64n64k16 (Q and K from shared
+//   memory, K-major), the softmax in registers (the accumulator layout is
+//   the mma.sync one per warp), and O += P V with wgmma m64n{D}k16: P from
+//   registers, V from shared memory N-major (its token rows as stored).
+//   Decoding (producer) and multiplying (consumers) run on different warps,
+//   so the tensor cores are fed while the tiles after are decoded.
+// Rows of a consumer warpgroup that lie outside a tile's causal / window
+// bounds make it skip the tile's multiplies (a warpgroup-uniform test on
+// its first and last rows), never its barriers.
+#ifndef FP4KV_KERNELS_ATTENTION_PREFILL_SM90_CUH_
+#define FP4KV_KERNELS_ATTENTION_PREFILL_SM90_CUH_
+
+#include <cuda_runtime.h>
+
+#include <climits>
+#include <cstdint>
+
+#include "kernels/attention/prefill.cuh"
+#include "kernels/attention/wgmma.cuh"
+
+namespace fp4kv {
+namespace kernels {
+
+template <int D>
+struct PrefillSm90Config {
+  static_assert(D == 64 || D == 128, "the sm_90a prefill family covers head dims 64 and 128");
+  static constexpr int kConsumers = 2;                     // warpgroups of 64 query rows
+  static constexpr int kRows = 64 * kConsumers;            // query rows per item
+  static constexpr int kThreads = 128 * (kConsumers + 1);  // + the producer warpgroup
+  static constexpr int kBN = 64;                           // tokens per K/V tile
+  static constexpr int kStages = 3;
+  static constexpr int kChunks = D / 32;                   // 32-value chunks per token row
+  static constexpr int kTokPerPass = 128 / kChunks;        // tokens per producer pass
+  static constexpr int kPasses = kBN / kTokPerPass;
+  static constexpr int kQBytes = 64 * D * 2;     // one consumer's Q (and output staging)
+  static constexpr int kTileBytes = kBN * D * 2;  // K or V of one tile, f16
+  static constexpr int kQOff = 0;
+  static constexpr int kKOff = kQOff + kConsumers * kQBytes;
+  static constexpr int kVOff = kKOff + kStages * kTileBytes;
+  static constexpr int kOkOff = kVOff + kStages * kTileBytes;  // [kStages][kBN] token valid
+  static constexpr int kBadOff = kOkOff + kStages * kBN;       // [kStages][4]: a warp's invalid
+  static constexpr int kBarOff = (kBadOff + kStages * 4 + 7) / 8 * 8;  // full[], empty[]
+  static constexpr int kBytes = kBarOff + 2 * kStages * 8;
+  static constexpr int kAlign = 1024;  // swizzle atoms
+  static_assert(kQBytes % kAlign == 0 && kTileBytes % kAlign == 0, "1024-byte aligned tiles");
+  static_assert(kBN % kTokPerPass == 0, "whole passes per tile");
+};
+
+template <int D, bool kBf16, bool kSoftCap, bool kFp8K>
+__global__ void __launch_bounds__(PrefillSm90Config<D>::kThreads, 1)
+    PrefillSm90Kernel(const internal::AttentionParams p) {
+#if defined(FP4KV_WGMMA_ENABLED)
+  using Cfg = PrefillSm90Config<D>;
+  constexpr int kBN = Cfg::kBN;
+  constexpr int kStages = Cfg::kStages;
+  constexpr int kNT = D / 8;    // O n-tiles of a warp
+  constexpr int kSN = kBN / 8;  // S n-tiles of a warp
+  extern __shared__ __align__(16) uint8_t smem_raw[];
+  const uint32_t raw_sm = SmemAddr(smem_raw);
+  uint8_t* smem = smem_raw + ((Cfg::kAlign - (raw_sm & (Cfg::kAlign - 1))) & (Cfg::kAlign - 1));
+  const uint32_t sm = SmemAddr(smem);
+  int* item_prefix = reinterpret_cast<int*>(smem + Cfg::kBytes);
+  uint8_t* tok_ok = smem + Cfg::kOkOff;
+  uint8_t* tile_bad = smem + Cfg::kBadOff;
+  const uint32_t full_bar = sm + Cfg::kBarOff;
+  const uint32_t empty_bar = full_bar + 8 * kStages;
+  const int tid = threadIdx.x;
+  if (tid == 0) {
+#pragma unroll
+    for (int s = 0; s < kStages; ++s) {
+      MbarInit(full_bar + 8 * s, 128);
+      MbarInit(empty_bar + 8 * s, 128 * Cfg::kConsumers);
+    }
+  }
+  __shared__ int scan_tmp[Cfg::kThreads / 32];
+  // (its CTA barrier also publishes the barrier initialization)
+  const int total_items = PrefillSchedule<Cfg::kThreads>(p, Cfg::kRows, item_prefix, scan_tmp);
+  const int wg = tid >> 7;
+  const int lane = tid & 31;
+  uint32_t kcount = 0;  // tiles through the ring so far: buffer kcount % kStages
+
+  if (wg == Cfg::kConsumers) {
+    // ================= Producer: load, decode, store tiles.
+    const int ptid = tid - 128 * Cfg::kConsumers;
+    const int pwarp = ptid >> 5;
+    const int chunk = ptid % Cfg::kChunks;
+    const int tok0 = ptid / Cfg::kChunks;
+    using Raw = PrefillRaw<Cfg::kPasses, kFp8K>;
+    constexpr uint32_t kAllOk = (1u << Cfg::kPasses) - 1u;
+    for (int item = blockIdx.x; item < total_items; item += gridDim.x) {
+      const PrefillItem it = ResolvePrefillItem(p, item_prefix, item, Cfg::kRows);
+      const int n_tiles = it.t_begin < it.t_end ? (it.t_end - it.t_begin + kBN - 1) / kBN : 0;
+      const PrefillChunkBase cb = MakePrefillChunkBase<kFp8K>(p, it.b, it.head, chunk);
+      Raw ra, rb;
+      if (n_tiles > 0) {
+        LoadPrefillRaw<Cfg::kPasses, Cfg::kTokPerPass>(p, cb, it.t_begin + tok0, it.t_end, ra);
+      }
+      if (n_tiles > 1) {
+        LoadPrefillRaw<Cfg::kPasses, Cfg::kTokPerPass>(p, cb, it.t_begin + kBN + tok0, it.t_end,
+                                                        rb);
+      }
+      const auto put = [&](Raw& raw, int j) {
+        const int stage = static_cast<int>(kcount % kStages);
+        MbarWait(empty_bar + 8 * stage, ((kcount / kStages) & 1u) ^ 1u);
+        const uint32_t kb = sm + Cfg::kKOff + stage * Cfg::kTileBytes;
+        const uint32_t vb = sm + Cfg::kVOff + stage * Cfg::kTileBytes;
+#pragma unroll
+        for (int i = 0; i < Cfg::kPasses; ++i) {
+          const int tt = tok0 + i * Cfg::kTokPerPass;
+          uint32_t kh[4][4], vh[4][4];
+          DecodePrefillChunk(raw, i, kh, vh);
+#pragma unroll
+          for (int w = 0; w < 4; ++w) {
+            const uint32_t off = Sw128Offset(kBN, tt, chunk * 4 + w);
+            StShared16(kb + off, kh[w][0], kh[w][1], kh[w][2], kh[w][3]);
+            StShared16(vb + off, vh[w][0], vh[w][1], vh[w][2], vh[w][3]);
+          }
+          if (chunk == 0) tok_ok[stage * kBN + tt] = static_cast<uint8_t>((raw.ok >> i) & 1u);
+        }
+        const unsigned bad = __ballot_sync(0xffffffffu, raw.ok != kAllOk);
+        if (lane == 0) tile_bad[stage * 4 + pwarp] = bad != 0 ? 1 : 0;
+        FenceProxyAsyncShared();
+        MbarArrive(full_bar + 8 * stage);
+        if (j + 2 < n_tiles) {
+          LoadPrefillRaw<Cfg::kPasses, Cfg::kTokPerPass>(p, cb, it.t_begin + (j + 2) * kBN + tok0,
+                                                          it.t_end, raw);
+        }
+        ++kcount;
+      };
+      for (int j = 0; j < n_tiles; j += 2) {
+        put(ra, j);
+        if (j + 1 < n_tiles) put(rb, j + 1);
+      }
+    }
+    return;
+  }
+
+  // ================= Consumers: 64 query rows each.
+  const int wtid = tid & 127, warp = wtid >> 5;
+  const int g = lane >> 2, c = lane & 3;
+  uint8_t* qreg = smem + Cfg::kQOff + wg * Cfg::kQBytes;
+  const uint32_t q_sm = SmemAddr(qreg);
+  const float gk = p.k_scale.Get();
+  const float gv = p.v_scale.Get();
+  // Descriptors: Q and K K-major (k-step kk at 32-byte steps inside a
+  // 128-byte row, dims 64.. in the second region), V N-major (k-step kk =
+  // 16 token rows; its dims 64.. in the region LBO bytes on).
+  const uint64_t q_desc = SmemDescSw128(q_sm, 16, 1024);
+  const uint64_t k_desc = SmemDescSw128(sm + Cfg::kKOff, 16, 1024);
+  const uint64_t v_desc = SmemDescSw128(sm + Cfg::kVOff, kBN * 128, 1024);
+
+  for (int item = blockIdx.x; item < total_items; item += gridDim.x) {
+    const PrefillItem it = ResolvePrefillItem(p, item_prefix, item, Cfg::kRows);
+    const AttnRequest& r = it.r;
+    const int n_rows = it.n_rows, pos_base = it.pos_base, head = it.head;
+    const int wg_row0 = it.row0 + 64 * wg;     // this warpgroup's first row
+    const int wrow0 = wg_row0 + 16 * warp;     // this warp's first row
+
+    // ---- Q rows into this warpgroup's swizzled buffer: thread 2 r + h
+    // stages half h of row r (warp w stages its own rows 16 w ..); bf16
+    // rows scaled by 2^kq.
+    int kq = 0;
+    {
+      const int rq = wtid >> 1, half = lane & 1;
+      const int row = wg_row0 + rq;
+      const int qi = row / p.group, gi = row - qi * p.group;
+      const uint16_t* src = nullptr;
+      if (row < n_rows) {
+        src = static_cast<const uint16_t*>(p.q) + (r.q_begin + qi) * p.q_row_stride +
+              static_cast<int64_t>(head * p.group + gi) * p.q_head_stride + half * (D / 2);
+      }
+      float mul = 1.0f;
+      if constexpr (kBf16) {
+        uint32_t amax = 0;
+        if (src != nullptr) {
+#pragma unroll 4
+          for (int i = 0; i < D / 16; ++i) {
+            const uint4 v = *reinterpret_cast<const uint4*>(src + 8 * i);
+            const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+              const uint32_t lo = (w[j] << 16) & 0x7fff0000u, hi = w[j] & 0x7fff0000u;
+              amax = max(amax, max(lo, hi));
+            }
+          }
+        }
+        amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+        if (amax != 0 && amax < 0x7f800000u) {
+          const int e = static_cast<int>(amax >> 23) - 127;
+          int k = 14 - e;
+          k = k < -126 ? -126 : (k > 127 ? 127 : k);
+          kq = k;
+          mul = __uint_as_float(static_cast<uint32_t>(k + 127) << 23);
+        }
+      }
+#pragma unroll 2
+      for (int i = 0; i < D / 16; ++i) {
+        uint4 v = make_uint4(0, 0, 0, 0);
+        if (src != nullptr) v = *reinterpret_cast<const uint4*>(src + 8 * i);
+        const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+        uint16_t h[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const uint32_t bits = (w[j / 2] >> (16 * (j % 2))) & 0xffffu;
+          if constexpr (kBf16) {
+            h[j] =
+                static_cast<uint16_t>(PackHalf2(__uint_as_float(bits << 16) * mul, 0.0f) & 0xffffu);
+          } else {
+            h[j] = static_cast<uint16_t>(bits);
+          }
+        }
+        uint16_t o8[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) o8[kFp8K ? j : PermPos8(j)] = h[j];
+        StShared16(q_sm + Sw128Offset(64, rq, half * (D / 16) + i),
+                   o8[0] | (static_cast<uint32_t>(o8[1]) << 16),
+                   o8[2] | (static_cast<uint32_t>(o8[3]) << 16),
+                   o8[4] | (static_cast<uint32_t>(o8[5]) << 16),
+                   o8[6] | (static_cast<uint32_t>(o8[7]) << 16));
+      }
+    }
+    FenceProxyAsyncShared();
+    NamedBarrierSync(1 + wg, 128);
+
+    // ---- This thread's rows g and g + 8: logit factors and key bounds.
+    float lf[2];
+    int row_lo[2], row_hi[2];
+    int lo_max = -(1 << 30), hi_min = 1 << 30;  // over this thread's rows
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int k = __shfl_sync(0xffffffffu, kq, 2 * (g + 8 * i));
+      const float tile_scale = kFp8K ? device::Fp8KeyHalfScale() : device::kHalfTileScale;
+      const float f =
+          p.sm_scale * gk * tile_scale * __uint_as_float(static_cast<uint32_t>(127 - k) << 23);
+      lf[i] = kSoftCap ? f / p.soft_cap : f * kLog2e;
+      const int row = wrow0 + g + 8 * i;
+      const int pos = pos_base + row / p.group;
+      row_lo[i] = -(1 << 30);
+      row_hi[i] = 1 << 30;
+      if (row < n_rows && pos >= 0) {
+        row_hi[i] = pos;
+        if (p.window_left >= 0) row_lo[i] = pos - p.window_left;
+      }
+      lo_max = max(lo_max, row_lo[i]);
+      hi_min = min(hi_min, row_hi[i]);
+    }
+    // The warpgroup's key bounds (uniform): its stored rows are
+    // [first, last] (positions grow with the row).
+    const int wg_last = min(wg_row0 + 63, n_rows - 1);
+    int wg_first = wg_row0;
+    if (pos_base < 0) wg_first = max(wg_first, -pos_base * p.group);
+    const bool wg_any = wg_first <= wg_last;
+    const int wg_hi = pos_base + wg_last / p.group;
+    const int wg_lo = p.window_left >= 0 ? pos_base + wg_first / p.group - p.window_left : INT_MIN;
+
+    float o[kNT][4];
+#pragma unroll
+    for (int n = 0; n < kNT; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+    float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.0f, 0.0f};
+
+    const int n_tiles = it.t_begin < it.t_end ? (it.t_end - it.t_begin + kBN - 1) / kBN : 0;
+    for (int j = 0; j < n_tiles; ++j) {
+      const int t0 = it.t_begin + j * kBN;
+      const int stage = static_cast<int>(kcount % kStages);
+      MbarWait(full_bar + 8 * stage, (kcount / kStages) & 1u);
+      if (wg_any && wg_hi >= t0 && wg_lo <= t0 + kBN - 1) {
+        // ---- S = Q K^T.
+        float s[kSN][4];
+        WgmmaFence();
+        const uint64_t kd = k_desc + ((stage * Cfg::kTileBytes) >> 4);
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+          const uint32_t q_off = (kk >> 2) * (64 * 128) + (kk & 3) * 32;
+          const uint32_t k_off = (kk >> 2) * (kBN * 128) + (kk & 3) * 32;
+          WgmmaSS64(s, q_desc + (q_off >> 4), kd + (k_off >> 4), kk > 0 ? 1 : 0);
+        }
+        WgmmaCommit();
+        WgmmaWait<0>();
+        RegFence(s);
+
+        // ---- Scale (soft cap), mask, online softmax (log2 units).
+        const uint32_t bad = *reinterpret_cast<const uint32_t*>(tile_bad + stage * 4);
+        const bool full = bad == 0 && t0 >= lo_max && t0 + kBN - 1 <= hi_min;
+        const uint8_t* ok_buf = tok_ok + stage * kBN;
+#pragma unroll
+        for (int n = 0; n < kSN; ++n) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            float x = s[n][e] * lf[e >> 1];
+            if constexpr (kSoftCap) x = tanhf(x) * p.soft_cap * kLog2e;
+            s[n][e] = x;
+          }
+        }
+        if (!full) {
+#pragma unroll
+          for (int n = 0; n < kSN; ++n) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int tt = 8 * n + 2 * c + (e & 1);
+              const int t = t0 + tt;
+              const bool ok = t < it.t_end && ok_buf[tt] != 0 && t >= row_lo[e >> 1] &&
+                              t <= row_hi[e >> 1];
+              if (!ok) s[n][e] = -INFINITY;
+            }
+          }
+        }
+        bool rescale = false;
+        float alpha[2];
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          float mx = -INFINITY;
+#pragma unroll
+          for (int n = 0; n < kSN; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * i], s[n][2 * i + 1]));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+          const float m_old = m_run[i];
+          const float m_new = mx - m_old > kAttnRescaleSlack ? fmaxf(m_old, mx) : m_old;
+          const float m_use = m_new == -INFINITY ? 0.0f : m_new - kAttnPOffset;
+          alpha[i] = m_new == m_old ? 1.0f : Ex2(m_old - m_new);
+          rescale = rescale || m_new != m_old;
+          m_run[i] = m_new;
+          float sum = 0.0f;
+#pragma unroll
+          for (int n = 0; n < kSN; ++n) {
+            s[n][2 * i] = Ex2(s[n][2 * i] - m_use);
+            s[n][2 * i + 1] = Ex2(s[n][2 * i + 1] - m_use);
+            sum += s[n][2 * i] + s[n][2 * i + 1];
+          }
+          l_run[i] = l_run[i] * alpha[i] + sum;
+        }
+        if (__any_sync(0xffffffffu, rescale)) {
+#pragma unroll
+          for (int n = 0; n < kNT; ++n) {
+            o[n][0] *= alpha[0];
+            o[n][1] *= alpha[0];
+            o[n][2] *= alpha[1];
+            o[n][3] *= alpha[1];
+          }
+        }
+
+        // ---- O += P V.
+        uint32_t pa[kBN / 16][4];
+#pragma unroll
+        for (int kk = 0; kk < kBN / 16; ++kk) {
+          pa[kk][0] = PackHalf2(s[2 * kk][0], s[2 * kk][1]);
+          pa[kk][1] = PackHalf2(s[2 * kk][2], s[2 * kk][3]);
+          pa[kk][2] = PackHalf2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+          pa[kk][3] = PackHalf2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+        }
+        RegFence(o);
+        WgmmaFence();
+        const uint64_t vd = v_desc + ((stage * Cfg::kTileBytes) >> 4);
+#pragma unroll
+        for (int kk = 0; kk < kBN / 16; ++kk) {
+          if constexpr (D == 128) {
+            WgmmaRS128(o, pa[kk], vd + ((kk * 16 * 128) >> 4));
+          } else {
+            WgmmaRS64(o, pa[kk], vd + ((kk * 16 * 128) >> 4));
+          }
+        }
+        WgmmaCommit();
+        WgmmaWait<0>();
+        RegFence(o);
+      }
+      MbarArrive(empty_bar + 8 * stage);
+      ++kcount;
+    }
+
+    // ---- Finish the rows: normalize (sinks, LSE), stage the output rows in
+    // natural dim order in the warp's own rows of the Q buffer (swizzled by
+    // 16-byte pieces; every wgmma reading Q has completed), then 16-byte
+    // stores.
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      float l = l_run[i];
+      l += __shfl_xor_sync(0xffffffffu, l, 1);
+      l += __shfl_xor_sync(0xffffffffu, l, 2);
+      const int rl = 16 * warp + g + 8 * i;  // row within the warpgroup
+      const int row = wg_row0 + rl;
+      const int qi = row / p.group, gi = row - qi * p.group;
+      const int qo_head = head * p.group + gi;
+      const float m = m_run[i] == -INFINITY ? m_run[i] : m_run[i] - kAttnPOffset;
+      float inv = 0.0f, lse = -INFINITY;
+      if (row < n_rows) FinishRow(m, l, p.sinks, qo_head, &inv, &lse);
+      const float f = inv * gv * device::kHalfTileScale;
+#pragma unroll
+      for (int n = 0; n < kNT; ++n) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int col = PermVal8(2 * c + e);  // within the 8 columns of n-tile n
+          *reinterpret_cast<uint16_t*>(qreg + Sw128Offset(64, rl, n) + 2 * col) =
+              PackOut1<kBf16>(o[n][2 * i + e] * f);
+        }
+      }
+      if (c == 0 && p.lse != nullptr && row < n_rows && pos_base + qi >= 0) {
+        p.lse[(r.q_begin + qi) * p.lse_row_stride + qo_head] = lse;
+      }
+    }
+    __syncwarp();
+    {
+      constexpr int kVecs = D / 8;  // 16-byte pieces of a row
+      for (int idx = lane; idx < 16 * kVecs; idx += 32) {
+        const int rl = 16 * warp + idx / kVecs, vi = idx % kVecs;
+        const int row = wg_row0 + rl;
+        const int qi = row / p.group, gi = row - qi * p.group;
+        if (row < n_rows && pos_base + qi >= 0) {
+          uint16_t* dst = static_cast<uint16_t*>(p.out) + (r.q_begin + qi) * p.out_row_stride +
+                          static_cast<int64_t>(head * p.group + gi) * p.out_head_stride + 8 * vi;
+          *reinterpret_cast<uint4*>(dst) =
+              *reinterpret_cast<const uint4*>(qreg + Sw128Offset(64, rl, vi));
+        }
+      }
+    }
+    __syncwarp();  // the warp's rows are Q rows again for the next item
+  }
+#else
+  (void)p;
+#endif
+}
+
+}  // namespace kernels
+}  // namespace fp4kv
+
+#endif  // FP4KV_KERNELS_ATTENTION_PREFILL_SM90_CUH_
