@@ -31,6 +31,7 @@
 
 #include <climits>
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels/attention/prefill.cuh"
 #include "kernels/attention/wgmma.cuh"
@@ -43,25 +44,129 @@ struct PrefillSm90Config {
   static_assert(D == 64 || D == 128, "the sm_90a prefill family covers head dims 64 and 128");
   static constexpr int kConsumers = 2;                     // warpgroups of 64 query rows
   static constexpr int kRows = 64 * kConsumers;            // query rows per item
-  static constexpr int kThreads = 128 * (kConsumers + 1);  // + the producer warpgroup
+  static constexpr int kProducers = 2;                     // warpgroups decoding K, V
+  static constexpr int kThreads = 128 * (kConsumers + kProducers);
+  // Registers a thread (setmaxnreg): the consumers hold S, P and O; the
+  // producers give theirs up (all four warpgroups share 64 K registers).
+  static constexpr int kConsumerRegs = 168;
+  static constexpr int kProducerRegs = (65536 / 128 - kConsumers * kConsumerRegs) / kProducers;
   static constexpr int kBN = 64;                           // tokens per K/V tile
-  static constexpr int kStages = 3;
-  static constexpr int kChunks = D / 32;                   // 32-value chunks per token row
-  static constexpr int kTokPerPass = 128 / kChunks;        // tokens per producer pass
-  static constexpr int kPasses = kBN / kTokPerPass;
+  static constexpr int kStages = 4;
+  // A producer thread takes half a token row of K and V a tile: kCV values.
+  static constexpr int kCV = D / 2;
   static constexpr int kQBytes = 64 * D * 2;     // one consumer's Q (and output staging)
   static constexpr int kTileBytes = kBN * D * 2;  // K or V of one tile, f16
   static constexpr int kQOff = 0;
   static constexpr int kKOff = kQOff + kConsumers * kQBytes;
   static constexpr int kVOff = kKOff + kStages * kTileBytes;
   static constexpr int kOkOff = kVOff + kStages * kTileBytes;  // [kStages][kBN] token valid
-  static constexpr int kBadOff = kOkOff + kStages * kBN;       // [kStages][4]: a warp's invalid
-  static constexpr int kBarOff = (kBadOff + kStages * 4 + 7) / 8 * 8;  // full[], empty[]
+  static constexpr int kBadOff = kOkOff + kStages * kBN;  // [kStages][8]: a warp's invalid
+  static constexpr int kBarOff = kBadOff + kStages * 8;    // full[], empty[]
   static constexpr int kBytes = kBarOff + 2 * kStages * 8;
   static constexpr int kAlign = 1024;  // swizzle atoms
   static_assert(kQBytes % kAlign == 0 && kTileBytes % kAlign == 0, "1024-byte aligned tiles");
-  static_assert(kBN % kTokPerPass == 0, "whole passes per tile");
+  static_assert(kBN * 2 == 128, "one half row of each tile token a producer thread");
+  static_assert(kProducerRegs % 8 == 0 && kProducerRegs >= 24, "setmaxnreg counts");
+  static_assert(kOkOff % 8 == 0 && kBN % 8 == 0, "8-byte aligned flags");
 };
+
+// Division by a fixed divisor d in [1, 2^31) of numerators in [0, 2^30):
+// q = (umulhi(n, mul) + n) >> shift (round-up reciprocal).
+struct FastDiv {
+  uint32_t mul = 0;
+  int shift = 0;
+  __device__ __forceinline__ void Init(int d) {
+    int l = 0;
+    while ((1u << l) < static_cast<uint32_t>(d)) ++l;
+    shift = l;
+    mul = static_cast<uint32_t>(((uint64_t{1} << 32) * ((uint64_t{1} << l) - d)) / d + 1);
+  }
+  __device__ __forceinline__ int operator()(int n) const {
+    return static_cast<int>((__umulhi(static_cast<uint32_t>(n), mul) + static_cast<uint32_t>(n)) >>
+                            shift);
+  }
+};
+
+// A producer thread's half row of one token of K or V: kCV values, NVFP4
+// (kWords = kCV / 8 code words and kCV / 16 scale bytes) or FP8 keys
+// (kWords = kCV / 4, no scales).
+template <int kCV, bool kFp8>
+struct PrefillSm90Half {
+  static constexpr int kWords = kFp8 ? kCV / 4 : kCV / 8;
+  uint32_t w[kWords];
+  uint32_t scales;  // kCV / 16 scale bytes (low first)
+  bool ok;
+};
+
+// Up to 4 consecutive bytes (n = 2 or 4) as one little-endian word.
+template <int kN>
+__device__ __forceinline__ uint32_t LoadScaleBytes(const uint8_t* s) {
+  if constexpr (kN == 4) {
+    if ((reinterpret_cast<uintptr_t>(s) & 3) == 0) return __ldg(reinterpret_cast<const uint32_t*>(s));
+    return __ldg(s) | (static_cast<uint32_t>(__ldg(s + 1)) << 8) |
+           (static_cast<uint32_t>(__ldg(s + 2)) << 16) | (static_cast<uint32_t>(__ldg(s + 3)) << 24);
+  } else {
+    if ((reinterpret_cast<uintptr_t>(s) & 1) == 0) {
+      return __ldg(reinterpret_cast<const uint16_t*>(s));
+    }
+    return __ldg(s) | (static_cast<uint32_t>(__ldg(s + 1)) << 8);
+  }
+}
+
+// Loads token t's half row of `pool` (zeros and !ok at or past t_end and
+// for table entries outside [0, num_pages)); `data` and `scales` point at
+// the half's bytes in page 0, entry 0 of the item's head.
+template <int kCV, bool kFp8>
+__device__ __forceinline__ void LoadPrefillSm90Half(const internal::AttentionParams& p,
+                                                    const internal::PoolPtrs& pool,
+                                                    const FastDiv& page_div, int64_t table_row,
+                                                    const uint8_t* data, const uint8_t* scales,
+                                                    int t, int t_end,
+                                                    PrefillSm90Half<kCV, kFp8>& raw) {
+  using Half = PrefillSm90Half<kCV, kFp8>;
+  raw.ok = false;
+  int64_t pg = -1;
+  int pe = 0;
+  if (t < t_end) {
+    const int pj = page_div(t);
+    pe = t - pj * p.page_size;
+    pg = internal::TableEntry(p.block_tables, p.tables_i64, table_row + pj);
+    raw.ok = pg >= 0 && pg < p.num_pages;
+  }
+#pragma unroll
+  for (int w = 0; w < Half::kWords; ++w) raw.w[w] = 0;
+  raw.scales = 0;
+  if (!raw.ok) return;
+  const uint8_t* row = data + pg * pool.data_page + pe * pool.data_entry;
+  if constexpr (kFp8) {
+    // FP8 key rows are 16-byte aligned (the cache contract).
+#pragma unroll
+    for (int w = 0; w < Half::kWords; w += 4) {
+      const uint4 a = __ldg(reinterpret_cast<const uint4*>(row + 4 * w));
+      raw.w[w] = a.x, raw.w[w + 1] = a.y, raw.w[w + 2] = a.z, raw.w[w + 3] = a.w;
+    }
+  } else {
+    // Code rows are 8-byte aligned (the cache contract).
+#pragma unroll
+    for (int w = 0; w < Half::kWords; w += 2) {
+      const uint2 a = __ldg(reinterpret_cast<const uint2*>(row + 4 * w));
+      raw.w[w] = a.x, raw.w[w + 1] = a.y;
+    }
+    raw.scales = LoadScaleBytes<kCV / 16>(scales + pg * pool.scale_page + pe * pool.scale_entry);
+  }
+}
+
+// The SETMAXNREG of a warpgroup (all its warps run it).
+template <int kRegs>
+__device__ __forceinline__ void SetMaxRegs(bool increase) {
+#if defined(FP4KV_WGMMA_ENABLED)
+  if (increase) {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+  } else {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+  }
+#endif
+}
 
 template <int D, bool kBf16, bool kSoftCap, bool kFp8K>
 __global__ void __launch_bounds__(PrefillSm90Config<D>::kThreads, 1)
@@ -85,7 +190,7 @@ __global__ void __launch_bounds__(PrefillSm90Config<D>::kThreads, 1)
   if (tid == 0) {
 #pragma unroll
     for (int s = 0; s < kStages; ++s) {
-      MbarInit(full_bar + 8 * s, 128);
+      MbarInit(full_bar + 8 * s, 128 * Cfg::kProducers);
       MbarInit(empty_bar + 8 * s, 128 * Cfg::kConsumers);
     }
   }
@@ -96,61 +201,76 @@ __global__ void __launch_bounds__(PrefillSm90Config<D>::kThreads, 1)
   const int lane = tid & 31;
   uint32_t kcount = 0;  // tiles through the ring so far: buffer kcount % kStages
 
-  if (wg == Cfg::kConsumers) {
-    // ================= Producer: load, decode, store tiles.
-    const int ptid = tid - 128 * Cfg::kConsumers;
+  if (wg >= Cfg::kConsumers) {
+    // ================= Producers: load, decode, store tiles; warpgroup
+    // kConsumers takes K, the next V. Thread ptid takes half h of token tt's
+    // row: a quarter warp covers 8 tokens (distinct rows mod 8:
+    // conflict-free swizzled stores).
+    SetMaxRegs<Cfg::kProducerRegs>(false);
+    const int kv = wg - Cfg::kConsumers;
+    const int ptid = tid & 127;
     const int pwarp = ptid >> 5;
-    const int chunk = ptid % Cfg::kChunks;
-    const int tok0 = ptid / Cfg::kChunks;
-    using Raw = PrefillRaw<Cfg::kPasses, kFp8K>;
-    constexpr uint32_t kAllOk = (1u << Cfg::kPasses) - 1u;
-    for (int item = blockIdx.x; item < total_items; item += gridDim.x) {
-      const PrefillItem it = ResolvePrefillItem(p, item_prefix, item, Cfg::kRows);
-      const int n_tiles = it.t_begin < it.t_end ? (it.t_end - it.t_begin + kBN - 1) / kBN : 0;
-      const PrefillChunkBase cb = MakePrefillChunkBase<kFp8K>(p, it.b, it.head, chunk);
-      Raw ra, rb;
-      if (n_tiles > 0) {
-        LoadPrefillRaw<Cfg::kPasses, Cfg::kTokPerPass>(p, cb, it.t_begin + tok0, it.t_end, ra);
-      }
-      if (n_tiles > 1) {
-        LoadPrefillRaw<Cfg::kPasses, Cfg::kTokPerPass>(p, cb, it.t_begin + kBN + tok0, it.t_end,
-                                                        rb);
-      }
-      const auto put = [&](Raw& raw, int j) {
-        const int stage = static_cast<int>(kcount % kStages);
-        MbarWait(empty_bar + 8 * stage, ((kcount / kStages) & 1u) ^ 1u);
-        const uint32_t kb = sm + Cfg::kKOff + stage * Cfg::kTileBytes;
-        const uint32_t vb = sm + Cfg::kVOff + stage * Cfg::kTileBytes;
+    const int tt = (ptid & 7) + 8 * (ptid >> 4);
+    const int h = (ptid >> 3) & 1;
+    constexpr int kPieces = Cfg::kCV / 8;  // 16-byte f16 pieces of a half row
+    FastDiv page_div;
+    page_div.Init(p.page_size);
+    const auto produce = [&](auto fp8_tag, const internal::PoolPtrs& pool, uint32_t region) {
+      constexpr bool kFp8 = decltype(fp8_tag)::value;
+      using Half = PrefillSm90Half<Cfg::kCV, kFp8>;
+      for (int item = blockIdx.x; item < total_items; item += gridDim.x) {
+        const PrefillItem it = ResolvePrefillItem(p, item_prefix, item, Cfg::kRows);
+        const int n_tiles = it.t_begin < it.t_end ? (it.t_end - it.t_begin + kBN - 1) / kBN : 0;
+        const int64_t table_row = static_cast<int64_t>(it.b) * p.table_row_stride;
+        const uint8_t* data = pool.data + it.head * pool.data_head + h * (kFp8 ? Cfg::kCV : Cfg::kCV / 2);
+        const uint8_t* scales =
+            kFp8 ? nullptr : pool.scales + it.head * pool.scale_head + h * (Cfg::kCV / 16);
+        const auto load = [&](int j, Half& raw) {
+          LoadPrefillSm90Half<Cfg::kCV, kFp8>(p, pool, page_div, table_row, data, scales,
+                                              it.t_begin + j * kBN + tt, it.t_end, raw);
+        };
+        Half ra, rb;
+        if (n_tiles > 0) load(0, ra);
+        if (n_tiles > 1) load(1, rb);
+        const auto put = [&](Half& raw, int j) {
+          const int stage = static_cast<int>(kcount % kStages);
+          MbarWait(empty_bar + 8 * stage, ((kcount / kStages) & 1u) ^ 1u);
+          const uint32_t dst = region + stage * Cfg::kTileBytes;
 #pragma unroll
-        for (int i = 0; i < Cfg::kPasses; ++i) {
-          const int tt = tok0 + i * Cfg::kTokPerPass;
-          uint32_t kh[4][4], vh[4][4];
-          DecodePrefillChunk(raw, i, kh, vh);
-#pragma unroll
-          for (int w = 0; w < 4; ++w) {
-            const uint32_t off = Sw128Offset(kBN, tt, chunk * 4 + w);
-            StShared16(kb + off, kh[w][0], kh[w][1], kh[w][2], kh[w][3]);
-            StShared16(vb + off, vh[w][0], vh[w][1], vh[w][2], vh[w][3]);
+          for (int w = 0; w < kPieces; ++w) {
+            uint32_t o4[4];
+            if constexpr (kFp8) {
+              device::Fp8KeyWordToHalf2(raw.w[2 * w], &o4[0], &o4[1]);
+              device::Fp8KeyWordToHalf2(raw.w[2 * w + 1], &o4[2], &o4[3]);
+            } else {
+              const uint32_t m =
+                  device::ScalePairMultiplier(((raw.scales >> (8 * (w >> 1))) & 0xffu) * 0x0101u);
+              device::DecodeWordHalf2(raw.w[w], m, o4);
+            }
+            StShared16(dst + Sw128Offset(kBN, tt, h * kPieces + w), o4[0], o4[1], o4[2], o4[3]);
           }
-          if (chunk == 0) tok_ok[stage * kBN + tt] = static_cast<uint8_t>((raw.ok >> i) & 1u);
+          if (kv == 0 && h == 0) tok_ok[stage * kBN + tt] = raw.ok ? 1 : 0;
+          const unsigned bad = __ballot_sync(0xffffffffu, !raw.ok);
+          if ((ptid & 31) == 0) tile_bad[stage * 8 + 4 * kv + pwarp] = bad != 0 ? 1 : 0;
+          FenceProxyAsyncShared();
+          MbarArrive(full_bar + 8 * stage);
+          if (j + 2 < n_tiles) load(j + 2, raw);
+          ++kcount;
+        };
+        for (int j = 0; j < n_tiles; j += 2) {
+          put(ra, j);
+          if (j + 1 < n_tiles) put(rb, j + 1);
         }
-        const unsigned bad = __ballot_sync(0xffffffffu, raw.ok != kAllOk);
-        if (lane == 0) tile_bad[stage * 4 + pwarp] = bad != 0 ? 1 : 0;
-        FenceProxyAsyncShared();
-        MbarArrive(full_bar + 8 * stage);
-        if (j + 2 < n_tiles) {
-          LoadPrefillRaw<Cfg::kPasses, Cfg::kTokPerPass>(p, cb, it.t_begin + (j + 2) * kBN + tok0,
-                                                          it.t_end, raw);
-        }
-        ++kcount;
-      };
-      for (int j = 0; j < n_tiles; j += 2) {
-        put(ra, j);
-        if (j + 1 < n_tiles) put(rb, j + 1);
       }
+    };
+    if (kv == 0) {
+      produce(std::integral_constant<bool, kFp8K>{}, p.k, sm + Cfg::kKOff);
+    } else {
+      produce(std::integral_constant<bool, false>{}, p.v, sm + Cfg::kVOff);
     }
     return;
   }
+  SetMaxRegs<Cfg::kConsumerRegs>(true);
 
   // ================= Consumers: 64 query rows each.
   const int wtid = tid & 127, warp = wtid >> 5;
@@ -276,112 +396,161 @@ __global__ void __launch_bounds__(PrefillSm90Config<D>::kThreads, 1)
     float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.0f, 0.0f};
 
     const int n_tiles = it.t_begin < it.t_end ? (it.t_end - it.t_begin + kBN - 1) / kBN : 0;
-    for (int j = 0; j < n_tiles; ++j) {
-      const int t0 = it.t_begin + j * kBN;
+    // The warpgroup's tiles [j_lo, j_hi]: those holding a key of one of its
+    // rows (a run, since both bounds grow with the row). The others only
+    // pass through the ring.
+    int j_lo = 0, j_hi = -1;
+    if (wg_any && wg_hi >= it.t_begin) {
+      j_hi = min(n_tiles - 1, (wg_hi - it.t_begin) / kBN);
+      j_lo = wg_lo > it.t_begin ? (wg_lo - it.t_begin) / kBN : 0;
+    }
+    const auto pass_tile = [&]() {
       const int stage = static_cast<int>(kcount % kStages);
       MbarWait(full_bar + 8 * stage, (kcount / kStages) & 1u);
-      if (wg_any && wg_hi >= t0 && wg_lo <= t0 + kBN - 1) {
-        // ---- S = Q K^T.
-        float s[kSN][4];
-        WgmmaFence();
-        const uint64_t kd = k_desc + ((stage * Cfg::kTileBytes) >> 4);
+      MbarArrive(empty_bar + 8 * stage);
+      ++kcount;
+    };
+    // S = Q K^T of the tile in `stage`, issued (one wgmma group).
+    const auto issue_s = [&](float (&s)[kSN][4], int stage) {
+      const uint64_t kd = k_desc + ((stage * Cfg::kTileBytes) >> 4);
 #pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
-          const uint32_t q_off = (kk >> 2) * (64 * 128) + (kk & 3) * 32;
-          const uint32_t k_off = (kk >> 2) * (kBN * 128) + (kk & 3) * 32;
-          WgmmaSS64(s, q_desc + (q_off >> 4), kd + (k_off >> 4), kk > 0 ? 1 : 0);
+      for (int kk = 0; kk < D / 16; ++kk) {
+        const uint32_t q_off = (kk >> 2) * (64 * 128) + (kk & 3) * 32;
+        const uint32_t k_off = (kk >> 2) * (kBN * 128) + (kk & 3) * 32;
+        WgmmaSS64(s, q_desc + (q_off >> 4), kd + (k_off >> 4), kk > 0 ? 1 : 0);
+      }
+      WgmmaCommit();
+    };
+    // O += P V of the tile in `stage`, issued (one wgmma group).
+    const auto issue_pv = [&](const uint32_t (&pa)[kBN / 16][4], int stage) {
+      const uint64_t vd = v_desc + ((stage * Cfg::kTileBytes) >> 4);
+#pragma unroll
+      for (int kk = 0; kk < kBN / 16; ++kk) {
+        if constexpr (D == 128) {
+          WgmmaRS128(o, pa[kk], vd + ((kk * 16 * 128) >> 4));
+        } else {
+          WgmmaRS64(o, pa[kk], vd + ((kk * 16 * 128) >> 4));
         }
-        WgmmaCommit();
-        WgmmaWait<0>();
-        RegFence(s);
-
-        // ---- Scale (soft cap), mask, online softmax (log2 units).
-        const uint32_t bad = *reinterpret_cast<const uint32_t*>(tile_bad + stage * 4);
-        const bool full = bad == 0 && t0 >= lo_max && t0 + kBN - 1 <= hi_min;
-        const uint8_t* ok_buf = tok_ok + stage * kBN;
+      }
+      WgmmaCommit();
+    };
+    // Scale (soft cap), mask and online softmax of tile j's logits (in
+    // `stage`): s becomes P, alpha the factor O must be rescaled by.
+    const auto softmax = [&](float (&s)[kSN][4], int j, int stage, float (&alpha)[2]) {
+      const int t0 = it.t_begin + j * kBN;
+      const uint64_t bad = *reinterpret_cast<const uint64_t*>(tile_bad + stage * 8);
+      const bool full = bad == 0 && t0 >= lo_max && t0 + kBN - 1 <= hi_min;
+      const uint8_t* ok_buf = tok_ok + stage * kBN;
+#pragma unroll
+      for (int n = 0; n < kSN; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float x = s[n][e] * lf[e >> 1];
+          if constexpr (kSoftCap) x = tanhf(x) * p.soft_cap * kLog2e;
+          s[n][e] = x;
+        }
+      }
+      if (!full) {
 #pragma unroll
         for (int n = 0; n < kSN; ++n) {
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            float x = s[n][e] * lf[e >> 1];
-            if constexpr (kSoftCap) x = tanhf(x) * p.soft_cap * kLog2e;
-            s[n][e] = x;
+            const int tt = 8 * n + 2 * c + (e & 1);
+            const int t = t0 + tt;
+            const bool ok = t < it.t_end && ok_buf[tt] != 0 && t >= row_lo[e >> 1] &&
+                            t <= row_hi[e >> 1];
+            if (!ok) s[n][e] = -INFINITY;
           }
         }
-        if (!full) {
+      }
 #pragma unroll
-          for (int n = 0; n < kSN; ++n) {
+      for (int i = 0; i < 2; ++i) {
+        float mx = -INFINITY;
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              const int tt = 8 * n + 2 * c + (e & 1);
-              const int t = t0 + tt;
-              const bool ok = t < it.t_end && ok_buf[tt] != 0 && t >= row_lo[e >> 1] &&
-                              t <= row_hi[e >> 1];
-              if (!ok) s[n][e] = -INFINITY;
-            }
-          }
+        for (int n = 0; n < kSN; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * i], s[n][2 * i + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float m_old = m_run[i];
+        const float m_new = mx - m_old > kAttnRescaleSlack ? fmaxf(m_old, mx) : m_old;
+        const float m_use = m_new == -INFINITY ? 0.0f : m_new - kAttnPOffset;
+        alpha[i] = m_new == m_old ? 1.0f : Ex2(m_old - m_new);
+        m_run[i] = m_new;
+        float sum = 0.0f;
+#pragma unroll
+        for (int n = 0; n < kSN; ++n) {
+          s[n][2 * i] = Ex2(s[n][2 * i] - m_use);
+          s[n][2 * i + 1] = Ex2(s[n][2 * i + 1] - m_use);
+          sum += s[n][2 * i] + s[n][2 * i + 1];
         }
-        bool rescale = false;
-        float alpha[2];
+        l_run[i] = l_run[i] * alpha[i] + sum;
+      }
+    };
+    const auto rescale = [&](const float (&alpha)[2]) {
+      if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
 #pragma unroll
-        for (int i = 0; i < 2; ++i) {
-          float mx = -INFINITY;
-#pragma unroll
-          for (int n = 0; n < kSN; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * i], s[n][2 * i + 1]));
-          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-          const float m_old = m_run[i];
-          const float m_new = mx - m_old > kAttnRescaleSlack ? fmaxf(m_old, mx) : m_old;
-          const float m_use = m_new == -INFINITY ? 0.0f : m_new - kAttnPOffset;
-          alpha[i] = m_new == m_old ? 1.0f : Ex2(m_old - m_new);
-          rescale = rescale || m_new != m_old;
-          m_run[i] = m_new;
-          float sum = 0.0f;
-#pragma unroll
-          for (int n = 0; n < kSN; ++n) {
-            s[n][2 * i] = Ex2(s[n][2 * i] - m_use);
-            s[n][2 * i + 1] = Ex2(s[n][2 * i + 1] - m_use);
-            sum += s[n][2 * i] + s[n][2 * i + 1];
-          }
-          l_run[i] = l_run[i] * alpha[i] + sum;
+        for (int n = 0; n < kNT; ++n) {
+          o[n][0] *= alpha[0];
+          o[n][1] *= alpha[0];
+          o[n][2] *= alpha[1];
+          o[n][3] *= alpha[1];
         }
-        if (__any_sync(0xffffffffu, rescale)) {
+      }
+    };
+    const auto pack = [&](const float (&s)[kSN][4], uint32_t (&pa)[kBN / 16][4]) {
 #pragma unroll
-          for (int n = 0; n < kNT; ++n) {
-            o[n][0] *= alpha[0];
-            o[n][1] *= alpha[0];
-            o[n][2] *= alpha[1];
-            o[n][3] *= alpha[1];
-          }
-        }
+      for (int kk = 0; kk < kBN / 16; ++kk) {
+        pa[kk][0] = PackHalf2(s[2 * kk][0], s[2 * kk][1]);
+        pa[kk][1] = PackHalf2(s[2 * kk][2], s[2 * kk][3]);
+        pa[kk][2] = PackHalf2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+        pa[kk][3] = PackHalf2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+      }
+    };
 
-        // ---- O += P V.
-        uint32_t pa[kBN / 16][4];
-#pragma unroll
-        for (int kk = 0; kk < kBN / 16; ++kk) {
-          pa[kk][0] = PackHalf2(s[2 * kk][0], s[2 * kk][1]);
-          pa[kk][1] = PackHalf2(s[2 * kk][2], s[2 * kk][3]);
-          pa[kk][2] = PackHalf2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-          pa[kk][3] = PackHalf2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-        }
+    if (j_lo > j_hi) j_lo = n_tiles;  // nothing of ours: every tile passes
+    for (int j = 0; j < j_lo; ++j) pass_tile();
+    if (j_lo <= j_hi) {
+      // Software pipeline over the warpgroup's tiles: S of tile j is issued
+      // before P V of tile j - 1, so the softmax of tile j runs while the
+      // tensor cores multiply P V of tile j - 1; tile j - 1's buffer is
+      // released once that product has completed.
+      float s[kSN][4];
+      uint32_t pa[kBN / 16][4];
+      float alpha[2];
+      int prev = static_cast<int>(kcount % kStages);
+      MbarWait(full_bar + 8 * prev, (kcount / kStages) & 1u);
+      ++kcount;
+      WgmmaFence();
+      issue_s(s, prev);
+      WgmmaWait<0>();
+      RegFence(s);
+      softmax(s, j_lo, prev, alpha);
+      pack(s, pa);
+      for (int j = j_lo + 1; j <= j_hi; ++j) {
+        const int stage = static_cast<int>(kcount % kStages);
+        MbarWait(full_bar + 8 * stage, (kcount / kStages) & 1u);
+        ++kcount;
         RegFence(o);
         WgmmaFence();
-        const uint64_t vd = v_desc + ((stage * Cfg::kTileBytes) >> 4);
-#pragma unroll
-        for (int kk = 0; kk < kBN / 16; ++kk) {
-          if constexpr (D == 128) {
-            WgmmaRS128(o, pa[kk], vd + ((kk * 16 * 128) >> 4));
-          } else {
-            WgmmaRS64(o, pa[kk], vd + ((kk * 16 * 128) >> 4));
-          }
-        }
-        WgmmaCommit();
-        WgmmaWait<0>();
+        issue_s(s, stage);
+        issue_pv(pa, prev);
+        WgmmaWait<1>();  // S of tile j
+        RegFence(s);
+        softmax(s, j, stage, alpha);
+        WgmmaWait<0>();  // P V of tile j - 1
         RegFence(o);
+        MbarArrive(empty_bar + 8 * prev);
+        rescale(alpha);
+        pack(s, pa);
+        prev = stage;
       }
-      MbarArrive(empty_bar + 8 * stage);
-      ++kcount;
+      RegFence(o);
+      WgmmaFence();
+      issue_pv(pa, prev);
+      WgmmaWait<0>();
+      RegFence(o);
+      MbarArrive(empty_bar + 8 * prev);
     }
+    for (int j = j_hi + 1 > j_lo ? j_hi + 1 : j_lo; j < n_tiles; ++j) pass_tile();
 
     // ---- Finish the rows: normalize (sinks, LSE), stage the output rows in
     // natural dim order in the warp's own rows of the Q buffer (swizzled by
