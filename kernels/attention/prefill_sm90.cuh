@@ -1,29 +1,32 @@
 // Internal: the sm_90a family of the prefill kernel (requests with many new
-// tokens), head dims 64 and 128. Same contract, schedule, number formats and
-// online softmax as PrefillAttentionKernel (kernels/attention/prefill.cuh);
-// what differs is who does what:
+// tokens), head dims 64 and 128. Same contract, schedule, items (128 query
+// rows of one KV head), number formats and online softmax as
+// PrefillAttentionKernel (kernels/attention/prefill.cuh); what differs is
+// who does what:
 //
-// - A CTA is three warpgroups: two consumers of 64 query rows each (an item
-//   is 128 rows, as in the mma.sync family) and one producer. The producer
-//   loads each K/V tile of 64 tokens from the pages (any page size, i32/i64
-//   tables, oob entries masked), decodes it to f16 and stores it in the
-//   128-byte-swizzled layout wgmma reads; the consumers multiply.
+// - A CTA is four warpgroups: two consumers of 64 query rows each and two
+//   producers, one for K and one for V. A producer thread loads half a token
+//   row of each 64-token tile from the pages (one page-table lookup a tile,
+//   any page size, i32/i64 tables, oob entries masked), decodes it to f16
+//   and stores it in the 128-byte-swizzled layout wgmma reads. setmaxnreg
+//   moves registers from the producers (88) to the consumers (168).
 // - Tiles pass through a ring of kStages shared buffers guarded by two
-//   mbarriers each: `full` (the producer's 128 threads arrive after their
+//   mbarriers each: `full` (the producers' 256 threads arrive after their
 //   stores and an async-proxy fence) and `empty` (the consumers' 256 threads
-//   arrive once their wgmmas on the buffer have completed). Producer and
+//   arrive once their wgmmas on the buffer have completed). Producers and
 //   consumers walk the same items and tiles, so one tile counter gives both
-//   the buffer and the phase. The producer keeps two tiles of codes in
-//   registers (loads of tile j + 2 in flight while tile j is decoded).
+//   the buffer and the phase. A producer keeps two tiles of codes in
+//   registers (the loads of tile j + 2 in flight while tile j is decoded).
 // - A consumer computes S = Q K^T with wgmma m64n64k16 (Q and K from shared
 //   memory, K-major), the softmax in registers (the accumulator layout is
 //   the mma.sync one per warp), and O += P V with wgmma m64n{D}k16: P from
-//   registers, V from shared memory N-major (its token rows as stored).
-//   Decoding (producer) and multiplying (consumers) run on different warps,
-//   so the tensor cores are fed while the tiles after are decoded.
-// Rows of a consumer warpgroup that lie outside a tile's causal / window
-// bounds make it skip the tile's multiplies (a warpgroup-uniform test on
-// its first and last rows), never its barriers.
+//   registers, V from shared memory N-major (its token rows as stored). S of
+//   tile j is issued before P V of tile j - 1, so the softmax of tile j runs
+//   while the tensor cores multiply; tile j - 1's buffer is released when
+//   that product has completed.
+// A consumer warpgroup multiplies only the run of tiles holding a key of
+// one of its rows (causal / window bounds of its first and last rows); the
+// others pass through its barriers.
 #ifndef FP4KV_KERNELS_ATTENTION_PREFILL_SM90_CUH_
 #define FP4KV_KERNELS_ATTENTION_PREFILL_SM90_CUH_
 
