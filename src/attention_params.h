@@ -91,6 +91,11 @@ struct AttentionParams {
   // [kernel_q_min, kernel_q_max]; the others belong to the other kernel of
   // the same Run (decode: q_len <= kDecodeRowsQLen, prefill: longer).
   int kernel_q_min = 0, kernel_q_max = INT_MAX;
+  // Set by the CUDA launcher on the first decode launch after the prefill
+  // kernel of the same Run: launched as its programmatic dependent (sm_90:
+  // the two overlap; the decode grid waits for the prefill grid before it
+  // completes).
+  bool beside_prefill = false;
   // Resident CTAs of the prefill kernel per SM (found at Create() when
   // max_q_len > kDecodeRowsQLen; its persistent grid is num_sms times this).
   int prefill_ctas_per_sm = 0;

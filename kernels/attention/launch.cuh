@@ -86,7 +86,24 @@ absl::Status LaunchFor(const AttentionParams& p, Stream stream) {
   const size_t sched_bytes = kernels::AttnScheduleBytes(p.max_batch);
   const size_t smem = static_cast<size_t>(kernels::kAttnWarps) * kernel.warp_bytes + sched_bytes;
   // The dynamic shared memory limit was raised at Create() (PrepareFor).
-  kernel.fn<<<grid, kernels::kAttnThreads, smem, stream>>>(a);
+  if (p.beside_prefill && p.merge_overlaps) {
+    // A programmatic dependent of the prefill kernel just enqueued: its CTAs
+    // take the SMs that kernel's last items leave idle (the prefill kernel
+    // lets dependents launch at its start; this one waits for it at its end).
+    cudaLaunchAttribute pdl[1];
+    pdl[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    pdl[0].val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t lc = {};
+    lc.gridDim = dim3(grid);
+    lc.blockDim = dim3(kernels::kAttnThreads);
+    lc.dynamicSmemBytes = smem;
+    lc.stream = stream;
+    lc.attrs = pdl;
+    lc.numAttrs = 1;
+    FP4KV_CUDA_RETURN_IF_ERROR(cudaLaunchKernelEx(&lc, kernel.fn, a));
+  } else {
+    kernel.fn<<<grid, kernels::kAttnThreads, smem, stream>>>(a);
+  }
   FP4KV_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   // The merge kernel may launch while the attention kernel runs (it derives
   // its schedule, then waits in griddepcontrol.wait): only when its loaded

@@ -190,6 +190,7 @@ __global__ void __launch_bounds__(PrefillSm90Config<D>::kThreads, 1)
   const uint32_t full_bar = sm + Cfg::kBarOff;
   const uint32_t empty_bar = full_bar + 8 * kStages;
   const int tid = threadIdx.x;
+  LaunchDependentGrids();  // the decode launch of the same Run may start beside
   if (tid == 0) {
 #pragma unroll
     for (int s = 0; s < kStages; ++s) {

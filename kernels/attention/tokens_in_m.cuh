@@ -534,6 +534,10 @@ __global__ void __launch_bounds__(kAttnThreads, (kTokensInMCtasPerSm<D, kN, kFp8
     StoreItemRows<D, kBf16>(a, it, smem, Cfg::kWarpBytes, Cfg::kRedStride, ml_sm);
     __syncthreads();
   }
+  // Launched beside the prefill kernel of the same Run (programmatic
+  // dependent launch): this grid completes only after that one, so what
+  // follows in the stream still finds every row written. A no-op otherwise.
+  WaitForPrerequisiteGrids();
 }
 
 }  // namespace kernels
