@@ -165,7 +165,7 @@ absl::Status LaunchDecodeAttention(const AttentionParams& p, Stream stream) {
     if (q_tokens >= 1) {
       AttentionParams dp = p;
       dp.kernel_q_max = q_tokens;
-      dp.beside_prefill = true;
+      dp.beside_prefill = p.prefill_family == PrefillFamily::kWgmma;
       FP4KV_RETURN_IF_ERROR(LaunchDecode(dp, stream));
     }
     if (q_tokens >= kDecodeRowsQLen) return absl::OkStatus();
@@ -174,7 +174,7 @@ absl::Status LaunchDecodeAttention(const AttentionParams& p, Stream stream) {
     dp.kernel_q_max = kDecodeRowsQLen;
     dp.family = AttentionFamily::kRowsInM;
     if (q_tokens >= 1) dp.ctas_per_sm = p.ctas_per_sm_rows;
-    dp.beside_prefill = q_tokens < 1;
+    dp.beside_prefill = q_tokens < 1 && p.prefill_family == PrefillFamily::kWgmma;
     return LaunchDecode(dp, stream);
   }
   return LaunchDecode(p, stream);

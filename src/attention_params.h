@@ -91,10 +91,12 @@ struct AttentionParams {
   // [kernel_q_min, kernel_q_max]; the others belong to the other kernel of
   // the same Run (decode: q_len <= kDecodeRowsQLen, prefill: longer).
   int kernel_q_min = 0, kernel_q_max = INT_MAX;
-  // Set by the CUDA launcher on the first decode launch after the prefill
-  // kernel of the same Run: launched as its programmatic dependent (sm_90:
-  // the two overlap; the decode grid waits for the prefill grid before it
-  // completes).
+  // Set by the CUDA launcher on the first decode launch after the wgmma
+  // prefill kernel of the same Run: launched as its programmatic dependent
+  // (its CTAs take the SMs the prefill kernel's last items free; the decode
+  // grid waits for the prefill grid before it completes). Not after the
+  // mma.sync prefill kernel, beside whose CTAs waiting decode CTAs would sit
+  // for the whole prefill.
   bool beside_prefill = false;
   // Resident CTAs of the prefill kernel per SM (found at Create() when
   // max_q_len > kDecodeRowsQLen; its persistent grid is num_sms times this).

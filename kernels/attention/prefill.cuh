@@ -293,7 +293,6 @@ __global__ void __launch_bounds__(kAttnThreads, PrefillConfig<D>::kCtasPerSm)
   constexpr int kSN = kBN / 8;   // S n-tiles
   extern __shared__ __align__(16) uint8_t smem[];
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  LaunchDependentGrids();  // the decode launch of the same Run may start beside
   const int g = lane >> 2, c = lane & 3;
   int* item_prefix = reinterpret_cast<int*>(smem + Cfg::kBytes);
 

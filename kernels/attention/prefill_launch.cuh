@@ -12,6 +12,7 @@
 #include <cstring>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "kernels/attention/prefill.cuh"
 #include "kernels/attention/prefill_sm90.cuh"
@@ -131,10 +132,45 @@ absl::Status LaunchPrefillFor(const AttentionParams& p, Stream stream) {
                                             : "PrefillAttentionKernel launch");
 }
 
+// The wgmma kernel's setmaxnreg budget (two consumer warpgroups at
+// kConsumerRegs, two producers at kProducerRegs) assumes its CTA starts with
+// 65536 / kThreads registers a thread; with fewer the consumers' increase
+// would never be granted. False when the compiled kernel says otherwise.
+template <int D, bool kBf16, bool kFp8K>
+absl::StatusOr<bool> WgmmaRegistersAsPlanned(bool soft_cap) {
+  if constexpr (D == 256) {
+    return false;
+  } else {
+    cudaFuncAttributes fa;
+    FP4KV_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(
+        &fa, SelectPrefillKernel<D, kBf16, kFp8K>(PrefillFamily::kWgmma, soft_cap)));
+    return fa.numRegs == 65536 / kernels::PrefillSm90Config<D>::kThreads;
+  }
+}
+
 template <int D>
 absl::Status PrepareAttentionPrefillDim(const DecodeAttention::Options& o,
                                         AttentionKernelSetup* out) {
   FP4KV_RETURN_IF_ERROR(ChoosePrefillFamily(D, o.device.ordinal, &out->prefill_family));
+  if (out->prefill_family == PrefillFamily::kWgmma) {
+    const bool bf16 = o.dtype == DType::kBF16, cap = o.logits_soft_cap > 0.0f;
+    const absl::StatusOr<bool> planned =
+        o.geometry.fp8_keys()
+            ? (bf16 ? WgmmaRegistersAsPlanned<D, true, true>(cap)
+                    : WgmmaRegistersAsPlanned<D, false, true>(cap))
+            : (bf16 ? WgmmaRegistersAsPlanned<D, true, false>(cap)
+                    : WgmmaRegistersAsPlanned<D, false, false>(cap));
+    if (!planned.ok()) return planned.status();
+    if (!*planned) {
+      const char* env = std::getenv("FP4KV_PREFILL_KERNEL");
+      if (env != nullptr && std::strcmp(env, "wgmma") == 0) {
+        return absl::FailedPreconditionError(
+            "FP4KV_PREFILL_KERNEL=wgmma: the wgmma prefill kernel was not compiled with the "
+            "registers its warpgroups share out");
+      }
+      out->prefill_family = PrefillFamily::kMma;
+    }
+  }
   const PrefillFamily f = out->prefill_family;
   int* ctas = &out->prefill_ctas_per_sm;
   const bool bf16 = o.dtype == DType::kBF16;

@@ -556,6 +556,10 @@ __global__ void __launch_bounds__(PrefillSm90Config<D>::kThreads, 1)
     }
     for (int j = j_hi + 1 > j_lo ? j_hi + 1 : j_lo; j < n_tiles; ++j) pass_tile();
 
+    // Every wgmma of the warpgroup has completed (each warp waited for its
+    // last group); the barrier keeps the staging below independent of how
+    // the hardware splits a wgmma's reads of Q between the warps.
+    NamedBarrierSync(1 + wg, 128);
     // ---- Finish the rows: normalize (sinks, LSE), stage the output rows in
     // natural dim order in the warp's own rows of the Q buffer (swizzled by
     // 16-byte pieces; every wgmma reading Q has completed), then 16-byte
@@ -605,6 +609,7 @@ __global__ void __launch_bounds__(PrefillSm90Config<D>::kThreads, 1)
   }
 #else
   (void)p;
+  __trap();  // never launched: the host chooses this family only for sm_90a code
 #endif
 }
 
