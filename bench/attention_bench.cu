@@ -23,8 +23,9 @@
 //   median_us      the median time of one Run() (attention + merge kernels)
 //   partial_bytes  split-KV partials written and read back (not in bytes),
 //                  from the same schedule the kernel derives on the device
-// Arg rows_in_m:1 forces the rows-in-M kernel family (FP4KV_ATTENTION_KERNEL
-// set around Create()); 0 is the default choice (tokens in M).
+// Arg family (FP4KV_ATTENTION_KERNEL set around Create()): 0 the default
+// choice, 1 rows in M forced, 2 tokens in M with cp.async copies forced, 3
+// tokens in M with TMA copies forced (sm_90a builds on an H200).
 //
 // BM_PrefillAttention: prefill and extend chunks (more than kDecodeRowsQLen
 // new tokens a request, causal), alone and mixed with decode rows in one
@@ -121,7 +122,10 @@ int CtasPerSm(bool rows_in_m, int dim, bool fp8_keys, int rows) {
 }
 
 // args: batch, seq_len, q_len, fp8_keys (0: NVFP4 keys, 1: FP8 E4M3 keys),
-// group (qo heads per KV head), head_dim, rows_in_m (1: that family forced).
+// group (qo heads per KV head), head_dim, family (0: Create()'s choice; 1:
+// rows in M forced; 2: tokens in M with cp.async copies forced, the sm_80
+// kernel and the choice for NVFP4 keys; 3: tokens in M with TMA copies
+// forced, the choice for FP8 keys at head dim 128 on an H200).
 void BM_DecodeAttention(benchmark::State& state) {
   if (!HaveGpu(state)) return;
   const int batch = static_cast<int>(state.range(0));
@@ -130,7 +134,8 @@ void BM_DecodeAttention(benchmark::State& state) {
   const bool fp8_keys = state.range(3) != 0;
   const int group = static_cast<int>(state.range(4));
   const int dim = static_cast<int>(state.range(5));
-  const bool rows_in_m = state.range(6) != 0;
+  const int family = static_cast<int>(state.range(6));
+  const bool rows_in_m = family == 1;
   constexpr int kKvHeads = 8, kPage = 16;
   const int qo_heads = kKvHeads * group;
   const int pages_per_seq = (len + kPage - 1) / kPage;
@@ -186,8 +191,9 @@ void BM_DecodeAttention(benchmark::State& state) {
   o.max_pages_per_seq = pages_per_seq;
   o.max_q_len = q_len;
   o.device = d;
-  if (rows_in_m) {
-    setenv("FP4KV_ATTENTION_KERNEL", "rows_in_m", 1);
+  if (family != 0) {
+    setenv("FP4KV_ATTENTION_KERNEL",
+           family == 1 ? "rows_in_m" : (family == 2 ? "tokens_in_m" : "tokens_in_m_tma"), 1);
   } else {
     unsetenv("FP4KV_ATTENTION_KERNEL");
   }
@@ -242,23 +248,24 @@ void BM_DecodeAttention(benchmark::State& state) {
   BENCH_CUDA(state, cudaGetLastError());
   (void)cudaStreamDestroy(s);
 }
-// The issue's table for both families and both key formats, then group 8
-// and head_dim 64 at 64 x 4096.
+// The issue's table for the default choice and each kernel forced (tokens
+// in M with TMA copies, with cp.async copies, rows in M) and both key
+// formats, then group 8 and head_dim 64 at 64 x 4096.
 void DecodeAttentionCases(benchmark::internal::Benchmark* b) {
-  for (int rows_in_m = 0; rows_in_m < 2; ++rows_in_m) {
+  for (int family : {0, 3, 2, 1}) {
     for (int fp8 = 0; fp8 < 2; ++fp8) {
       for (const auto& s : {std::pair<int, int>{64, 4096}, {256, 2048}, {8, 16384}, {128, 512},
                             {1, 32768}}) {
-        b->Args({s.first, s.second, 1, fp8, 4, 128, rows_in_m});
+        b->Args({s.first, s.second, 1, fp8, 4, 128, family});
       }
-      b->Args({64, 4096, 4, fp8, 4, 128, rows_in_m});
-      b->Args({64, 4096, 1, fp8, 8, 128, rows_in_m});
-      b->Args({64, 4096, 1, fp8, 4, 64, rows_in_m});
+      b->Args({64, 4096, 4, fp8, 4, 128, family});
+      b->Args({64, 4096, 1, fp8, 8, 128, family});
+      b->Args({64, 4096, 1, fp8, 4, 64, family});
     }
   }
 }
 BENCHMARK(BM_DecodeAttention)
-    ->ArgNames({"batch", "seq_len", "q_len", "fp8_keys", "group", "head_dim", "rows_in_m"})
+    ->ArgNames({"batch", "seq_len", "q_len", "fp8_keys", "group", "head_dim", "family"})
     ->Apply(DecodeAttentionCases)
     ->UseManualTime()
     ->Iterations(1)

@@ -35,12 +35,40 @@ absl::Status LaunchAttentionPrefillDim(const AttentionParams& p, Stream stream);
 
 namespace {
 
-// FP4KV_ATTENTION_KERNEL: unset or "tokens_in_m" (the default choice),
-// "rows_in_m" (force the older family); anything else is an error.
-absl::Status ChooseFamily(AttentionFamily* family) {
-  *family = AttentionFamily::kTokensInM;
+// FP4KV_ATTENTION_KERNEL: unset or "auto" (tokens in M; with TMA copies
+// where they measured faster, on a library with sm_90a code and a compute
+// capability 9.0 device), "tokens_in_m_tma" (tokens in M with TMA copies for
+// every shape whose pools they can describe: an error where they cannot
+// run), "tokens_in_m" (force cp.async copies), "rows_in_m" (force the older
+// family); anything else is an error.
+absl::Status ChooseFamily(int device, AttentionFamily* family) {
+  bool tma = false;
+#if defined(FP4KV_HAVE_SM90A)
+  int major = 0, minor = 0;
+  FP4KV_CUDA_RETURN_IF_ERROR(
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  FP4KV_CUDA_RETURN_IF_ERROR(
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+  tma = major == 9 && minor == 0;
+#else
+  (void)device;
+#endif
   const char* env = std::getenv("FP4KV_ATTENTION_KERNEL");
-  if (env == nullptr || env[0] == '\0' || std::strcmp(env, "tokens_in_m") == 0) {
+  *family = tma ? AttentionFamily::kTokensInMTma : AttentionFamily::kTokensInM;
+  if (env == nullptr || env[0] == '\0' || std::strcmp(env, "auto") == 0) {
+    return absl::OkStatus();
+  }
+  if (std::strcmp(env, "tokens_in_m_tma") == 0) {
+    *family = AttentionFamily::kTokensInMTmaAll;
+    if (!tma) {
+      return absl::FailedPreconditionError(
+          "FP4KV_ATTENTION_KERNEL=tokens_in_m_tma: the TMA decode kernel needs a library built "
+          "for sm_90a and a compute capability 9.0 device");
+    }
+    return absl::OkStatus();
+  }
+  if (std::strcmp(env, "tokens_in_m") == 0) {
+    *family = AttentionFamily::kTokensInM;
     return absl::OkStatus();
   }
   if (std::strcmp(env, "rows_in_m") == 0) {
@@ -48,7 +76,8 @@ absl::Status ChooseFamily(AttentionFamily* family) {
     return absl::OkStatus();
   }
   return absl::InvalidArgumentError(absl::StrCat(
-      "FP4KV_ATTENTION_KERNEL: expected tokens_in_m or rows_in_m, got \"", env, "\""));
+      "FP4KV_ATTENTION_KERNEL: expected auto, tokens_in_m_tma, tokens_in_m or rows_in_m, got \"",
+      env, "\""));
 }
 
 // Calls fn(std::integral_constant<int, D>{}) for head dim d in {64, 128, 256}.
@@ -102,7 +131,7 @@ absl::Status PrepareDecodeAttention(const DecodeAttention::Options& o,
   if (previous != o.device.ordinal) FP4KV_CUDA_RETURN_IF_ERROR(cudaSetDevice(o.device.ordinal));
   // Initialized from a lambda: nvcc warns (#2810) on assigning to a Status.
   absl::Status st = [&]() -> absl::Status {
-    FP4KV_RETURN_IF_ERROR(ChooseFamily(&out->family));
+    FP4KV_RETURN_IF_ERROR(ChooseFamily(o.device.ordinal, &out->family));
     const bool prefill = o.max_q_len > kDecodeRowsQLen;
     return ForHeadDim(o.geometry.head_dim_v, [&](auto d) -> absl::Status {
       constexpr int kD = decltype(d)::value;

@@ -20,10 +20,28 @@ namespace internal {
 
 // The CUDA kernel families of decode attention (kernels/attention/): query
 // rows in the MMA's M dimension (rows_in_m.cuh) or the keys' tokens
-// (tokens_in_m.cuh). Create() picks tokens-in-M wherever it takes the shape;
-// the environment variable FP4KV_ATTENTION_KERNEL=rows_in_m (read at
-// Create()) forces the other family, for tests and comparisons.
-enum class AttentionFamily : int { kRowsInM = 0, kTokensInM = 1 };
+// (tokens_in_m.cuh), whose tiles are copied by every lane with cp.async
+// (kTokensInM, sm_80 and up) or by one lane with TMA tensor copies (sm_90a
+// builds on compute capability 9.0): kTokensInMTma uses them where they
+// measured faster (FP8 keys at head dim 128), kTokensInMTmaAll wherever the
+// tensor maps describe the pools (tests and comparisons); a Run whose pools
+// they cannot describe falls back to cp.async. Create() picks kTokensInMTma
+// where it can run, kTokensInM elsewhere, wherever the family takes the
+// shape; FP4KV_ATTENTION_KERNEL (read at Create()) forces a family
+// (kernels/attention.cu).
+enum class AttentionFamily : int {
+  kRowsInM = 0,
+  kTokensInM = 1,
+  kTokensInMTma = 2,
+  kTokensInMTmaAll = 3
+};
+
+inline bool IsTokensInMTma(AttentionFamily f) {
+  return f == AttentionFamily::kTokensInMTma || f == AttentionFamily::kTokensInMTmaAll;
+}
+inline bool IsTokensInM(AttentionFamily f) {
+  return f == AttentionFamily::kTokensInM || IsTokensInMTma(f);
+}
 
 // The prefill kernel family (kernels/attention/prefill_launch.cuh): mma.sync
 // (sm_80 and up) or wgmma (sm_90a builds on compute capability 9.0).
@@ -38,7 +56,7 @@ inline constexpr int kTokensInMMaxRows = 8;
 // is too large. Longer decode requests run on the rows-in-M kernel in a
 // launch of their own.
 inline int DecodeTokensInMQLen(AttentionFamily family, int group) {
-  if (family != AttentionFamily::kTokensInM || group <= 0 || group > kTokensInMMaxRows) return 0;
+  if (!IsTokensInM(family) || group <= 0 || group > kTokensInMMaxRows) return 0;
   return kTokensInMMaxRows / group;
 }
 

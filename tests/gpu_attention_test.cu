@@ -99,16 +99,34 @@ class ScopedEnv {
   std::string old_;
 };
 
-// The kernel families a case runs on: each decode family (FP4KV_ATTENTION_KERNEL:
-// the default choice, tokens in M wherever it takes the shape, and rows in
-// M forced) with the default prefill family, and for ops that launch the
-// prefill kernel the mma.sync prefill family forced too
-// (FP4KV_PREFILL_KERNEL; the default is the wgmma family on sm_90).
+// The kernel families a case runs on (FP4KV_ATTENTION_KERNEL,
+// FP4KV_PREFILL_KERNEL): tokens in M with TMA copies for every shape they
+// can describe, with the default prefill family (the wgmma kernel on an
+// H200; where TMA cannot run, e.g. without a GPU of compute capability 9.0,
+// the default choice instead); rows in M forced; and tokens in M with
+// cp.async copies (the sm_80 decode kernel, and the default's choice for
+// NVFP4 keys) forced together with the mma.sync prefill kernel.
 struct KernelFamilies {
   const char* decode;
   const char* prefill;
 };
-constexpr KernelFamilies kFamilies[] = {{"", ""}, {"rows_in_m", ""}, {"", "mma"}};
+constexpr KernelFamilies kFamilies[] = {
+    {"tokens_in_m_tma", ""}, {"rows_in_m", ""}, {"tokens_in_m", "mma"}};
+
+// Whether the TMA decode kernel can run here (FP4KV_ATTENTION_KERNEL=
+// tokens_in_m_tma succeeds at Create()).
+bool TmaDecodeAvailable() {
+#if defined(FP4KV_LIBRARY_HAS_SM90A)
+  int major = 0, minor = 0;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, 0) != cudaSuccess) {
+    return false;
+  }
+  return major == 9 && minor == 0;
+#else
+  return false;
+#endif
+}
 
 void ExpectFamilyMatchesReference(AttentionCase& c, const std::string& name, bool graph_rounds);
 
@@ -117,12 +135,13 @@ void ExpectFamilyMatchesReference(AttentionCase& c, const std::string& name, boo
 void ExpectGpuMatchesReference(AttentionCase& c, const std::string& name,
                                bool graph_rounds = true) {
   const bool prefill = c.Options(Device::Cuda(0)).max_q_len > kDecodeRowsQLen;
+  const bool tma = TmaDecodeAvailable();
   for (const KernelFamilies& f : kFamilies) {
-    if (f.prefill[0] != '\0' && !prefill) continue;
-    ScopedEnv decode("FP4KV_ATTENTION_KERNEL", f.decode);
-    ScopedEnv prefill_family("FP4KV_PREFILL_KERNEL", f.prefill);
+    const bool tma_family = std::string(f.decode) == "tokens_in_m_tma";
+    ScopedEnv decode("FP4KV_ATTENTION_KERNEL", tma_family && !tma ? "" : f.decode);
+    ScopedEnv prefill_family("FP4KV_PREFILL_KERNEL", prefill ? f.prefill : "");
     std::string label = f.decode[0] != '\0' ? f.decode : "default";
-    if (f.prefill[0] != '\0') label += std::string(", prefill ") + f.prefill;
+    if (prefill && f.prefill[0] != '\0') label += std::string(", prefill ") + f.prefill;
     ExpectFamilyMatchesReference(c, name + " [" + label + "]", graph_rounds);
     if (::testing::Test::HasFatalFailure()) return;
   }
@@ -194,6 +213,69 @@ TEST(GpuAttentionFamily, UnknownFamilyIsRejectedAtCreate) {
   EXPECT_EQ(op.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(op.status().message().find("FP4KV_ATTENTION_KERNEL"), std::string::npos)
       << op.status();
+}
+
+TEST(GpuAttentionFamily, TmaDecodeFamilyFromTheEnvironment) {
+  FP4KV_SKIP_WITHOUT_GPU();
+  AttentionSpec spec;
+  AttentionCase c = testing::MakeAttentionCase(spec, 5);
+  for (const char* name : {"auto", "tokens_in_m", "rows_in_m"}) {
+    ScopedEnv scoped("FP4KV_ATTENTION_KERNEL", name);
+    auto op = DecodeAttention::Create(c.Options(Device::Cuda(0)));
+    EXPECT_TRUE(op.ok()) << name << ": " << op.status();
+  }
+  int major = 0, minor = 0;
+  FP4KV_ASSERT_CUDA(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0));
+  FP4KV_ASSERT_CUDA(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, 0));
+#if defined(FP4KV_LIBRARY_HAS_SM90A)
+  const bool tma = major == 9 && minor == 0;
+#else
+  const bool tma = false;
+#endif
+  ScopedEnv scoped("FP4KV_ATTENTION_KERNEL", "tokens_in_m_tma");
+  auto op = DecodeAttention::Create(c.Options(Device::Cuda(0)));
+  if (tma) {
+    EXPECT_TRUE(op.ok()) << op.status();
+  } else {
+    ASSERT_FALSE(op.ok());
+    EXPECT_EQ(op.status().code(), absl::StatusCode::kFailedPrecondition) << op.status();
+  }
+}
+
+// Kernels that copy whole 16-token tiles of a page (the TMA decode kernel)
+// read entries no request attends: past a request's length and, with a
+// window, before it. NaN block scales and FP8 key bytes there must not reach
+// the output. Both layouts (NHD: per-entry scale rows of all heads; HND: one
+// contiguous run per head), head dims 64/128/256, NVFP4 and FP8 keys, page
+// sizes that are and are not multiples of 16, windows that start mid-tile.
+TEST(GpuAttentionTma, NanInUnattendedEntriesNeverReachTheOutput) {
+  FP4KV_SKIP_WITHOUT_GPU();
+  int n = 0;
+  for (Layout layout : {Layout::kNHD, Layout::kHND}) {
+    for (int d : {64, 128, 256}) {
+      for (bool fp8 : {false, true}) {
+        for (int page : {16, 32, 8}) {
+          AttentionSpec spec;
+          spec.layout = layout;
+          spec.head_dim = d;
+          spec.fp8_keys = fp8;
+          spec.page_size = page;
+          spec.num_kv_heads = 4;
+          spec.group = 4;
+          spec.batch = 4;
+          spec.min_seq_len = 1;
+          spec.max_seq_len = 150;
+          spec.nan_unattended = true;
+          spec.window_left = (n % 3 == 1) ? 37 : -1;
+          spec.lse = n % 2 == 0;
+          AttentionCase c = testing::MakeAttentionCase(spec, 300 + n);
+          ExpectGpuMatchesReference(c, spec.Name(), /*graph_rounds=*/n % 4 == 0);
+          if (HasFatalFailure()) return;
+          ++n;
+        }
+      }
+    }
+  }
 }
 
 TEST(GpuAttentionFamily, PrefillFamilyFromTheEnvironment) {

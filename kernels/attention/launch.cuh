@@ -9,10 +9,14 @@
 #include <climits>
 #include <cstdint>
 
+#include <cuda.h>
+#include <cudaTypedefs.h>
+
 #include "absl/status/status.h"
 #include "kernels/attention/merge.cuh"
 #include "kernels/attention/rows_in_m.cuh"
 #include "kernels/attention/schedule.cuh"
+#include "kernels/attention/tma.cuh"
 #include "kernels/attention/tokens_in_m.cuh"
 #include "src/attention_params.h"
 #include "src/cuda_util.h"
@@ -27,20 +31,101 @@ struct AttnKernelChoice {
   AttnKernelFn fn;
   int ctas_per_sm;  // its persistent grid is num_sms * ctas_per_sm
   int warp_bytes;   // dynamic shared memory per warp (the schedule's arrays follow)
+  int align_bytes;  // slack for aligning the warps' regions (TMA rings)
+  size_t SmemBytes(int max_batch) const {
+    return static_cast<size_t>(kernels::kAttnWarps) * warp_bytes + align_bytes +
+           kernels::AttnScheduleBytes(max_batch);
+  }
 };
 
 // The attention kernel of one configuration. `rows`: query rows per item
-// (AttnRowsPerSlot), which sets the tokens-in-M kernel's n-tiles.
+// (AttnRowsPerSlot), which sets the tokens-in-M kernel's n-tiles; `tma`:
+// the TMA variant (a TMA family, and the pools have tensor maps).
 template <int D, bool kBf16, bool kFp8K>
-AttnKernelChoice SelectAttentionKernel(AttentionFamily family, bool soft_cap, int rows) {
-  if (family == AttentionFamily::kTokensInM && kernels::TokensInMTakes(D, rows)) {
-    return {soft_cap ? &kernels::DecodeTokensInMKernel<D, 1, kBf16, true, kFp8K>
-                     : &kernels::DecodeTokensInMKernel<D, 1, kBf16, false, kFp8K>,
-            kernels::kTokensInMCtasPerSm<D, 1, kFp8K>, kernels::kTokensInMWarpBytes<D, kFp8K>};
+AttnKernelChoice SelectAttentionKernel(AttentionFamily family, bool soft_cap, int rows, bool tma) {
+  if (IsTokensInM(family) && kernels::TokensInMTakes(D, rows)) {
+    if (tma && IsTokensInMTma(family)) {
+      using Tc = kernels::TokensInMTmaConfig<D, kFp8K>;
+      return {soft_cap ? &kernels::DecodeTokensInMKernel<D, 1, kBf16, true, kFp8K, true>
+                       : &kernels::DecodeTokensInMKernel<D, 1, kBf16, false, kFp8K, true>,
+              kernels::kTokensInMCtasPerSm<D, 1, kFp8K>, Tc::kWarpBytes, Tc::kAlign};
+    }
+    return {soft_cap ? &kernels::DecodeTokensInMKernel<D, 1, kBf16, true, kFp8K, false>
+                     : &kernels::DecodeTokensInMKernel<D, 1, kBf16, false, kFp8K, false>,
+            kernels::kTokensInMCtasPerSm<D, 1, kFp8K>, kernels::kTokensInMWarpBytes<D, kFp8K>, 0};
   }
   return {soft_cap ? &kernels::DecodeRowsInMKernel<D, kBf16, true, kFp8K>
                    : &kernels::DecodeRowsInMKernel<D, kBf16, false, kFp8K>,
-          kernels::AttnConfig<D, kFp8K>::kCtasPerSm, kernels::AttnConfig<D, kFp8K>::kWarpBytes};
+          kernels::AttnConfig<D, kFp8K>::kCtasPerSm, kernels::AttnConfig<D, kFp8K>::kWarpBytes, 0};
+}
+
+// cuTensorMapEncodeTiled from the driver the runtime loaded (no link
+// against libcuda); null when the driver has none.
+inline PFN_cuTensorMapEncodeTiled_v12000 TensorMapEncoder() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault,
+                                         &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess) {
+      (void)cudaGetLastError();
+      f = nullptr;
+    }
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
+  }();
+  return fn;
+}
+
+// The tensor maps of p's pools for the TMA variant (kernels/attention/
+// tma.cuh); false when the pools break a rule of the variant (16-byte
+// aligned code bases and strides, a page size that is a multiple of 16,
+// scale rows aligned to their size for the cp.async that copies them, pages
+// indexable in 32 bits) or the driver cannot encode the maps: the launch
+// then takes the cp.async kernel. Host only, no device work.
+template <int D, bool kFp8K>
+bool EncodeAttnTmaMaps(const AttentionParams& p, kernels::AttnTmaMaps* m) {
+  using Tc = kernels::TokensInMTmaConfig<D, kFp8K>;
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = TensorMapEncoder();
+  if (encode == nullptr) return false;
+  if (p.page_size % kernels::kAttnTile != 0 || p.num_pages <= 0 || p.num_pages > INT32_MAX ||
+      p.num_kv_heads <= 0) {
+    return false;
+  }
+  const auto s16 = [](int64_t st) { return st > 0 && st % 16 == 0 && st < (int64_t{1} << 40); };
+  const auto codes = [&](const PoolPtrs& q, int row_bytes, int swizzle, CUtensorMap* map) {
+    if (reinterpret_cast<uintptr_t>(q.data) % 16 != 0 || !s16(q.data_entry) ||
+        !s16(q.data_head) || !s16(q.data_page)) {
+      return false;
+    }
+    const cuuint64_t dims[4] = {static_cast<cuuint64_t>(row_bytes),
+                                static_cast<cuuint64_t>(p.page_size),
+                                static_cast<cuuint64_t>(p.num_kv_heads),
+                                static_cast<cuuint64_t>(p.num_pages)};
+    const cuuint64_t strides[3] = {static_cast<cuuint64_t>(q.data_entry),
+                                   static_cast<cuuint64_t>(q.data_head),
+                                   static_cast<cuuint64_t>(q.data_page)};
+    const cuuint32_t box[4] = {static_cast<cuuint32_t>(row_bytes), kernels::kAttnTile, 1, 1};
+    const cuuint32_t es[4] = {1, 1, 1, 1};
+    const CUtensorMapSwizzle sw = swizzle == 3   ? CU_TENSOR_MAP_SWIZZLE_128B
+                                  : swizzle == 2 ? CU_TENSOR_MAP_SWIZZLE_64B
+                                                 : CU_TENSOR_MAP_SWIZZLE_NONE;
+    return encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 4, const_cast<uint8_t*>(q.data), dims,
+                  strides, box, es, CU_TENSOR_MAP_INTERLEAVE_NONE, sw,
+                  CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+  };
+  // Scale rows: one cp.async of D / 16 bytes each (FP8 keys have none).
+  constexpr int kSr = D / 16;
+  const auto scales_ok = [&](const PoolPtrs& q) {
+    return reinterpret_cast<uintptr_t>(q.scales) % kSr == 0 && q.scale_page >= 0 &&
+           q.scale_entry >= 0 && q.scale_head >= 0 && q.scale_page % kSr == 0 &&
+           q.scale_entry % kSr == 0 && q.scale_head % kSr == 0;
+  };
+  if ((!kFp8K && !scales_ok(p.k)) || !scales_ok(p.v)) return false;
+  if (!codes(p.k, Tc::kKRowBytes, Tc::kKSwizzle, &m->kc)) return false;
+  if (!codes(p.v, Tc::kRowBytes, Tc::kVSwizzle, &m->vc)) return false;
+  m->tile_bytes = static_cast<uint32_t>(Tc::kKcBytes + Tc::kVcBytes);
+  return true;
 }
 
 template <int D, bool kBf16, bool kFp8K>
@@ -52,8 +137,15 @@ absl::Status LaunchFor(const AttentionParams& p, Stream stream) {
   // min(max_q_len, kernel_q_max) queries.
   a.rows_per_slot = kernels::AttnRowsPerSlot(
       p.group, p.max_q_len < p.kernel_q_max ? p.max_q_len : p.kernel_q_max);
+  // The TMA variant where it measured faster on an H200 (FP8 keys at head
+  // dim 128: bench/RESULTS.md), or wherever its maps describe the pools when
+  // forced (kTokensInMTmaAll, tests and comparisons).
+  const bool tma_shape = p.family == AttentionFamily::kTokensInMTmaAll ||
+                         (p.family == AttentionFamily::kTokensInMTma && kFp8K && D == 128);
+  const bool tma = tma_shape && kernels::TokensInMTakes(D, a.rows_per_slot) &&
+                   EncodeAttnTmaMaps<D, kFp8K>(p, &a.tma);
   const AttnKernelChoice kernel =
-      SelectAttentionKernel<D, kBf16, kFp8K>(p.family, p.soft_cap > 0.0f, a.rows_per_slot);
+      SelectAttentionKernel<D, kBf16, kFp8K>(p.family, p.soft_cap > 0.0f, a.rows_per_slot, tma);
   // At most AttnConfig<D>::kCtasPerSm per SM, which sized the workspace; fewer
   // when max_batch's schedule arrays leave room for fewer (found at Create()).
   const int ctas_per_sm =
@@ -84,7 +176,7 @@ absl::Status LaunchFor(const AttentionParams& p, Stream stream) {
   a.ws_ml = a.ws_o + slots * a.rows_per_slot * D;
   const int grid = a.num_ctas;
   const size_t sched_bytes = kernels::AttnScheduleBytes(p.max_batch);
-  const size_t smem = static_cast<size_t>(kernels::kAttnWarps) * kernel.warp_bytes + sched_bytes;
+  const size_t smem = kernel.SmemBytes(p.max_batch);
   // The dynamic shared memory limit was raised at Create() (PrepareFor).
   if (p.beside_prefill && p.merge_overlaps) {
     // A programmatic dependent of the prefill kernel just enqueued: its CTAs
@@ -126,20 +218,27 @@ absl::Status LaunchFor(const AttentionParams& p, Stream stream) {
 // item): raises its dynamic shared memory limit to what max_batch needs and
 // finds its resident CTAs per SM when fewer than its launch bound (*ctas;
 // 0: the bound). On the current device.
+// The TMA variant prepares its cp.async fallback too (a Run whose pools have
+// no tensor maps) and keeps the fewer resident CTAs of the two.
 template <int D, bool kBf16, bool kFp8K>
 absl::Status PrepareKernel(const DecodeAttention::Options& o, AttentionFamily family, int rows,
                            int* ctas) {
-  const AttnKernelChoice kernel =
-      SelectAttentionKernel<D, kBf16, kFp8K>(family, o.logits_soft_cap > 0.0f, rows);
-  const size_t smem = static_cast<size_t>(kernels::kAttnWarps) * kernel.warp_bytes +
-                      kernels::AttnScheduleBytes(o.max_batch);
-  FP4KV_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
-      kernel.fn, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-  int resident = 0;
-  FP4KV_CUDA_RETURN_IF_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-      &resident, kernel.fn, kernels::kAttnThreads, smem));
-  // 0 (nothing fits) leaves the kernel's own bound: the launch reports it.
-  *ctas = resident >= 1 && resident < kernel.ctas_per_sm ? resident : 0;
+  const int variants = IsTokensInMTma(family) ? 2 : 1;
+  int best = 0;
+  for (int i = 0; i < variants; ++i) {
+    const AttnKernelChoice kernel =
+        SelectAttentionKernel<D, kBf16, kFp8K>(family, o.logits_soft_cap > 0.0f, rows, i == 0);
+    const size_t smem = kernel.SmemBytes(o.max_batch);
+    FP4KV_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
+        kernel.fn, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+    int resident = 0;
+    FP4KV_CUDA_RETURN_IF_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+        &resident, kernel.fn, kernels::kAttnThreads, smem));
+    // 0 (nothing fits) leaves the kernel's own bound: the launch reports it.
+    const int c = resident >= 1 && resident < kernel.ctas_per_sm ? resident : 0;
+    if (c > 0 && (best == 0 || c < best)) best = c;
+  }
+  *ctas = best;
   return absl::OkStatus();
 }
 

@@ -9,6 +9,7 @@
 
 #include <cstdint>
 
+#include "kernels/attention/tma.cuh"
 #include "src/attention_params.h"
 #include "src/params.h"
 
@@ -74,6 +75,9 @@ inline size_t AttnScheduleBytes(int max_batch) {
 }
 
 struct AttnLaunch {
+  // The tensor maps of the TMA variant of the tokens-in-M kernel (set by the
+  // launch when it uses it; kernels/attention/tma.cuh).
+  AttnTmaMaps tma;
   internal::AttentionParams p;
   int num_ctas = 0;  // the grid of both kernels (the schedule's workers)
   int rows_per_slot = 0;

@@ -32,12 +32,14 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "fp4kv/device/page_reader.cuh"
 #include "kernels/attention/merge.cuh"
 #include "kernels/attention/ptx.cuh"
 #include "kernels/attention/schedule.cuh"
 #include "kernels/attention/tile_copy.cuh"
+#include "kernels/attention/tma.cuh"
 #include "src/attention_params.h"
 
 namespace fp4kv {
@@ -90,6 +92,282 @@ template <int D, int kN, bool kFp8K>
 inline constexpr int kTokensInMCtasPerSm =
     kN == 2 && D == 128 ? 3 : AttnConfig<D, kFp8K>::kCtasPerSm;
 
+// ---------------------------------------------------------------------------
+// The TMA variant (kTma, sm_90): lane 0 of each warp copies a tile's codes
+// with one tensor copy each for K and V into an mbarrier ring (kernels/
+// attention/tma.cuh), instead of every lane issuing cp.async with its own
+// addresses; the block scales follow by cp.async on the same barrier
+// (TmaTileCopier). The regions of the kStages stages lie one after another
+// per kind (codes in the swizzled rows the maps write, scales token-major),
+// so that every code region starts on its swizzle repeat.
+// ---------------------------------------------------------------------------
+template <int D, bool kFp8K>
+struct TokensInMTmaConfig {
+  static constexpr int kStages = 4;
+  static constexpr int kRowBytes = D / 2;
+  static constexpr int kKRowBytes = kFp8K ? D : D / 2;
+  static constexpr int kScaleBytes = D / 16;
+  static constexpr int kKSwizzle = TmaCodeSwizzle(kKRowBytes);
+  static constexpr int kVSwizzle = TmaCodeSwizzle(kRowBytes);
+  static constexpr int kKcBytes = kAttnTile * kKRowBytes;
+  static constexpr int kVcBytes = kAttnTile * kRowBytes;
+  static constexpr int kSBytes = kAttnTile * kScaleBytes;  // [16][D / 16], token-major
+  static constexpr int kKcOff = 0;
+  static constexpr int kVcOff = kKcOff + kStages * kKcBytes;
+  static constexpr int kKsOff = kVcOff + kStages * kVcBytes;
+  static constexpr int kVsOff = kKsOff + (kFp8K ? 0 : kStages * kSBytes);
+  static constexpr int kRingBytes = kVsOff + kStages * kSBytes;
+  static constexpr int kRedStride = D + 4;
+  static constexpr int kRedBytes = kAttnTile * kRedStride * 4;
+  static constexpr int kAlign = kKSwizzle == 3 || kVSwizzle == 3
+                                    ? 1024
+                                    : (kKSwizzle == 2 || kVSwizzle == 2 ? 512 : 128);
+  static constexpr int kUsed = kRingBytes > kRedBytes ? kRingBytes : kRedBytes;
+  static constexpr int kWarpBytes = (kUsed + kAlign - 1) / kAlign * kAlign;
+  static_assert(kKcBytes % kAlign == 0 && kVcBytes % kAlign == 0 && kVcOff % kAlign == 0,
+                "code regions on their swizzle repeat");
+  static_assert(kKsOff % 128 == 0 && kVsOff % 128 == 0, "128-byte aligned TMA destinations");
+  __device__ static uint32_t KOff(int t, int x) { return TmaSwizzled<kKRowBytes, kKSwizzle>(t, x); }
+  __device__ static uint32_t VOff(int t, int x) { return TmaSwizzled<kRowBytes, kVSwizzle>(t, x); }
+};
+
+// Where a TMA stage's block scales of token t start: t * stride + offset.
+struct TmaScaleRows {
+  int stride, offset;
+  __device__ __forceinline__ int Row(int t) const { return t * stride + offset; }
+};
+
+// KTileWords (tile_copy.cuh) for a TMA stage: the same words and multipliers.
+template <int D, class Cfg>
+struct KTileWordsTma {
+  static constexpr int kWords = D / 32;
+  static constexpr int kScalePairs = D >= 128 ? D / 128 : 1;
+  uint32_t w[2][kWords];
+  uint32_t mul[2][kScalePairs];
+
+  __device__ __forceinline__ void Load(const uint8_t* kc, const uint8_t* ks, TmaScaleRows sr,
+                                       int g, int c) {
+    uint32_t sb[2];
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+      // 16-byte loads where the lane's D / 8 bytes allow: a warp's load of
+      // 512 bytes then takes the minimum of four wavefronts (two 8-byte
+      // loads would take eight: tokens g and g + 2 share banks).
+      if constexpr (kWords % 4 == 0) {
+#pragma unroll
+        for (int k = 0; k < kWords; k += 4) {
+          const uint4 v =
+              *reinterpret_cast<const uint4*>(kc + Cfg::KOff(g + 8 * t, c * (D / 8) + 4 * k));
+          w[t][k] = v.x;
+          w[t][k + 1] = v.y;
+          w[t][k + 2] = v.z;
+          w[t][k + 3] = v.w;
+        }
+      } else {
+        const uint2 v = *reinterpret_cast<const uint2*>(kc + Cfg::KOff(g + 8 * t, c * (D / 8)));
+        w[t][0] = v.x;
+        w[t][1] = v.y;
+      }
+      const uint8_t* srow = ks + sr.Row(g + 8 * t) + c * (D / 64);
+      if constexpr (D == 64) {
+        sb[t] = srow[0];
+      } else if constexpr (D == 128) {
+        sb[t] = *reinterpret_cast<const uint16_t*>(srow);
+      } else {
+        sb[t] = *reinterpret_cast<const uint32_t*>(srow);
+      }
+    }
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+#pragma unroll
+      for (int q = 0; q < kScalePairs; ++q) {
+        const uint32_t two = D >= 128 ? (sb[t] >> (16 * q)) & 0xffffu : sb[t] * 0x0101u;
+        mul[t][q] = device::ScalePairMultiplier(two);
+      }
+    }
+  }
+  __device__ __forceinline__ uint32_t WordMul(int t, int k) const {
+    const uint32_t pair = mul[t][k / 4 < kScalePairs ? k / 4 : 0];
+    return (k / 2) % 2 == 0 ? DupLowHalf(pair) : DupHighHalf(pair);
+  }
+};
+
+// VTileWords (tile_copy.cuh) for a TMA stage (tokens in natural order).
+template <int D, class Cfg>
+struct VTileWordsTma {
+  static constexpr int kWords = D / 64;
+  static constexpr int kBlocks = kWords > 1 ? kWords / 2 : 1;
+  uint32_t w[4][kWords];
+  uint32_t mul[2][kBlocks];
+
+  // w[k] holds token 2c + ((k & 1) ^ (c & 1)) + 8 (k >> 1): lanes of odd c
+  // load the pair's tokens in the other order, so that every load spreads
+  // over all banks (a tile's token rows alternate between the two halves
+  // of the banks); VPairSelectors gives the PRMT selectors that undo it.
+  __device__ __forceinline__ void Load(const uint8_t* vc, const uint8_t* vs, TmaScaleRows sr,
+                                       int g, int c) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const int tt = 2 * c + ((k & 1) ^ (c & 1)) + 8 * (k >> 1);
+      if constexpr (kWords == 1) {
+        w[k][0] = *reinterpret_cast<const uint32_t*>(vc + Cfg::VOff(tt, g * (D / 16)));
+      } else {
+#pragma unroll
+        for (int j = 0; j < kWords; j += 2) {
+          const uint2 v =
+              *reinterpret_cast<const uint2*>(vc + Cfg::VOff(tt, g * (D / 16) + 4 * j));
+          w[k][j] = v.x;
+          w[k][j + 1] = v.y;
+        }
+      }
+    }
+#pragma unroll
+    for (int pr = 0; pr < 2; ++pr) {
+      const int t0 = 2 * c + 8 * pr;
+      const uint8_t* s0 = vs + sr.Row(t0);
+      const uint8_t* s1 = vs + sr.Row(t0 + 1);
+#pragma unroll
+      for (int q = 0; q < kBlocks; ++q) {
+        const int blk = (g * (D / 8)) / 16 + q;
+        mul[pr][q] = device::ScalePairMultiplier(static_cast<uint32_t>(s0[blk]) |
+                                                 (static_cast<uint32_t>(s1[blk]) << 8));
+      }
+    }
+  }
+  __device__ __forceinline__ uint32_t WordMul(int pr, int j) const {
+    return mul[pr][kWords > 1 ? j / 2 : 0];
+  }
+};
+
+// PRMT selectors for DecodeWordPairHalf2Sel of lane c's V words
+// (VTileWordsTma): the bytes of {a, b} interleaved as {a0, b0, a1, b1} and
+// {a2, b2, a3, b3}, with a and b swapped for odd c.
+struct VPairSelectors {
+  uint32_t lo, hi;
+};
+__device__ __forceinline__ VPairSelectors VPairSelectorsFor(int c) {
+  return (c & 1) ? VPairSelectors{0x1504u, 0x3726u} : VPairSelectors{0x5140u, 0x7362u};
+}
+
+// device::DecodeWordPairHalf2 with the byte interleave's selectors given.
+__device__ __forceinline__ void DecodeWordPairHalf2Sel(uint32_t codes_a, uint32_t codes_b,
+                                                       VPairSelectors sel, uint32_t scale_mul,
+                                                       uint32_t out[8]) {
+  uint32_t y0, y1;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(y0) : "r"(codes_a), "r"(codes_b), "r"(sel.lo));
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(y1) : "r"(codes_a), "r"(codes_b), "r"(sel.hi));
+  const uint32_t y[2] = {y0, y1};
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    uint32_t l0, l1, h0, h1;
+    device::E4m3x4ToHalf2x2Raw(device::LowNibblesToE4m3(y[i]), &l0, &l1);
+    device::E4m3x4ToHalf2x2Raw(device::HighNibblesToE4m3(y[i]), &h0, &h1);
+    out[4 * i + 0] = device::Half2Mul(l0, scale_mul);
+    out[4 * i + 1] = device::Half2Mul(h0, scale_mul);
+    out[4 * i + 2] = device::Half2Mul(l1, scale_mul);
+    out[4 * i + 3] = device::Half2Mul(h1, scale_mul);
+  }
+}
+
+// The copy state of one warp of the TMA variant for its range of an item.
+// Per tile, lane 0 issues one tensor copy for the K codes and one for the V
+// codes (16 rows of one head, one page); the 32 block-scale rows (8 bytes
+// each at d = 128: too short for the tensor unit, which would spend as much
+// time on them as on the codes) go by cp.async, one lane a row (K scales in
+// lanes 0-15, V scales in lanes 16-31), zero-filled for tokens outside the
+// range or on an out-of-range page, and arrive on the same mbarrier
+// (cp.async.mbarrier.arrive.noinc: 32 arrivals besides lane 0's
+// arrive.expect_tx). Every lane keeps the page-table read-ahead of the
+// cp.async fast path (32 entries a load, one per lane, 32 columns ahead).
+template <int D, bool kFp8K, class Cfg>
+struct TmaTileCopier {
+  static constexpr int kBarArrivals = 33;
+  uint8_t* ring;
+  uint32_t bars;     // the warp's kStages mbarriers (8 bytes apart)
+  uint32_t* masks;   // the warp's kStages valid masks (bit 2t and 2t + 1: token t)
+  int pj, pe;        // page-table column and entry of the next tile's first token
+  int lo, hi;        // the valid tokens of the warp's range
+  int b, head;
+  int col0, ent, ent_next;
+
+  __device__ __forceinline__ int LoadEntries(const internal::AttentionParams& p, int col) const {
+    const int cc = col + static_cast<int>(threadIdx.x & 31);
+    if (cc * p.page_size >= hi) return -1;
+    const int64_t pg = internal::TableEntry(p.block_tables, p.tables_i64,
+                                            static_cast<int64_t>(b) * p.table_row_stride + cc);
+    return pg >= 0 && pg < p.num_pages ? static_cast<int>(pg) : -1;
+  }
+
+  // tile0: the first tile's first token (a multiple of 16); [lo_, hi_): the
+  // tokens the warp attends.
+  __device__ __forceinline__ void Init(const AttnLaunch& a, const AttnItem& it, uint8_t* ring_,
+                                       uint32_t bars_, uint32_t* masks_, int tile0, int lo_,
+                                       int hi_) {
+    const internal::AttentionParams& p = a.p;
+    ring = ring_;
+    bars = bars_;
+    masks = masks_;
+    lo = lo_;
+    hi = hi_;
+    b = it.b;
+    head = it.head;
+    pj = tile0 / p.page_size;
+    pe = tile0 - pj * p.page_size;
+    col0 = pj;
+    ent = LoadEntries(p, col0);
+    ent_next = LoadEntries(p, col0 + 32);
+  }
+
+  // Copies the tile starting at token tile_start into stage `stage`.
+  __device__ __forceinline__ void Issue(const AttnLaunch& a, int stage, int tile_start) {
+    const internal::AttentionParams& p = a.p;
+    const int lane = static_cast<int>(threadIdx.x & 31);
+    if (pj >= col0 + 32) {  // warp-uniform
+      col0 += 32;
+      ent = ent_next;
+      ent_next = LoadEntries(p, col0 + 32);
+    }
+    const int pg = __shfl_sync(0xffffffffu, ent, pj - col0);
+    const uint32_t bar = bars + 8 * stage;
+    const uint32_t base = SmemAddr(ring);
+    {
+      // Block scales: token t = lane % 16 of K (lanes 0-15) or V (16-31).
+      const int t = lane & (kAttnTile - 1);
+      const bool v = lane >= kAttnTile;
+      const bool ok = pg >= 0 && tile_start + t >= lo && tile_start + t < hi;
+      const internal::PoolPtrs& q = v ? p.v : p.k;
+      const uint8_t* src = q.scales + static_cast<int64_t>(ok ? pg : 0) * q.scale_page +
+                           static_cast<int64_t>(ok ? pe + t : 0) * q.scale_entry +
+                           static_cast<int64_t>(head) * q.scale_head;
+      const uint32_t dst = base + (v ? Cfg::kVsOff : Cfg::kKsOff) + stage * Cfg::kSBytes +
+                           t * Cfg::kScaleBytes;
+      if (!kFp8K || v) CpAsync<Cfg::kScaleBytes>(dst, src, ok);
+      CpAsyncMbarArrive(bar);
+    }
+    if (lane == 0) {
+      const int a0 = max(lo - tile_start, 0), a1 = min(hi - tile_start, kAttnTile);
+      uint32_t m = 0;
+      if (pg >= 0 && a1 > a0) {
+        m = (a1 >= kAttnTile ? 0xffffffffu : (1u << (2 * a1)) - 1u) & ~((1u << (2 * a0)) - 1u);
+      }
+      masks[stage] = m;
+      // No proxy fence here: the stage's last readers (this warp's shared
+      // loads, complete before the caller's __syncwarp) only read it; the
+      // generic writes into a ring (the combine's rows, the odd tile's
+      // zeroed scales) are fenced where they are made. (The fence costs a
+      // MEMBAR that would wait for this lane's scale copy just issued.)
+      TmaArriveExpectTx(bar, a.tma.tile_bytes);
+      TmaLoad4d(base + Cfg::kKcOff + stage * Cfg::kKcBytes, &a.tma.kc, 0, pe, head, pg, bar);
+      TmaLoad4d(base + Cfg::kVcOff + stage * Cfg::kVcBytes, &a.tma.vc, 0, pe, head, pg, bar);
+    }
+    pe += kAttnTile;
+    if (pe >= p.page_size) {
+      pe -= p.page_size;
+      ++pj;
+    }
+  }
+};
+
 // Two f16 of each of a and b: {a.lo, b.lo} and {a.hi, b.hi}.
 __device__ __forceinline__ uint32_t PairLow(uint32_t a, uint32_t b) {
   uint32_t d;
@@ -110,19 +388,32 @@ __device__ __forceinline__ uint32_t MovMatrixTrans(uint32_t x) {
   return d;
 }
 
-template <int D, int kN, bool kBf16, bool kSoftCap, bool kFp8K>
+template <int D, int kN, bool kBf16, bool kSoftCap, bool kFp8K, bool kTma>
 __global__ void __launch_bounds__(kAttnThreads, (kTokensInMCtasPerSm<D, kN, kFp8K>))
-    DecodeTokensInMKernel(const AttnLaunch a) {
+    DecodeTokensInMKernel(const __grid_constant__ AttnLaunch a) {
   static_assert(kN == 1 || kN == 2, "one or two n-tiles of 8 query rows");
-  using Cfg = TokensInMConfig<D, kFp8K>;
+  using Cfg = std::conditional_t<kTma, TokensInMTmaConfig<D, kFp8K>, TokensInMConfig<D, kFp8K>>;
   static_assert(Cfg::kStages == 4, "two pairs of stages");
+#if !defined(FP4KV_TMA_ENABLED)
+  if constexpr (kTma) {
+    __trap();  // never launched off sm_90 (kernels/attention/launch.cuh)
+    return;
+  }
+#endif
   constexpr int kKSteps = D / 16;  // k-steps of S^T (and m-tiles of O^T)
   constexpr int kMT = D / 16;
   constexpr int kKWords = D / 32;  // NVFP4 code words per lane and K token
   constexpr int kVWords = D / 64;  // code words per lane and V token
   constexpr int kSeg = D / 8;      // output dims per lane segment
   constexpr int kQDims = D / 4;    // Q dims per lane
-  extern __shared__ __align__(16) uint8_t smem[];
+  extern __shared__ __align__(16) uint8_t smem_raw[];
+  // TMA rings start on their swizzle repeat (the launch adds kAlign bytes).
+  uint8_t* smem = smem_raw;
+  if constexpr (kTma) {
+    const uint32_t raw = SmemAddr(smem_raw);
+    smem += (TokensInMTmaConfig<D, kFp8K>::kAlign - (raw & (TokensInMTmaConfig<D, kFp8K>::kAlign - 1))) &
+            (TokensInMTmaConfig<D, kFp8K>::kAlign - 1);
+  }
   const internal::AttentionParams& p = a.p;
   LaunchDependentGrids();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -138,12 +429,31 @@ __global__ void __launch_bounds__(kAttnThreads, (kTokensInMCtasPerSm<D, kN, kFp8
 
   __shared__ float2 ml_sm[kAttnWarps][kAttnTile];
   __shared__ AttnCopyBase copy_base[2];  // per item, lanes of half 0 and 1
+  // TMA: the warps' full barriers and valid masks, one per stage, and the
+  // tiles this warp has issued so far (stage and phase of its next tile).
+  __shared__ __align__(8) uint64_t tma_bars[kAttnWarps][Cfg::kStages];
+  __shared__ uint32_t tma_masks[kAttnWarps][Cfg::kStages];
+  uint32_t ring_count = 0;
+  const TmaScaleRows sr{Cfg::kScaleBytes, 0};
+  const VPairSelectors vsel = VPairSelectorsFor(c);
+  if constexpr (kTma) {
+    if (lane == 0) {
+#pragma unroll
+      for (int s = 0; s < Cfg::kStages; ++s) TmaMbarInit(SmemAddr(&tma_bars[warp][s]),
+                                                         TmaTileCopier<D, kFp8K, Cfg>::kBarArrivals);
+      TmaFenceBarrierInit();
+    }
+    __syncwarp();
+  }
   for (int item = blockIdx.x; item < total_items; item += gridDim.x) {
     const AttnItem it = ResolveAttnItem(a, item, chunk_bound, item_prefix, slot_prefix);
-    // This warp's tiles: a quarter of the item's, contiguous.
-    const int item_tiles = (it.t1 - it.t0 + kAttnTile - 1) / kAttnTile;
+    // This warp's tiles: a quarter of the item's, contiguous. The TMA
+    // variant puts its tiles on the 16-token grid (a tile is one box of one
+    // page) and masks the tokens before it.t0.
+    const int grid0 = kTma ? it.t0 - (it.t0 & (kAttnTile - 1)) : it.t0;
+    const int item_tiles = (it.t1 - grid0 + kAttnTile - 1) / kAttnTile;
     const int warp_tiles = (item_tiles + kAttnWarps - 1) / kAttnWarps;
-    const int w_t0 = it.t0 + warp * warp_tiles * kAttnTile;
+    const int w_t0 = grid0 + warp * warp_tiles * kAttnTile;
     const int w_t1 = min(it.t1, w_t0 + warp_tiles * kAttnTile);
     const int n_tiles = w_t0 < w_t1 ? (w_t1 - w_t0 + kAttnTile - 1) / kAttnTile : 0;
 
@@ -252,8 +562,19 @@ __global__ void __launch_bounds__(kAttnThreads, (kTokensInMCtasPerSm<D, kN, kFp8
     }
 
     // ---- Copy pipeline of this warp.
-    AttnTileCopier<D, kFp8K, Cfg> copier;
-    copier.Init(a, it, stages, w_t0, w_t1, copy_base);
+    using Copier = std::conditional_t<kTma, TmaTileCopier<D, kFp8K, Cfg>,
+                                      AttnTileCopier<D, kFp8K, Cfg>>;
+    Copier copier;
+    if constexpr (kTma) {
+      copier.Init(a, it, stages, SmemAddr(&tma_bars[warp][0]), &tma_masks[warp][0], w_t0,
+                  max(w_t0, it.t0), w_t1);
+    } else {
+      copier.Init(a, it, stages, w_t0, w_t1, copy_base);
+    }
+    // Stage of the warp's local tile j.
+    const auto stage_of = [&](int j) {
+      return kTma ? static_cast<int>((ring_count + j) % Cfg::kStages) : j % Cfg::kStages;
+    };
 
     // O^T: o[nt][j] = m-tile j (see the header), columns 2c, 2c+1 of n-tile nt.
     float o[kN][kMT][4];
@@ -276,26 +597,36 @@ __global__ void __launch_bounds__(kAttnThreads, (kTokensInMCtasPerSm<D, kN, kFp8
     // second may still arrive.
 #pragma unroll
     for (int s = 0; s < Cfg::kStages; ++s) {
-      if (s < n_tiles) copier.Issue(a, s, w_t0 + kAttnTile * s);
-      CpAsyncCommit();
+      if (s < n_tiles) copier.Issue(a, stage_of(s), w_t0 + kAttnTile * s);
+      if constexpr (!kTma) CpAsyncCommit();
     }
 
     // S^T of the tile in stage st: s[nt] = tokens g (0, 1) and g + 8 (2, 3),
     // rows 8 nt + 2c (0, 2) and 8 nt + 2c + 1 (1, 3).
-    const auto tile_scores = [&](const uint8_t* st, float(&s)[kN][4]) {
+    const auto tile_scores = [&](int stage, float(&s)[kN][4]) {
+      const uint8_t* st = stages + stage * (kTma ? 0 : TokensInMConfig<D, kFp8K>::kStageBytes);
     // ---- S^T = K Q^T: s[nt] = tokens g (0, 1) and g + 8 (2, 3), rows
     // 8 nt + 2c (0, 2) and 8 nt + 2c + 1 (1, 3).
 #pragma unroll
       for (int nt = 0; nt < kN; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
       if constexpr (kFp8K) {
-        const uint8_t* krow = st + Cfg::kKcOff + g * Cfg::kKRowStride;
 #pragma unroll
         for (int w4 = 0; w4 < D / 64; ++w4) {
           uint32_t kw[2][4];
 #pragma unroll
           for (int t = 0; t < 2; ++t) {
-            const uint4 v = *reinterpret_cast<const uint4*>(krow + 8 * t * Cfg::kKRowStride +
-                                                            Cfg::KChunk(g, (D / 64) * c + w4) * 16);
+            uint4 v;
+            if constexpr (kTma) {
+              const uint8_t* kc = stages + Cfg::kKcOff + stage * Cfg::kKcBytes;
+              v = *reinterpret_cast<const uint4*>(
+                  kc + TokensInMTmaConfig<D, kFp8K>::KOff(g + 8 * t, ((D / 64) * c + w4) * 16));
+            } else {
+              const uint8_t* krow = st + TokensInMConfig<D, kFp8K>::kKcOff +
+                                    g * TokensInMConfig<D, kFp8K>::kKRowStride;
+              v = *reinterpret_cast<const uint4*>(
+                  krow + 8 * t * TokensInMConfig<D, kFp8K>::kKRowStride +
+                  TokensInMConfig<D, kFp8K>::KChunk(g, (D / 64) * c + w4) * 16);
+            }
             kw[t][0] = v.x;
             kw[t][1] = v.y;
             kw[t][2] = v.z;
@@ -313,8 +644,13 @@ __global__ void __launch_bounds__(kAttnThreads, (kTokensInMCtasPerSm<D, kN, kFp8
           }
         }
       } else {
-        KTileWords<D, Cfg> kt;
-        kt.Load(st, g, c);
+        std::conditional_t<kTma, KTileWordsTma<D, Cfg>, KTileWords<D, Cfg>> kt;
+        if constexpr (kTma) {
+          kt.Load(stages + Cfg::kKcOff + stage * Cfg::kKcBytes,
+                  stages + Cfg::kKsOff + stage * Cfg::kSBytes, sr, g, c);
+        } else {
+          kt.Load(st, g, c);
+        }
 #pragma unroll
         for (int w = 0; w < kKWords; ++w) {
           uint32_t dec[2][4];
@@ -333,14 +669,24 @@ __global__ void __launch_bounds__(kAttnThreads, (kTokensInMCtasPerSm<D, kN, kFp8
       }
     };
     // O^T += V^T P^T of the tile in stage st (pb: its P^T B fragments).
-    const auto tile_values = [&](const uint8_t* st, const uint32_t(&pb)[kN][2]) {
-      VTileWords<D, Cfg> vt;
-      vt.Load(st, g, c);
+    const auto tile_values = [&](int stage, const uint32_t(&pb)[kN][2]) {
+      std::conditional_t<kTma, VTileWordsTma<D, Cfg>, VTileWords<D, Cfg>> vt;
+      if constexpr (kTma) {
+        vt.Load(stages + Cfg::kVcOff + stage * Cfg::kVcBytes,
+                stages + Cfg::kVsOff + stage * Cfg::kSBytes, sr, g, c);
+      } else {
+        vt.Load(stages + stage * TokensInMConfig<D, kFp8K>::kStageBytes, g, c);
+      }
 #pragma unroll
       for (int w = 0; w < kVWords; ++w) {
         uint32_t b0[8], b1[8];  // dims 8w + d of tokens {2c, 2c+1}, {2c+8, 2c+9}
-        device::DecodeWordPairHalf2(vt.w[0][w], vt.w[1][w], vt.WordMul(0, w), b0);
-        device::DecodeWordPairHalf2(vt.w[2][w], vt.w[3][w], vt.WordMul(1, w), b1);
+        if constexpr (kTma) {
+          DecodeWordPairHalf2Sel(vt.w[0][w], vt.w[1][w], vsel, vt.WordMul(0, w), b0);
+          DecodeWordPairHalf2Sel(vt.w[2][w], vt.w[3][w], vsel, vt.WordMul(1, w), b1);
+        } else {
+          device::DecodeWordPairHalf2(vt.w[0][w], vt.w[1][w], vt.WordMul(0, w), b0);
+          device::DecodeWordPairHalf2(vt.w[2][w], vt.w[3][w], vt.WordMul(1, w), b1);
+        }
 #pragma unroll
         for (int d = 0; d < 4; ++d) {
           const uint32_t va[4] = {b0[d], b0[d + 4], b1[d], b1[d + 4]};
@@ -351,28 +697,64 @@ __global__ void __launch_bounds__(kAttnThreads, (kTokensInMCtasPerSm<D, kN, kFp8
     };
 
     for (int i = 0; i < n_tiles; i += 2) {
-      uint8_t* st0 = stages + (i % Cfg::kStages) * Cfg::kStageBytes;
-      uint8_t* st1 = st0 + Cfg::kStageBytes;
+      const int stage0 = stage_of(i), stage1 = stage_of(i + 1);
       const int tile_start = w_t0 + kAttnTile * i;
       uint32_t ballot[2];
       float s[2][kN][4];
-      CpAsyncWait<Cfg::kStages - 1>();  // tile i
-      __syncwarp();
-      ballot[0] = *reinterpret_cast<const uint32_t*>(st0 + Cfg::kMaskOff);
-      tile_scores(st0, s[0]);
-      CpAsyncWait<Cfg::kStages - 2>();  // tile i + 1
-      if (i + 1 >= n_tiles) {
-        // An odd last tile: the pair's second stage (no copy in flight)
-        // reads as fully masked (ballot 0) with zero V scales, so its P V
-        // adds exact zeros.
-        for (int k = lane; k < kAttnTile * Cfg::kScaleBytes / 4; k += 32) {
-          reinterpret_cast<uint32_t*>(st1 + Cfg::kVsOff)[k] = 0u;
+      if constexpr (kTma) {
+        // Tokens outside the range have zero block scales (the copy
+        // zero-fills them), so that their P V adds exact zeros. The odd
+        // last tile's stage has no copy in flight and holds an older tile:
+        // mask 0, and its V scales are zeroed here (P is 0 there; an old
+        // NaN scale would not be).
+        const auto arrive = [&](int j, int stage) -> uint32_t {
+          uint32_t m = 0;
+          if (j < n_tiles) {
+            const uint32_t n = ring_count + j;
+            TmaWait(SmemAddr(&tma_bars[warp][stage]), (n / Cfg::kStages) & 1u);
+            m = tma_masks[warp][stage];
+          } else {
+            if (lane < kAttnTile && ((m >> (2 * lane)) & 1u) == 0) {
+              uint8_t* vsr = stages + Cfg::kVsOff + stage * Cfg::kSBytes + sr.Row(lane);
+              if constexpr (Cfg::kScaleBytes == 16) {
+                *reinterpret_cast<uint4*>(vsr) = make_uint4(0u, 0u, 0u, 0u);
+              } else if constexpr (Cfg::kScaleBytes == 8) {
+                *reinterpret_cast<uint2*>(vsr) = make_uint2(0u, 0u);
+              } else {
+                *reinterpret_cast<uint32_t*>(vsr) = 0u;
+              }
+              TmaFenceProxy();  // before a later tensor copy into the stage
+            }
+            __syncwarp();
+          }
+          return m;
+        };
+        ballot[0] = arrive(i, stage0);
+        tile_scores(stage0, s[0]);
+        ballot[1] = arrive(i + 1, stage1);
+        tile_scores(stage1, s[1]);
+      } else {
+        uint8_t* st1 = stages + stage1 * TokensInMConfig<D, kFp8K>::kStageBytes;
+        constexpr int kMaskOff = TokensInMConfig<D, kFp8K>::kMaskOff;
+        CpAsyncWait<Cfg::kStages - 1>();  // tile i
+        __syncwarp();
+        ballot[0] = *reinterpret_cast<const uint32_t*>(
+            stages + stage0 * TokensInMConfig<D, kFp8K>::kStageBytes + kMaskOff);
+        tile_scores(stage0, s[0]);
+        CpAsyncWait<Cfg::kStages - 2>();  // tile i + 1
+        if (i + 1 >= n_tiles) {
+          // An odd last tile: the pair's second stage (no copy in flight)
+          // reads as fully masked (ballot 0) with zero V scales, so its P V
+          // adds exact zeros.
+          for (int k = lane; k < kAttnTile * Cfg::kScaleBytes / 4; k += 32) {
+            reinterpret_cast<uint32_t*>(st1 + TokensInMConfig<D, kFp8K>::kVsOff)[k] = 0u;
+          }
+          if (lane == 0) *reinterpret_cast<uint32_t*>(st1 + kMaskOff) = 0u;
         }
-        if (lane == 0) *reinterpret_cast<uint32_t*>(st1 + Cfg::kMaskOff) = 0u;
+        __syncwarp();
+        ballot[1] = *reinterpret_cast<const uint32_t*>(st1 + kMaskOff);
+        tile_scores(stage1, s[1]);
       }
-      __syncwarp();
-      ballot[1] = *reinterpret_cast<const uint32_t*>(st1 + Cfg::kMaskOff);
-      tile_scores(st1, s[1]);
 
       // ---- Online softmax (log2 units) over the pair, per column (row
       // 8 nt + 2c + i).
@@ -461,18 +843,22 @@ __global__ void __launch_bounds__(kAttnThreads, (kTokensInMCtasPerSm<D, kN, kFp8
           pb[h][nt][1] = MovMatrixTrans(PackHalf2(s[h][nt][2], s[h][nt][3]));
         }
       }
-      tile_values(st0, pb[0]);
-      tile_values(st1, pb[1]);
+      tile_values(stage0, pb[0]);
+      tile_values(stage1, pb[1]);
       __syncwarp();
       {
         const int nx = i + Cfg::kStages;
-        if (nx < n_tiles) copier.Issue(a, nx % Cfg::kStages, w_t0 + kAttnTile * nx);
-        CpAsyncCommit();
-        if (nx + 1 < n_tiles) copier.Issue(a, (nx + 1) % Cfg::kStages, w_t0 + kAttnTile * (nx + 1));
-        CpAsyncCommit();
+        if (nx < n_tiles) copier.Issue(a, stage_of(nx), w_t0 + kAttnTile * nx);
+        if constexpr (!kTma) CpAsyncCommit();
+        if (nx + 1 < n_tiles) copier.Issue(a, stage_of(nx + 1), w_t0 + kAttnTile * (nx + 1));
+        if constexpr (!kTma) CpAsyncCommit();
       }
     }
-    CpAsyncWait<0>();
+    if constexpr (kTma) {
+      ring_count += static_cast<uint32_t>(n_tiles);
+    } else {
+      CpAsyncWait<0>();
+    }
     __syncwarp();
     // (m, l) as handed on: l carries the factor 2^kAttnPOffset.
 #pragma unroll
@@ -533,6 +919,9 @@ __global__ void __launch_bounds__(kAttnThreads, (kTokensInMCtasPerSm<D, kN, kFp8
     __syncthreads();
     StoreItemRows<D, kBf16>(a, it, smem, Cfg::kWarpBytes, Cfg::kRedStride, ml_sm);
     __syncthreads();
+    // The ring held the combine's rows (generic writes and reads): ordered
+    // before the next item's tensor copies into it.
+    if constexpr (kTma) TmaFenceProxy();
   }
   // Launched beside the prefill kernel of the same Run (programmatic
   // dependent launch): this grid completes only after that one, so what

@@ -314,6 +314,26 @@ void FillCase(AttentionCase& c, uint64_t seed, bool first) {
       }
     }
   }
+  if (s.nan_unattended) {
+    for (int64_t page = 0; page < P; ++page) {
+      const int64_t b = page_owner[page];
+      if (b < 0) continue;
+      int64_t lo = 0;
+      if (s.window_left >= 0 && s.q_len == 1) lo = std::max<int64_t>(0, len[b] - 1 - s.window_left);
+      for (int64_t e = 0; e < S; ++e) {
+        const int64_t pos = page_index[page] * S + e;
+        if (pos >= lo && pos < len[b]) continue;
+        for (int h = 0; h < H; ++h) {
+          if (fp8) {
+            std::memset(RowBytes(cache.k_data, g.layout, page, e, h), 0x7f, D);
+          } else {
+            std::memset(RowBytes(cache.k_scales, g.layout, page, e, h), 0x7f, D / kBlockSize);
+          }
+          std::memset(RowBytes(cache.v_scales, g.layout, page, e, h), 0x7f, D / kBlockSize);
+        }
+      }
+    }
+  }
 
   // Queries: normal values scaled so that sm_scale * q . k has a spread of a
   // few units on a median key; realkv rows get the model's query at their
@@ -434,7 +454,7 @@ std::string AttentionSpec::Name() const {
       window_left >= 0 ? absl::StrCat("_win", window_left) : "", sinks ? "_sinks" : "",
       lse ? "_lse" : "", pointer_scales ? "_ptr" : "", oob_pages ? "_oob" : "",
       realkv ? "_realkv" : "", extra_pages > 0 ? absl::StrCat("_x", extra_pages) : "",
-      padded ? "_padded" : "", fp8_keys ? "_k8" : "");
+      padded ? "_padded" : "", fp8_keys ? "_k8" : "", nan_unattended ? "_nan" : "");
 }
 
 AttentionCase MakeAttentionCase(const AttentionSpec& spec_in, uint64_t seed) {

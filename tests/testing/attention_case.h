@@ -69,6 +69,12 @@ struct AttentionSpec {
   // ignored): K rows encoded with QuantizeFp8Key under MakeFp8KeyScale of
   // the rows' amax; values NVFP4 as always.
   bool fp8_keys = false;
+  // Pool entries a request never attends get NaN codes (0x7f: E4M3 NaN) in
+  // every block scale and FP8 key byte: those past its length in its last
+  // page and, with a window and q_len 1, those before the window in its
+  // pages. A kernel that reads a tile of a page whole must keep them out of
+  // the output (P = 0 times a NaN value is NaN).
+  bool nan_unattended = false;
   std::string Name() const;  // unique per sweep entry, a valid test name
 };
 
