@@ -43,16 +43,7 @@ namespace {
 // family); anything else is an error.
 absl::Status ChooseFamily(int device, AttentionFamily* family) {
   bool tma = false;
-#if defined(FP4KV_HAVE_SM90A)
-  int major = 0, minor = 0;
-  FP4KV_CUDA_RETURN_IF_ERROR(
-      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-  FP4KV_CUDA_RETURN_IF_ERROR(
-      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
-  tma = major == 9 && minor == 0;
-#else
-  (void)device;
-#endif
+  FP4KV_RETURN_IF_ERROR(Sm90aKernelsRun(device, &tma));
   const char* env = std::getenv("FP4KV_ATTENTION_KERNEL");
   *family = tma ? AttentionFamily::kTokensInMTma : AttentionFamily::kTokensInM;
   if (env == nullptr || env[0] == '\0' || std::strcmp(env, "auto") == 0) {

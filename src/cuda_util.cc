@@ -36,5 +36,26 @@ absl::Status CheckDeviceAvailable(const Device& device) {
   return absl::OkStatus();
 }
 
+absl::Status Sm90aKernelsRun(int ordinal, bool* yes) {
+  *yes = false;
+#if defined(FP4KV_HAVE_SM90A)
+  int major = 0, minor = 0;
+  if (const cudaError_t err =
+          cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, ordinal);
+      err != cudaSuccess) {
+    return CudaStatus(err, "cudaDeviceGetAttribute(major)");
+  }
+  if (const cudaError_t err =
+          cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, ordinal);
+      err != cudaSuccess) {
+    return CudaStatus(err, "cudaDeviceGetAttribute(minor)");
+  }
+  *yes = major == 9 && minor == 0;
+#else
+  (void)ordinal;
+#endif
+  return absl::OkStatus();
+}
+
 }  // namespace internal
 }  // namespace fp4kv

@@ -36,18 +36,7 @@ inline size_t PrefillSmemBytes(int bytes, int max_batch) {
 // family: an error where it cannot run); anything else is an error.
 inline absl::Status ChoosePrefillFamily(int d, int device, PrefillFamily* family) {
   bool wgmma = false;
-#if defined(FP4KV_HAVE_SM90A)
-  if (d == 64 || d == 128) {
-    int major = 0, minor = 0;
-    FP4KV_CUDA_RETURN_IF_ERROR(
-        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-    FP4KV_CUDA_RETURN_IF_ERROR(
-        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
-    wgmma = major == 9 && minor == 0;
-  }
-#else
-  (void)device;
-#endif
+  if (d == 64 || d == 128) FP4KV_RETURN_IF_ERROR(Sm90aKernelsRun(device, &wgmma));
   const char* env = std::getenv("FP4KV_PREFILL_KERNEL");
   if (env == nullptr || env[0] == '\0' || std::strcmp(env, "auto") == 0) {
   } else if (std::strcmp(env, "mma") == 0) {

@@ -324,6 +324,10 @@ struct AttnTileCopier {
 // NVFP4 K: the code words of tokens g (t = 0) and g + 8 (t = 1), bytes
 // [c D/8, (c+1) D/8) of their rows, and their block-scale multipliers
 // (ScalePairMultiplier, two blocks a conversion; D = 64: one block, twice).
+// Load reads this file's stage layout; LoadWith any layout, through
+// code(t, x) (byte x of the lane's bytes of token half t; kWide: 16-byte
+// loads, each within one 16-byte chunk) and scales(t) (the lane's D / 64
+// scale bytes of token half t).
 template <int D, class Cfg>
 struct KTileWords {
   static constexpr int kWords = D / 32;
@@ -331,18 +335,29 @@ struct KTileWords {
   uint32_t w[2][kWords];
   uint32_t mul[2][kScalePairs];
 
-  __device__ __forceinline__ void Load(const uint8_t* st, int g, int c) {
+  template <bool kWide, class Code, class Scales>
+  __device__ __forceinline__ void LoadWith(Code code, Scales scales) {
     uint32_t sb[2];
 #pragma unroll
     for (int t = 0; t < 2; ++t) {
-      const uint8_t* row = st + Cfg::kKcOff + (g + 8 * t) * Cfg::kKRowStride + c * (D / 8);
+      if constexpr (kWide && kWords % 4 == 0) {
 #pragma unroll
-      for (int k = 0; k < kWords; k += 2) {
-        const uint2 v = *reinterpret_cast<const uint2*>(row + 4 * k);
-        w[t][k] = v.x;
-        w[t][k + 1] = v.y;
+        for (int k = 0; k < kWords; k += 4) {
+          const uint4 v = *reinterpret_cast<const uint4*>(code(t, 4 * k));
+          w[t][k] = v.x;
+          w[t][k + 1] = v.y;
+          w[t][k + 2] = v.z;
+          w[t][k + 3] = v.w;
+        }
+      } else {
+#pragma unroll
+        for (int k = 0; k < kWords; k += 2) {
+          const uint2 v = *reinterpret_cast<const uint2*>(code(t, 4 * k));
+          w[t][k] = v.x;
+          w[t][k + 1] = v.y;
+        }
       }
-      const uint8_t* srow = st + Cfg::kKsOff + (g + 8 * t) * Cfg::kScaleBytes + c * (D / 64);
+      const uint8_t* srow = scales(t);
       if constexpr (D == 64) {
         sb[t] = srow[0];
       } else if constexpr (D == 128) {
@@ -361,6 +376,14 @@ struct KTileWords {
     }
   }
 
+  __device__ __forceinline__ void Load(const uint8_t* st, int g, int c) {
+    LoadWith<false>(
+        [&](int t, int x) {
+          return st + Cfg::kKcOff + (g + 8 * t) * Cfg::kKRowStride + c * (D / 8) + x;
+        },
+        [&](int t) { return st + Cfg::kKsOff + (g + 8 * t) * Cfg::kScaleBytes + c * (D / 64); });
+  }
+
   // The multiplier of word k of token half t (both halves of the f16x2 hold
   // its block's scale).
   __device__ __forceinline__ uint32_t WordMul(int t, int k) const {
@@ -371,7 +394,10 @@ struct KTileWords {
 
 // V: segment g (dims [g D/8, (g+1) D/8)) of tokens 2c, 2c+1, 2c+8, 2c+9
 // (w[0..3]) and the scale-pair multipliers of tokens {2c, 2c+1} (mul[0])
-// and {2c+8, 2c+9} (mul[1]), one per 16-dim block of the segment.
+// and {2c+8, 2c+9} (mul[1]), one per 16-dim block of the segment. Load
+// reads this file's stage layout (VSlot order); LoadWith any layout, through
+// code(k, x) (byte x of the segment of the token w[k] is to hold) and
+// scales(i) (the scale row of token 2c + (i & 1) + 8 (i >> 1)).
 template <int D, class Cfg>
 struct VTileWords {
   static constexpr int kWords = D / 64;
@@ -379,17 +405,16 @@ struct VTileWords {
   uint32_t w[4][kWords];
   uint32_t mul[2][kBlocks];
 
-  __device__ __forceinline__ void Load(const uint8_t* st, int g, int c) {
+  template <class Code, class Scales>
+  __device__ __forceinline__ void LoadWith(Code code, Scales scales, int g) {
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
-      const int tt = 2 * c + (k & 1) + 8 * (k >> 1);
-      const uint8_t* row = st + Cfg::kVcOff + VSlot(tt) * Cfg::kRowBytes + g * (D / 16);
       if constexpr (kWords == 1) {
-        w[k][0] = *reinterpret_cast<const uint32_t*>(row);
+        w[k][0] = *reinterpret_cast<const uint32_t*>(code(k, 0));
       } else {
 #pragma unroll
         for (int j = 0; j < kWords; j += 2) {
-          const uint2 v = *reinterpret_cast<const uint2*>(row + 4 * j);
+          const uint2 v = *reinterpret_cast<const uint2*>(code(k, 4 * j));
           w[k][j] = v.x;
           w[k][j + 1] = v.y;
         }
@@ -397,9 +422,8 @@ struct VTileWords {
     }
 #pragma unroll
     for (int pr = 0; pr < 2; ++pr) {
-      const int t0 = 2 * c + 8 * pr;
-      const uint8_t* s0 = st + Cfg::kVsOff + VSlot(t0) * Cfg::kScaleBytes;
-      const uint8_t* s1 = st + Cfg::kVsOff + VSlot(t0 + 1) * Cfg::kScaleBytes;
+      const uint8_t* s0 = scales(2 * pr);
+      const uint8_t* s1 = scales(2 * pr + 1);
 #pragma unroll
       for (int q = 0; q < kBlocks; ++q) {
         const int blk = (g * (D / 8)) / 16 + q;
@@ -407,6 +431,18 @@ struct VTileWords {
                                                  (static_cast<uint32_t>(s1[blk]) << 8));
       }
     }
+  }
+
+  __device__ __forceinline__ void Load(const uint8_t* st, int g, int c) {
+    LoadWith(
+        [&](int k, int x) {
+          const int tt = 2 * c + (k & 1) + 8 * (k >> 1);
+          return st + Cfg::kVcOff + VSlot(tt) * Cfg::kRowBytes + g * (D / 16) + x;
+        },
+        [&](int i) {
+          return st + Cfg::kVsOff + VSlot(2 * c + (i & 1) + 8 * (i >> 1)) * Cfg::kScaleBytes;
+        },
+        g);
   }
 
   // The multiplier of word j (both token pairs use block j / 2).

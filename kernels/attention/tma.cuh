@@ -48,13 +48,14 @@ __host__ __device__ constexpr int TmaCodeSwizzle(int row_bytes) { return row_byt
 
 // ---------------------------------------------------------------------------
 // PTX (sm_90; elsewhere the bodies are empty and never reached: the host
-// launches TMA kernels only on compute capability 9.0 with sm_90a code).
+// launches the kernels that use them only on compute capability 9.0 with
+// sm_90a code). MbarInit and MbarWait serve the wgmma prefill kernel too.
 // ---------------------------------------------------------------------------
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 #define FP4KV_TMA_ENABLED 1
 #endif
 
-__device__ __forceinline__ void TmaMbarInit(uint32_t bar, int count) {
+__device__ __forceinline__ void MbarInit(uint32_t bar, int count) {
 #if defined(FP4KV_TMA_ENABLED)
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
 #endif
@@ -86,14 +87,14 @@ __device__ __forceinline__ void TmaArriveExpectTx(uint32_t bar, uint32_t bytes) 
 }
 
 // Waits until the phase of parity `parity` of `bar` has completed.
-__device__ __forceinline__ void TmaWait(uint32_t bar, uint32_t parity) {
+__device__ __forceinline__ void MbarWait(uint32_t bar, uint32_t parity) {
 #if defined(FP4KV_TMA_ENABLED)
   asm volatile(
       "{\n"
       ".reg .pred done;\n"
-      "TMA_WAIT:\n"
+      "MBAR_WAIT:\n"
       "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra TMA_WAIT;\n"
+      "@!done bra MBAR_WAIT;\n"
       "}\n" ::"r"(bar),
       "r"(parity)
       : "memory");

@@ -131,117 +131,9 @@ struct TokensInMTmaConfig {
   __device__ static uint32_t VOff(int t, int x) { return TmaSwizzled<kRowBytes, kVSwizzle>(t, x); }
 };
 
-// Where a TMA stage's block scales of token t start: t * stride + offset.
-struct TmaScaleRows {
-  int stride, offset;
-  __device__ __forceinline__ int Row(int t) const { return t * stride + offset; }
-};
-
-// KTileWords (tile_copy.cuh) for a TMA stage: the same words and multipliers.
-template <int D, class Cfg>
-struct KTileWordsTma {
-  static constexpr int kWords = D / 32;
-  static constexpr int kScalePairs = D >= 128 ? D / 128 : 1;
-  uint32_t w[2][kWords];
-  uint32_t mul[2][kScalePairs];
-
-  __device__ __forceinline__ void Load(const uint8_t* kc, const uint8_t* ks, TmaScaleRows sr,
-                                       int g, int c) {
-    uint32_t sb[2];
-#pragma unroll
-    for (int t = 0; t < 2; ++t) {
-      // 16-byte loads where the lane's D / 8 bytes allow: a warp's load of
-      // 512 bytes then takes the minimum of four wavefronts (two 8-byte
-      // loads would take eight: tokens g and g + 2 share banks).
-      if constexpr (kWords % 4 == 0) {
-#pragma unroll
-        for (int k = 0; k < kWords; k += 4) {
-          const uint4 v =
-              *reinterpret_cast<const uint4*>(kc + Cfg::KOff(g + 8 * t, c * (D / 8) + 4 * k));
-          w[t][k] = v.x;
-          w[t][k + 1] = v.y;
-          w[t][k + 2] = v.z;
-          w[t][k + 3] = v.w;
-        }
-      } else {
-        const uint2 v = *reinterpret_cast<const uint2*>(kc + Cfg::KOff(g + 8 * t, c * (D / 8)));
-        w[t][0] = v.x;
-        w[t][1] = v.y;
-      }
-      const uint8_t* srow = ks + sr.Row(g + 8 * t) + c * (D / 64);
-      if constexpr (D == 64) {
-        sb[t] = srow[0];
-      } else if constexpr (D == 128) {
-        sb[t] = *reinterpret_cast<const uint16_t*>(srow);
-      } else {
-        sb[t] = *reinterpret_cast<const uint32_t*>(srow);
-      }
-    }
-#pragma unroll
-    for (int t = 0; t < 2; ++t) {
-#pragma unroll
-      for (int q = 0; q < kScalePairs; ++q) {
-        const uint32_t two = D >= 128 ? (sb[t] >> (16 * q)) & 0xffffu : sb[t] * 0x0101u;
-        mul[t][q] = device::ScalePairMultiplier(two);
-      }
-    }
-  }
-  __device__ __forceinline__ uint32_t WordMul(int t, int k) const {
-    const uint32_t pair = mul[t][k / 4 < kScalePairs ? k / 4 : 0];
-    return (k / 2) % 2 == 0 ? DupLowHalf(pair) : DupHighHalf(pair);
-  }
-};
-
-// VTileWords (tile_copy.cuh) for a TMA stage (tokens in natural order).
-template <int D, class Cfg>
-struct VTileWordsTma {
-  static constexpr int kWords = D / 64;
-  static constexpr int kBlocks = kWords > 1 ? kWords / 2 : 1;
-  uint32_t w[4][kWords];
-  uint32_t mul[2][kBlocks];
-
-  // w[k] holds token 2c + ((k & 1) ^ (c & 1)) + 8 (k >> 1): lanes of odd c
-  // load the pair's tokens in the other order, so that every load spreads
-  // over all banks (a tile's token rows alternate between the two halves
-  // of the banks); VPairSelectors gives the PRMT selectors that undo it.
-  __device__ __forceinline__ void Load(const uint8_t* vc, const uint8_t* vs, TmaScaleRows sr,
-                                       int g, int c) {
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const int tt = 2 * c + ((k & 1) ^ (c & 1)) + 8 * (k >> 1);
-      if constexpr (kWords == 1) {
-        w[k][0] = *reinterpret_cast<const uint32_t*>(vc + Cfg::VOff(tt, g * (D / 16)));
-      } else {
-#pragma unroll
-        for (int j = 0; j < kWords; j += 2) {
-          const uint2 v =
-              *reinterpret_cast<const uint2*>(vc + Cfg::VOff(tt, g * (D / 16) + 4 * j));
-          w[k][j] = v.x;
-          w[k][j + 1] = v.y;
-        }
-      }
-    }
-#pragma unroll
-    for (int pr = 0; pr < 2; ++pr) {
-      const int t0 = 2 * c + 8 * pr;
-      const uint8_t* s0 = vs + sr.Row(t0);
-      const uint8_t* s1 = vs + sr.Row(t0 + 1);
-#pragma unroll
-      for (int q = 0; q < kBlocks; ++q) {
-        const int blk = (g * (D / 8)) / 16 + q;
-        mul[pr][q] = device::ScalePairMultiplier(static_cast<uint32_t>(s0[blk]) |
-                                                 (static_cast<uint32_t>(s1[blk]) << 8));
-      }
-    }
-  }
-  __device__ __forceinline__ uint32_t WordMul(int pr, int j) const {
-    return mul[pr][kWords > 1 ? j / 2 : 0];
-  }
-};
-
-// PRMT selectors for DecodeWordPairHalf2Sel of lane c's V words
-// (VTileWordsTma): the bytes of {a, b} interleaved as {a0, b0, a1, b1} and
-// {a2, b2, a3, b3}, with a and b swapped for odd c.
+// PRMT selectors for DecodeWordPairHalf2Sel of lane c's V words (the TMA
+// branch of the kernel's tile_values): the bytes of {a, b} interleaved as
+// {a0, b0, a1, b1} and {a2, b2, a3, b3}, with a and b swapped for odd c.
 struct VPairSelectors {
   uint32_t lo, hi;
 };
@@ -256,17 +148,7 @@ __device__ __forceinline__ void DecodeWordPairHalf2Sel(uint32_t codes_a, uint32_
   uint32_t y0, y1;
   asm("prmt.b32 %0, %1, %2, %3;" : "=r"(y0) : "r"(codes_a), "r"(codes_b), "r"(sel.lo));
   asm("prmt.b32 %0, %1, %2, %3;" : "=r"(y1) : "r"(codes_a), "r"(codes_b), "r"(sel.hi));
-  const uint32_t y[2] = {y0, y1};
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    uint32_t l0, l1, h0, h1;
-    device::E4m3x4ToHalf2x2Raw(device::LowNibblesToE4m3(y[i]), &l0, &l1);
-    device::E4m3x4ToHalf2x2Raw(device::HighNibblesToE4m3(y[i]), &h0, &h1);
-    out[4 * i + 0] = device::Half2Mul(l0, scale_mul);
-    out[4 * i + 1] = device::Half2Mul(h0, scale_mul);
-    out[4 * i + 2] = device::Half2Mul(l1, scale_mul);
-    out[4 * i + 3] = device::Half2Mul(h1, scale_mul);
-  }
+  device::DecodeInterleavedPairHalf2(y0, y1, scale_mul, out);
 }
 
 // The copy state of one warp of the TMA variant for its range of an item.
@@ -434,12 +316,11 @@ __global__ void __launch_bounds__(kAttnThreads, (kTokensInMCtasPerSm<D, kN, kFp8
   __shared__ __align__(8) uint64_t tma_bars[kAttnWarps][Cfg::kStages];
   __shared__ uint32_t tma_masks[kAttnWarps][Cfg::kStages];
   uint32_t ring_count = 0;
-  const TmaScaleRows sr{Cfg::kScaleBytes, 0};
   const VPairSelectors vsel = VPairSelectorsFor(c);
   if constexpr (kTma) {
     if (lane == 0) {
 #pragma unroll
-      for (int s = 0; s < Cfg::kStages; ++s) TmaMbarInit(SmemAddr(&tma_bars[warp][s]),
+      for (int s = 0; s < Cfg::kStages; ++s) MbarInit(SmemAddr(&tma_bars[warp][s]),
                                                          TmaTileCopier<D, kFp8K, Cfg>::kBarArrivals);
       TmaFenceBarrierInit();
     }
@@ -644,10 +525,16 @@ __global__ void __launch_bounds__(kAttnThreads, (kTokensInMCtasPerSm<D, kN, kFp8
           }
         }
       } else {
-        std::conditional_t<kTma, KTileWordsTma<D, Cfg>, KTileWords<D, Cfg>> kt;
+        KTileWords<D, Cfg> kt;
         if constexpr (kTma) {
-          kt.Load(stages + Cfg::kKcOff + stage * Cfg::kKcBytes,
-                  stages + Cfg::kKsOff + stage * Cfg::kSBytes, sr, g, c);
+          // 16-byte loads: a warp's 512 bytes then take the minimum of four
+          // wavefronts (8-byte loads take eight: tokens g and g + 2 share
+          // banks); the 128B swizzle moves each 16-byte chunk on its own.
+          const uint8_t* kc = stages + Cfg::kKcOff + stage * Cfg::kKcBytes;
+          const uint8_t* ks = stages + Cfg::kKsOff + stage * Cfg::kSBytes;
+          kt.template LoadWith<true>(
+              [&](int t, int x) { return kc + Cfg::KOff(g + 8 * t, c * (D / 8) + x); },
+              [&](int t) { return ks + (g + 8 * t) * Cfg::kScaleBytes + c * (D / 64); });
         } else {
           kt.Load(st, g, c);
         }
@@ -670,10 +557,21 @@ __global__ void __launch_bounds__(kAttnThreads, (kTokensInMCtasPerSm<D, kN, kFp8
     };
     // O^T += V^T P^T of the tile in stage st (pb: its P^T B fragments).
     const auto tile_values = [&](int stage, const uint32_t(&pb)[kN][2]) {
-      std::conditional_t<kTma, VTileWordsTma<D, Cfg>, VTileWords<D, Cfg>> vt;
+      VTileWords<D, Cfg> vt;
       if constexpr (kTma) {
-        vt.Load(stages + Cfg::kVcOff + stage * Cfg::kVcBytes,
-                stages + Cfg::kVsOff + stage * Cfg::kSBytes, sr, g, c);
+        // Tokens in natural order: w[k] holds token 2c + ((k & 1) ^ (c & 1))
+        // + 8 (k >> 1), i.e. lanes of odd c load the pair's tokens in the
+        // other order, so that each load covers both halves of the banks
+        // (a tile's rows alternate between them); vsel's PRMT selectors
+        // undo it in the decode.
+        const uint8_t* vc = stages + Cfg::kVcOff + stage * Cfg::kVcBytes;
+        const uint8_t* vs = stages + Cfg::kVsOff + stage * Cfg::kSBytes;
+        vt.LoadWith(
+            [&](int k, int x) {
+              const int tt = 2 * c + ((k & 1) ^ (c & 1)) + 8 * (k >> 1);
+              return vc + Cfg::VOff(tt, g * (D / 16) + x);
+            },
+            [&](int i) { return vs + (2 * c + (i & 1) + 8 * (i >> 1)) * Cfg::kScaleBytes; }, g);
       } else {
         vt.Load(stages + stage * TokensInMConfig<D, kFp8K>::kStageBytes, g, c);
       }
@@ -711,11 +609,11 @@ __global__ void __launch_bounds__(kAttnThreads, (kTokensInMCtasPerSm<D, kN, kFp8
           uint32_t m = 0;
           if (j < n_tiles) {
             const uint32_t n = ring_count + j;
-            TmaWait(SmemAddr(&tma_bars[warp][stage]), (n / Cfg::kStages) & 1u);
+            MbarWait(SmemAddr(&tma_bars[warp][stage]), (n / Cfg::kStages) & 1u);
             m = tma_masks[warp][stage];
           } else {
             if (lane < kAttnTile && ((m >> (2 * lane)) & 1u) == 0) {
-              uint8_t* vsr = stages + Cfg::kVsOff + stage * Cfg::kSBytes + sr.Row(lane);
+              uint8_t* vsr = stages + Cfg::kVsOff + stage * Cfg::kSBytes + lane * Cfg::kScaleBytes;
               if constexpr (Cfg::kScaleBytes == 16) {
                 *reinterpret_cast<uint4*>(vsr) = make_uint4(0u, 0u, 0u, 0u);
               } else if constexpr (Cfg::kScaleBytes == 8) {

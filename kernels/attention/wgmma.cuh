@@ -11,6 +11,8 @@
 
 #include <cstdint>
 
+#include "kernels/attention/tma.cuh"  // MbarInit, MbarWait
+
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define FP4KV_WGMMA_ENABLED 1
 #endif
@@ -84,29 +86,12 @@ __device__ __forceinline__ void NamedBarrierSync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
-__device__ __forceinline__ void MbarInit(uint32_t bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-
 __device__ __forceinline__ void MbarArrive(uint32_t bar) {
   asm volatile(
       "{\n"
       ".reg .b64 st;\n"
       "mbarrier.arrive.shared::cta.b64 st, [%0];\n"
       "}\n" ::"r"(bar)
-      : "memory");
-}
-
-// Waits until the phase of parity `parity` of barrier `bar` has completed.
-__device__ __forceinline__ void MbarWait(uint32_t bar, uint32_t parity) {
-  asm volatile(
-      "{\n"
-      ".reg .pred done;\n"
-      "MBAR_WAIT:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra MBAR_WAIT;\n"
-      "}\n" ::"r"(bar),
-      "r"(parity)
       : "memory");
 }
 

@@ -145,11 +145,10 @@ __device__ __forceinline__ void DecodeWordHalf2(uint32_t codes, uint32_t scale_m
 // matrix multiply over tokens pairs in one register): out[d] = f16x2 of
 // {row a dim d, row b dim d} * 2^-7 for d = 0..7, natural dim order.
 // `scale_mul` = ScalePairMultiplier(scale_a | scale_b << 8).
-__device__ __forceinline__ void DecodeWordPairHalf2(uint32_t codes_a, uint32_t codes_b,
-                                                    uint32_t scale_mul, uint32_t out[8]) {
-  uint32_t y0, y1;
-  asm("prmt.b32 %0, %1, %2, 0x5140;" : "=r"(y0) : "r"(codes_a), "r"(codes_b));
-  asm("prmt.b32 %0, %1, %2, 0x7362;" : "=r"(y1) : "r"(codes_a), "r"(codes_b));
+// The same from the two rows' bytes already interleaved: y0 = {a byte 0,
+// b byte 0, a byte 1, b byte 1}, y1 = the same of bytes 2 and 3.
+__device__ __forceinline__ void DecodeInterleavedPairHalf2(uint32_t y0, uint32_t y1,
+                                                           uint32_t scale_mul, uint32_t out[8]) {
   const uint32_t y[2] = {y0, y1};
 #pragma unroll
   for (int i = 0; i < 2; ++i) {  // dims 4i .. 4i + 3
@@ -161,6 +160,14 @@ __device__ __forceinline__ void DecodeWordPairHalf2(uint32_t codes_a, uint32_t c
     out[4 * i + 2] = Half2Mul(l1, scale_mul);
     out[4 * i + 3] = Half2Mul(h1, scale_mul);
   }
+}
+
+__device__ __forceinline__ void DecodeWordPairHalf2(uint32_t codes_a, uint32_t codes_b,
+                                                    uint32_t scale_mul, uint32_t out[8]) {
+  uint32_t y0, y1;
+  asm("prmt.b32 %0, %1, %2, 0x5140;" : "=r"(y0) : "r"(codes_a), "r"(codes_b));
+  asm("prmt.b32 %0, %1, %2, 0x7362;" : "=r"(y1) : "r"(codes_a), "r"(codes_b));
+  DecodeInterleavedPairHalf2(y0, y1, scale_mul, out);
 }
 
 // ---------------------------------------------------------------------------
