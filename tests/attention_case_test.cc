@@ -376,6 +376,40 @@ TEST(AttentionCase, Fp8KeyRowsAreTheQuantizedKeys) {
   EXPECT_GT(std::sqrt(e8 / n), 0.01);
 }
 
+// nan_unattended writes NaN codes only where no request attends: the
+// reference output is the one of the same case without them (bit for bit),
+// and the pools do hold NaN bytes (so the GPU test that uses it tests
+// something).
+TEST(AttentionCase, NanUnattendedChangesOnlyUnattendedEntries) {
+  for (bool fp8 : {false, true}) {
+    for (int window : {-1, 9}) {
+      AttentionSpec s;
+      s.fp8_keys = fp8;
+      s.window_left = window;
+      s.page_size = 16;
+      s.min_seq_len = 1;
+      s.max_seq_len = 70;
+      s.batch = 4;
+      s.lse = true;
+      const AttentionCase plain = testing::MakeAttentionCase(s, 11);
+      s.nan_unattended = true;
+      const AttentionCase nan = testing::MakeAttentionCase(s, 11);
+      ASSERT_EQ(plain.in.size(), nan.in.size());
+      int64_t changed = 0, nan_bytes = 0;
+      for (size_t i = 0; i < plain.in.size(); ++i) {
+        if (plain.in[i] != nan.in[i]) {
+          ++changed;
+          if (nan.in[i] == 0x7f) ++nan_bytes;
+        }
+      }
+      EXPECT_GT(nan_bytes, 0) << "fp8 " << fp8 << " window " << window;
+      EXPECT_EQ(changed, nan_bytes);
+      EXPECT_EQ(testing::ReferenceAttentionOutputs(plain), testing::ReferenceAttentionOutputs(nan))
+          << "fp8 " << fp8 << " window " << window;
+    }
+  }
+}
+
 TEST(AttentionCase, SameSeedSameBytesAndPaddingKeepsValues) {
   AttentionSpec s;
   s.q_len = 3;
