@@ -292,9 +292,8 @@ __global__ void __launch_bounds__(kAttnThreads, (kTokensInMCtasPerSm<D, kN, kFp8
   // TMA rings start on their swizzle repeat (the launch adds kAlign bytes).
   uint8_t* smem = smem_raw;
   if constexpr (kTma) {
-    const uint32_t raw = SmemAddr(smem_raw);
-    smem += (TokensInMTmaConfig<D, kFp8K>::kAlign - (raw & (TokensInMTmaConfig<D, kFp8K>::kAlign - 1))) &
-            (TokensInMTmaConfig<D, kFp8K>::kAlign - 1);
+    constexpr uint32_t kAlign = TokensInMTmaConfig<D, kFp8K>::kAlign;
+    smem += (kAlign - (SmemAddr(smem_raw) & (kAlign - 1))) & (kAlign - 1);
   }
   const internal::AttentionParams& p = a.p;
   LaunchDependentGrids();
@@ -320,8 +319,9 @@ __global__ void __launch_bounds__(kAttnThreads, (kTokensInMCtasPerSm<D, kN, kFp8
   if constexpr (kTma) {
     if (lane == 0) {
 #pragma unroll
-      for (int s = 0; s < Cfg::kStages; ++s) MbarInit(SmemAddr(&tma_bars[warp][s]),
-                                                         TmaTileCopier<D, kFp8K, Cfg>::kBarArrivals);
+      for (int s = 0; s < Cfg::kStages; ++s) {
+        MbarInit(SmemAddr(&tma_bars[warp][s]), TmaTileCopier<D, kFp8K, Cfg>::kBarArrivals);
+      }
       TmaFenceBarrierInit();
     }
     __syncwarp();
