@@ -59,6 +59,16 @@ AttnKernelChoice SelectAttentionKernel(AttentionFamily family, bool soft_cap, in
           kernels::AttnConfig<D, kFp8K>::kCtasPerSm, kernels::AttnConfig<D, kFp8K>::kWarpBytes, 0};
 }
 
+// Whether `family` copies the tiles of this configuration with TMA when the
+// pools allow it: where that measured faster on an H200 (FP8 keys at head
+// dim 128, kTokensInMTma: bench/RESULTS.md), or for every shape when forced
+// (kTokensInMTmaAll, tests and comparisons).
+template <int D, bool kFp8K>
+constexpr bool TmaCopiesFor(AttentionFamily family) {
+  return family == AttentionFamily::kTokensInMTmaAll ||
+         (family == AttentionFamily::kTokensInMTma && kFp8K && D == 128);
+}
+
 // cuTensorMapEncodeTiled from the driver the runtime loaded (no link
 // against libcuda); null when the driver has none.
 inline PFN_cuTensorMapEncodeTiled_v12000 TensorMapEncoder() {
@@ -137,12 +147,10 @@ absl::Status LaunchFor(const AttentionParams& p, Stream stream) {
   // min(max_q_len, kernel_q_max) queries.
   a.rows_per_slot = kernels::AttnRowsPerSlot(
       p.group, p.max_q_len < p.kernel_q_max ? p.max_q_len : p.kernel_q_max);
-  // The TMA variant where it measured faster on an H200 (FP8 keys at head
-  // dim 128: bench/RESULTS.md), or wherever its maps describe the pools when
-  // forced (kTokensInMTmaAll, tests and comparisons).
-  const bool tma_shape = p.family == AttentionFamily::kTokensInMTmaAll ||
-                         (p.family == AttentionFamily::kTokensInMTma && kFp8K && D == 128);
-  const bool tma = tma_shape && kernels::TokensInMTakes(D, a.rows_per_slot) &&
+  // Host only: the maps are encoded on every Run (their pool pointers come
+  // with the Run; a captured graph keeps them in its kernel parameters).
+  const bool tma = TmaCopiesFor<D, kFp8K>(p.family) &&
+                   kernels::TokensInMTakes(D, a.rows_per_slot) &&
                    EncodeAttnTmaMaps<D, kFp8K>(p, &a.tma);
   const AttnKernelChoice kernel =
       SelectAttentionKernel<D, kBf16, kFp8K>(p.family, p.soft_cap > 0.0f, a.rows_per_slot, tma);
@@ -218,12 +226,13 @@ absl::Status LaunchFor(const AttentionParams& p, Stream stream) {
 // item): raises its dynamic shared memory limit to what max_batch needs and
 // finds its resident CTAs per SM when fewer than its launch bound (*ctas;
 // 0: the bound). On the current device.
-// The TMA variant prepares its cp.async fallback too (a Run whose pools have
-// no tensor maps) and keeps the fewer resident CTAs of the two.
+// A configuration that copies with TMA prepares its cp.async fallback too
+// (a Run whose pools have no tensor maps) and keeps the fewer resident CTAs
+// of the two.
 template <int D, bool kBf16, bool kFp8K>
 absl::Status PrepareKernel(const DecodeAttention::Options& o, AttentionFamily family, int rows,
                            int* ctas) {
-  const int variants = IsTokensInMTma(family) ? 2 : 1;
+  const int variants = TmaCopiesFor<D, kFp8K>(family) ? 2 : 1;
   int best = 0;
   for (int i = 0; i < variants; ++i) {
     const AttnKernelChoice kernel =

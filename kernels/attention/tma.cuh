@@ -69,8 +69,10 @@ __device__ __forceinline__ void TmaFenceBarrierInit() {
 }
 
 // Orders this thread's earlier shared-memory accesses (generic proxy)
-// before later TMA writes to the same bytes.
-__device__ __forceinline__ void TmaFenceProxy() {
+// before later async-proxy accesses to the same bytes (TMA writes, wgmma
+// operand reads). Compiles to MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC.S: it waits
+// for the thread's outstanding memory operations.
+__device__ __forceinline__ void FenceProxyAsyncShared() {
 #if defined(FP4KV_TMA_ENABLED)
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 #endif

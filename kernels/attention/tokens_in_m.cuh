@@ -621,7 +621,7 @@ __global__ void __launch_bounds__(kAttnThreads, (kTokensInMCtasPerSm<D, kN, kFp8
               } else {
                 *reinterpret_cast<uint32_t*>(vsr) = 0u;
               }
-              TmaFenceProxy();  // before a later tensor copy into the stage
+              FenceProxyAsyncShared();  // before a later tensor copy into the stage
             }
             __syncwarp();
           }
@@ -819,7 +819,7 @@ __global__ void __launch_bounds__(kAttnThreads, (kTokensInMCtasPerSm<D, kN, kFp8
     __syncthreads();
     // The ring held the combine's rows (generic writes and reads): ordered
     // before the next item's tensor copies into it.
-    if constexpr (kTma) TmaFenceProxy();
+    if constexpr (kTma) FenceProxyAsyncShared();
   }
   // Launched beside the prefill kernel of the same Run (programmatic
   // dependent launch): this grid completes only after that one, so what

@@ -11,7 +11,7 @@
 
 #include <cstdint>
 
-#include "kernels/attention/tma.cuh"  // MbarInit, MbarWait
+#include "kernels/attention/tma.cuh"  // MbarInit, MbarWait, FenceProxyAsyncShared
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define FP4KV_WGMMA_ENABLED 1
@@ -73,13 +73,6 @@ __device__ __forceinline__ void RegFence(float (&r)[kN][4]) {
   }
 }
 
-// Generic-proxy shared-memory writes made visible to the async proxy
-// (wgmma operands written with st.shared).
-__device__ __forceinline__ void FenceProxyAsyncShared() {
-#if defined(FP4KV_WGMMA_ENABLED)
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-#endif
-}
 
 // Named barrier `id` (1..15) over `threads` threads (a multiple of 32).
 __device__ __forceinline__ void NamedBarrierSync(int id, int threads) {
