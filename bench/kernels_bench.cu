@@ -43,6 +43,7 @@ using bench::FillHalves;
 using bench::HaveGpu;
 using bench::MedianMs;
 using bench::Report;
+using bench::ReportWithGpu;
 
 std::vector<int64_t> Permutation(int64_t n, uint64_t seed) {
   std::vector<int64_t> p(n);
@@ -217,7 +218,7 @@ void BM_Append(benchmark::State& state) {
   state.counters["input_sets"] = static_cast<double>(sets);
   if (!decode) {
     for (auto _ : state) {
-      Report(state, MedianMs(s, [&] { (void)op->Run(set_args[0], view, s); }), bytes);
+      ReportWithGpu(state, s, [&] { (void)op->Run(set_args[0], view, s); }, bytes);
     }
   } else {
     // One graph of `sets` launches over the sets in turn, and one of as
@@ -409,7 +410,7 @@ void BM_Dequantize(benchmark::State& state) {
   BENCH_CHECK(state, op->Run(a, view, s).ok(), "Dequantizer::Run");
   const double bytes =
       cache.Bytes(batch * len) + batch * len * H * 2.0 * D * 2 + table.size() * 4.0 + batch * 4.0;
-  for (auto _ : state) Report(state, MedianMs(s, [&] { (void)op->Run(a, view, s); }), bytes);
+  for (auto _ : state) ReportWithGpu(state, s, [&] { (void)op->Run(a, view, s); }, bytes);
   BENCH_CUDA(state, cudaStreamSynchronize(s));
   BENCH_CUDA(state, cudaGetLastError());
   (void)cudaStreamDestroy(s);
@@ -470,7 +471,7 @@ void BM_Materialize(benchmark::State& state) {
   BENCH_CHECK(state, op->Run(a, view, s).ok(), "Materializer::Run");
   const double bytes = cache.Bytes(batch * len) + out_pages * 2.0 * H * S * D + table.size() * 8.0 +
                        (2 * batch + 1) * 4.0;
-  for (auto _ : state) Report(state, MedianMs(s, [&] { (void)op->Run(a, view, s); }), bytes);
+  for (auto _ : state) ReportWithGpu(state, s, [&] { (void)op->Run(a, view, s); }, bytes);
   BENCH_CUDA(state, cudaStreamSynchronize(s));
   BENCH_CUDA(state, cudaGetLastError());
   (void)cudaStreamDestroy(s);
@@ -517,7 +518,7 @@ void BM_Linear(benchmark::State& state) {
   BENCH_CHECK(state, run().ok(), "LinearQuantizer run");
   BENCH_CUDA(state, cudaStreamSynchronize(s));
   const double bytes = rows * cols * (2.0 + 0.5 + 1.0 / 16);
-  for (auto _ : state) Report(state, MedianMs(s, [&] { (void)run(); }), bytes);
+  for (auto _ : state) ReportWithGpu(state, s, [&] { (void)run(); }, bytes);
   BENCH_CUDA(state, cudaStreamSynchronize(s));
   BENCH_CUDA(state, cudaGetLastError());
   (void)cudaStreamDestroy(s);
@@ -590,7 +591,7 @@ void BM_QuantizePagedCache(benchmark::State& state) {
   BENCH_CHECK(state, op->Run(args, view, s).ok(), "PagedCacheQuantizer::Run");
   const double bytes =
       2.0 * half_bytes + cache.Bytes(kPages * S) + (lists ? kPages * 8.0 : 0.0);
-  for (auto _ : state) Report(state, MedianMs(s, [&] { (void)op->Run(args, view, s); }), bytes);
+  for (auto _ : state) ReportWithGpu(state, s, [&] { (void)op->Run(args, view, s); }, bytes);
   BENCH_CUDA(state, cudaStreamSynchronize(s));
   BENCH_CUDA(state, cudaGetLastError());
   (void)cudaStreamDestroy(s);

@@ -658,41 +658,6 @@ FP4KV_HD Words8Out DequantizeBlockFast(U32x2 codes, uint8_t scale_byte, float g,
 }
 
 // ---------------------------------------------------------------------------
-// Dequantize half a block (8 values) to f16/bf16: DequantValue then
-// FloatToHalfBits / FloatToBf16Bits. `codes` holds the 4 packed bytes
-// (value 0 in the low nibble); out[j] holds values 2j (low half) and 2j + 1.
-// ---------------------------------------------------------------------------
-
-// Results may be NaN; the software conversions map every NaN to 0x7fff.
-FP4KV_COLD_HD U32x4 DequantizeHalfGeneric(uint32_t codes, float s, float g, bool bf16) {
-  uint32_t out[4];
-  for (int j = 0; j < 4; ++j) {
-    const uint32_t byte = (codes >> (8 * j)) & 0xffu;
-    const float lo = DequantValue(static_cast<uint8_t>(byte & 0xfu), s, g);
-    const float hi = DequantValue(static_cast<uint8_t>(byte >> 4), s, g);
-    out[j] = bf16 ? (FloatToBf16Bits(lo) | (static_cast<uint32_t>(FloatToBf16Bits(hi)) << 16))
-                  : (FloatToHalfBits(lo) | (static_cast<uint32_t>(FloatToHalfBits(hi)) << 16));
-  }
-  return U32x4{out[0], out[1], out[2], out[3]};
-}
-
-template <bool kBf16>
-FP4KV_HD U32x4 DequantizeHalfFast(uint32_t codes, uint8_t scale_byte, float g, bool g_finite) {
-  const float s = E4m3Decode(scale_byte);
-  if (!g_finite || IsNanF(s)) return DequantizeHalfGeneric(codes, s, g, kBf16);
-  // s and g finite: every product is finite or infinite, never NaN.
-  uint32_t out[4];
-  FP4KV_UNROLL
-  for (int j = 0; j < 4; ++j) {
-    const uint32_t byte = codes >> (8 * j);
-    const float lo = MulRn(MulRn(FastE2m1Decode(byte & 0xfu), s), g);
-    const float hi = MulRn(MulRn(FastE2m1Decode((byte >> 4) & 0xfu), s), g);
-    out[j] = Pack2<kBf16>(lo, hi);
-  }
-  return U32x4{out[0], out[1], out[2], out[3]};
-}
-
-// ---------------------------------------------------------------------------
 // Materialize one block as FP8 (MaterializeFp8Value for each of 16 codes).
 // Per block, the 8 magnitudes (|e2m1| * |s|) * m are encoded once into a
 // byte table; each code then picks its byte with prmt, and a second prmt

@@ -64,7 +64,7 @@ absl::Status LaunchQuantizeLinear(const LinearQuantParams& p, Stream stream) {
 absl::Status LaunchDequantizeLinear(const LinearDequantParams& p, Stream stream) {
   const bool bf16 = p.dtype == DType::kBF16;
   const bool ok = kernels::ForEachLinearLaunch(
-      p.rows, p.cols, kBlockSize / 2, kernels::kLinearDequantItemsPerCta,
+      p.rows, p.cols, kernels::kLinearDequantItemValues, kernels::kLinearDequantItemsPerCta,
       [&](const LinearRange& r, uint32_t grid) {
         if (bf16) {
           DequantizeLinearKernel<true><<<grid, kernels::kLinearThreads, 0, stream>>>(p, r);

@@ -80,37 +80,46 @@ FP4KV_HD void QuantizeLinearThread(const internal::LinearQuantParams& p, const L
   }
 }
 
-// Dequantize: one work item is half a block (8 values), so a warp writes 512
-// contiguous bytes with one 16-byte store per thread.
+// Dequantize: one work item is one block (16 values), decoded through the
+// block's table of rounded magnitudes (DequantizeBlockFast: the products are
+// rounded once per magnitude, not once per value); the block's 32 output
+// bytes leave through WarpStagedStore16, so that each store instruction of a
+// warp writes 512 contiguous bytes.
 inline constexpr int kLinearDequantItems = 4;
+inline constexpr int kLinearDequantItemValues = kBlockSize;
 inline constexpr uint32_t kLinearDequantItemsPerCta = kLinearThreads * kLinearDequantItems;
 
 template <bool kBf16>
 FP4KV_HD void DequantizeLinearThread(const internal::LinearDequantParams& p,
                                      const LinearRange& range, uint32_t cta, uint32_t tid) {
-  uint32_t codes[kLinearDequantItems] = {};
+  U32x2 codes[kLinearDequantItems] = {};
   uint8_t sb[kLinearDequantItems] = {};
   int64_t row[kLinearDequantItems] = {};
-  uint32_t hb[kLinearDequantItems] = {};
+  uint32_t blk[kLinearDequantItems] = {};
   bool valid[kLinearDequantItems] = {};
   FP4KV_UNROLL
   for (int it = 0; it < kLinearDequantItems; ++it) {
     const uint32_t q = cta * kLinearDequantItemsPerCta + it * kLinearThreads + tid;
     valid[it] = q < range.num_items;
     if (!valid[it]) continue;
-    row[it] = range.row_begin + range.row_div.DivMod(q, &hb[it]);
-    codes[it] = LoadReadOnly4(p.packed + row[it] * p.packed_row_stride + hb[it] * 4);
-    sb[it] = LoadReadOnly1(p.scales + row[it] * p.scale_row_stride + hb[it] / 2);
+    row[it] = range.row_begin + range.row_div.DivMod(q, &blk[it]);
+    codes[it] = LoadReadOnly8(p.packed + row[it] * p.packed_row_stride + blk[it] * kBlockBytes);
+    sb[it] = LoadReadOnly1(p.scales + row[it] * p.scale_row_stride + blk[it]);
   }
   const float g = p.scale.Get();
   const bool g_finite = IsFiniteBits(FloatBits(g));
+  // Every lane reaches every store (the staging is warp-wide).
   FP4KV_UNROLL
   for (int it = 0; it < kLinearDequantItems; ++it) {
-    if (!valid[it]) continue;
-    const U32x4 out = DequantizeHalfFast<kBf16>(codes[it], sb[it], g, g_finite);
-    Store16(static_cast<uint16_t*>(p.output) + row[it] * p.output_row_stride +
-                static_cast<int64_t>(hb[it]) * 8,
-            out);
+    U32x4 out[2] = {};
+    if (valid[it]) {
+      const Words8Out v = DequantizeBlockFast<kBf16>(codes[it], sb[it], g, g_finite);
+      out[0] = v.lo;
+      out[1] = v.hi;
+    }
+    uint16_t* const dst = static_cast<uint16_t*>(p.output) + row[it] * p.output_row_stride +
+                          static_cast<int64_t>(blk[it]) * kBlockSize;
+    WarpStagedStore16<2>(reinterpret_cast<uint8_t*>(dst), valid[it], out);
   }
 }
 

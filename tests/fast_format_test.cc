@@ -368,43 +368,6 @@ TEST(QuantizeBlockTight, AmaxAtScaleMidpoints) {
   EXPECT_GT(checked, 10000);
 }
 
-TEST(DequantizeHalf, MatchesDequantValueForEveryScaleByte) {
-  std::mt19937_64 rng(5);
-  const float gs[] = {1.0f,
-                      0.37f,
-                      1e-30f,
-                      1e30f,
-                      3.4e38f,
-                      1e-40f,
-                      0.0f,
-                      -2.0f,
-                      std::numeric_limits<float>::infinity(),
-                      std::numeric_limits<float>::quiet_NaN()};
-  for (bool bf : {false, true}) {
-    for (float g : gs) {
-      const bool g_finite = IsFiniteBits(FloatBits(g));
-      for (uint32_t sb = 0; sb < 256; ++sb) {
-        for (int k = 0; k < 8; ++k) {
-          const uint32_t codes = k == 0   ? 0x76543210u
-                                 : k == 1 ? 0xfedcba98u
-                                          : static_cast<uint32_t>(rng());
-          const U32x4 got =
-              bf ? DequantizeHalfFast<true>(codes, static_cast<uint8_t>(sb), g, g_finite)
-                 : DequantizeHalfFast<false>(codes, static_cast<uint8_t>(sb), g, g_finite);
-          const uint32_t gw[4] = {got.x, got.y, got.z, got.w};
-          const float s = E4m3Decode(static_cast<uint8_t>(sb));
-          for (int i = 0; i < 8; ++i) {
-            const float v = DequantValue(static_cast<uint8_t>((codes >> (4 * i)) & 0xfu), s, g);
-            const uint16_t want = bf ? FloatToBf16Bits(v) : FloatToHalfBits(v);
-            const uint16_t have = static_cast<uint16_t>(gw[i / 2] >> (16 * (i % 2)));
-            ASSERT_EQ(have, want) << "bf16=" << bf << " g=" << g << " sb=" << sb << " i=" << i;
-          }
-        }
-      }
-    }
-  }
-}
-
 TEST(E2m1CodeOfValueAt, PlacesTheCodeInEveryNibble) {
   for (uint32_t c = 0; c < 8; ++c) {
     const float v = E2m1Decode(static_cast<uint8_t>(c));

@@ -284,7 +284,7 @@ TEST_P(LinearHostTest, GridMatchesReference) {
     d.dtype = c.spec.dtype;
     d.scale = c.scale.At(in.data());
     ASSERT_TRUE(kernels::ForEachLinearLaunch(
-        d.rows, d.cols, kBlockSize / 2, kernels::kLinearDequantItemsPerCta,
+        d.rows, d.cols, kernels::kLinearDequantItemValues, kernels::kLinearDequantItemsPerCta,
         [&](const kernels::LinearRange& r, uint32_t grid) {
           for (uint32_t cta = 0; cta < grid; ++cta) {
             for (uint32_t tid = 0; tid < kernels::kLinearThreads; ++tid) {

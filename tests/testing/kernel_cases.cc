@@ -1,6 +1,7 @@
 #include "testing/kernel_cases.h"
 
 #include <algorithm>
+#include <array>
 #include <cstring>
 #include <numeric>
 #include <random>
@@ -632,6 +633,16 @@ std::vector<DequantSpec> DequantSweep() {
     DequantSpec s = out[i + i / 4 % 2];
     s.key_format = KeyFormat::kFp8;
     s.stacked = false;
+    out.push_back(s);
+  }
+  for (const auto& dims : {std::array<int, 2>{48, 80}, std::array<int, 2>{96, 48}}) {
+    // Head dims of an odd number of blocks (3, 5) beside even ones.
+    DequantSpec s = out[dims[0] == 48 ? 3 : 10];
+    s.head_dim_k = dims[0];
+    s.head_dim_v = dims[1];
+    s.stacked = false;
+    out.push_back(s);
+    s.key_format = KeyFormat::kFp8;
     out.push_back(s);
   }
   DequantSpec big;  // >= 8192 positions
