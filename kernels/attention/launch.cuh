@@ -235,8 +235,12 @@ absl::Status PrepareKernel(const DecodeAttention::Options& o, AttentionFamily fa
   const int variants = TmaCopiesFor<D, kFp8K>(family) ? 2 : 1;
   int best = 0;
   for (int i = 0; i < variants; ++i) {
+    // Variant 0 of two is the TMA kernel; a single variant is the one a
+    // launch without tensor maps takes (the cp.async kernel under a TMA
+    // family whose TmaCopiesFor() is false for this shape).
+    const bool tma = variants == 2 && i == 0;
     const AttnKernelChoice kernel =
-        SelectAttentionKernel<D, kBf16, kFp8K>(family, o.logits_soft_cap > 0.0f, rows, i == 0);
+        SelectAttentionKernel<D, kBf16, kFp8K>(family, o.logits_soft_cap > 0.0f, rows, tma);
     const size_t smem = kernel.SmemBytes(o.max_batch);
     FP4KV_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
         kernel.fn, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
