@@ -116,29 +116,6 @@ inline bool FillBytes(DeviceMem& m, uint64_t seed, bool scales) {
   return cudaDeviceSynchronize() == cudaSuccess;
 }
 
-// Median milliseconds of one launch() on stream s.
-template <typename F>
-double MedianMs(cudaStream_t s, F&& launch, int timed_runs = kDefaultTimedRuns) {
-  cudaEvent_t start, stop;
-  (void)cudaEventCreate(&start);
-  (void)cudaEventCreate(&stop);
-  for (int i = 0; i < kWarmupRuns; ++i) launch();
-  std::vector<double> ms;
-  for (int r = 0; r < timed_runs; ++r) {
-    (void)cudaEventRecord(start, s);
-    launch();
-    (void)cudaEventRecord(stop, s);
-    (void)cudaEventSynchronize(stop);
-    float t = 0;
-    (void)cudaEventElapsedTime(&t, start, stop);
-    ms.push_back(static_cast<double>(t));
-  }
-  (void)cudaEventDestroy(start);
-  (void)cudaEventDestroy(stop);
-  std::sort(ms.begin(), ms.end());
-  return ms[ms.size() / 2];
-}
-
 // Spins one thread for about `cycles` SM clocks (the stream blocker of
 // MedianGpuMs).
 __global__ void SpinKernel(long long cycles) {
@@ -147,22 +124,19 @@ __global__ void SpinKernel(long long cycles) {
   }
 }
 
-// Median milliseconds of one launch() on stream s with the host's share
-// taken out: each timed run queues a spinning kernel (about 100 us) first,
-// so the start event and launch()'s kernels are already queued on a busy
-// stream when the GPU reaches them; what is timed is the GPU's own time for
-// the op, launch gaps between its kernels included (what a captured graph or
-// a busy stream sees), without the host's validation and launch latency.
-// Valid when launch() enqueues in well under 100 us (the op benches do).
+// Median milliseconds of one launch() on stream s, timed by events around
+// it; with `block` each timed run first queues a spinning kernel (about
+// 100 us) so that the start event and launch()'s kernels are already queued
+// on a busy stream when the GPU reaches them (MedianGpuMs).
 template <typename F>
-double MedianGpuMs(cudaStream_t s, F&& launch, int timed_runs = kDefaultTimedRuns) {
+double MedianEventMs(cudaStream_t s, F&& launch, int timed_runs, bool block) {
   cudaEvent_t start, stop;
   (void)cudaEventCreate(&start);
   (void)cudaEventCreate(&stop);
   for (int i = 0; i < kWarmupRuns; ++i) launch();
   std::vector<double> ms;
   for (int r = 0; r < timed_runs; ++r) {
-    SpinKernel<<<1, 1, 0, s>>>(200000);
+    if (block) SpinKernel<<<1, 1, 0, s>>>(200000);
     (void)cudaEventRecord(start, s);
     launch();
     (void)cudaEventRecord(stop, s);
@@ -175,6 +149,23 @@ double MedianGpuMs(cudaStream_t s, F&& launch, int timed_runs = kDefaultTimedRun
   (void)cudaEventDestroy(stop);
   std::sort(ms.begin(), ms.end());
   return ms[ms.size() / 2];
+}
+
+// Median milliseconds of one launch() on stream s (host validation and
+// launch latency inside the timed region when the stream is idle).
+template <typename F>
+double MedianMs(cudaStream_t s, F&& launch, int timed_runs = kDefaultTimedRuns) {
+  return MedianEventMs(s, launch, timed_runs, false);
+}
+
+// The same with the host's share taken out: what is timed is the GPU's own
+// time for the op, launch gaps between its kernels included (what a captured
+// graph or a busy stream sees), without the host's validation and launch
+// latency. Valid when launch() enqueues in well under 100 us (the op benches
+// do).
+template <typename F>
+double MedianGpuMs(cudaStream_t s, F&& launch, int timed_runs = kDefaultTimedRuns) {
+  return MedianEventMs(s, launch, timed_runs, true);
 }
 
 // GB/s of a 2 GiB device-to-device copy (bytes = read + write), measured

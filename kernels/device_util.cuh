@@ -147,28 +147,25 @@ FP4KV_HD void Store8(void* p, const U32x2& v) {
 // host (the tests' grid emulation) each lane stores its own chunks.
 template <int kC>
 FP4KV_HD void WarpStagedStore16(uint8_t* dst, bool write, const U32x4 (&chunks)[kC]) {
+  static_assert(kC >= 2, "one chunk a lane is already a contiguous warp store");
 #if defined(__CUDA_ARCH__)
-  if constexpr (kC == 1) {
-    if (write) Store16(dst, chunks[0]);
-  } else {
-    __shared__ U32x4 stage[kMaxTileThreads / 32][32 * kC];
-    const uint32_t lane = threadIdx.x & 31u;
-    U32x4* const w = stage[threadIdx.x >> 5];
-    const uint32_t writers = __ballot_sync(0xffffffffu, write);
-    if (writers == 0) return;
-    FP4KV_UNROLL
-    for (int j = 0; j < kC; ++j) w[lane * kC + j] = chunks[j];
-    __syncwarp();
-    const unsigned long long d = reinterpret_cast<unsigned long long>(dst);
-    FP4KV_UNROLL
-    for (int i = 0; i < kC; ++i) {
-      const uint32_t c = 32u * i + lane;
-      const uint32_t src = c / kC;
-      const unsigned long long ds = __shfl_sync(0xffffffffu, d, static_cast<int>(src));
-      if ((writers >> src) & 1u) Store16(reinterpret_cast<uint8_t*>(ds) + 16 * (c % kC), w[c]);
-    }
-    __syncwarp();
+  __shared__ U32x4 stage[kMaxTileThreads / 32][32 * kC];
+  const uint32_t lane = threadIdx.x & 31u;
+  U32x4* const w = stage[threadIdx.x >> 5];
+  const uint32_t writers = __ballot_sync(0xffffffffu, write);
+  if (writers == 0) return;
+  FP4KV_UNROLL
+  for (int j = 0; j < kC; ++j) w[lane * kC + j] = chunks[j];
+  __syncwarp();
+  const unsigned long long d = reinterpret_cast<unsigned long long>(dst);
+  FP4KV_UNROLL
+  for (int i = 0; i < kC; ++i) {
+    const uint32_t c = 32u * i + lane;
+    const uint32_t src = c / kC;
+    const unsigned long long ds = __shfl_sync(0xffffffffu, d, static_cast<int>(src));
+    if ((writers >> src) & 1u) Store16(reinterpret_cast<uint8_t*>(ds) + 16 * (c % kC), w[c]);
   }
+  __syncwarp();
 #else
   if (!write) return;
   for (int j = 0; j < kC; ++j) Store16(dst + 16 * j, chunks[j]);
