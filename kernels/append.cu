@@ -11,29 +11,37 @@ namespace {
 using kernels::AppendLaunch;
 using kernels::RecipeVariant;
 
-template <bool kBf16, RecipeVariant kVariant, bool kCount>
+template <bool kBf16, RecipeVariant kVariant, bool kCount, bool kPair>
 __global__ void __launch_bounds__(kernels::kMaxTileThreads)
     QuantizeAppendKernel(const AppendLaunch a) {
-  kernels::AppendThread<kBf16, kVariant, kCount>(a, blockIdx.x, blockIdx.y, threadIdx.x);
+  kernels::AppendThreadT<kBf16, kVariant, kCount, kPair>(a, blockIdx.x, blockIdx.y, threadIdx.x);
 }
 
 using AppendKernelFn = void (*)(AppendLaunch);
 
-template <bool kBf16, bool kCount>
+template <bool kBf16, bool kCount, bool kPair>
 AppendKernelFn PickAppendKernel(RecipeVariant v) {
   switch (v) {
     case RecipeVariant::kStandard:
-      return QuantizeAppendKernel<kBf16, RecipeVariant::kStandard, kCount>;
+      return QuantizeAppendKernel<kBf16, RecipeVariant::kStandard, kCount, kPair>;
     case RecipeVariant::kMae:
-      return QuantizeAppendKernel<kBf16, RecipeVariant::kMae, kCount>;
+      return QuantizeAppendKernel<kBf16, RecipeVariant::kMae, kCount, kPair>;
     case RecipeVariant::kMse:
-      return QuantizeAppendKernel<kBf16, RecipeVariant::kMse, kCount>;
+      return QuantizeAppendKernel<kBf16, RecipeVariant::kMse, kCount, kPair>;
     case RecipeVariant::kMaeHalf:
-      return QuantizeAppendKernel<kBf16, RecipeVariant::kMaeHalf, kCount>;
+      return QuantizeAppendKernel<kBf16, RecipeVariant::kMaeHalf, kCount, kPair>;
     case RecipeVariant::kMseHalf:
-      return QuantizeAppendKernel<kBf16, RecipeVariant::kMseHalf, kCount>;
+      return QuantizeAppendKernel<kBf16, RecipeVariant::kMseHalf, kCount, kPair>;
   }
   return nullptr;
+}
+
+template <bool kPair>
+AppendKernelFn PickAppendKernelFor(bool bf16, bool count, RecipeVariant v) {
+  return bf16 ? (count ? PickAppendKernel<true, true, kPair>(v)
+                       : PickAppendKernel<true, false, kPair>(v))
+              : (count ? PickAppendKernel<false, true, kPair>(v)
+                       : PickAppendKernel<false, false, kPair>(v));
 }
 
 }  // namespace
@@ -42,11 +50,9 @@ absl::Status LaunchAppend(const AppendParams& p, Stream stream) {
   const RecipeVariant v = kernels::VariantOf(p.recipe);
   const bool bf16 = p.input_dtype == DType::kBF16;
   const bool count = p.scale_events != nullptr;
-  const AppendKernelFn fn = bf16 ? (count ? PickAppendKernel<true, true>(v)
-                                          : PickAppendKernel<true, false>(v))
-                                 : (count ? PickAppendKernel<false, true>(v)
-                                          : PickAppendKernel<false, false>(v));
   const bool ok = kernels::ForEachAppendLaunch(p, [&](const AppendLaunch& a) {
+    const AppendKernelFn fn = a.pair ? PickAppendKernelFor<true>(bf16, count, v)
+                                     : PickAppendKernelFor<false>(bf16, count, v);
     fn<<<dim3(a.shape.grid_x, a.shape.grid_y), a.shape.threads, 0, stream>>>(a);
   });
   if (!ok) {

@@ -40,10 +40,11 @@ void ForEachThread(const kernels::TileShape& s, F&& f) {
 
 // ------------------------------------------------------------------ append
 template <bool kBf16, RecipeVariant kV>
-void EmulateAppend(const internal::AppendParams& p, uint32_t rows_per_cta) {
+void EmulateAppend(const internal::AppendParams& p, uint32_t rows_per_cta, bool pairs) {
   ASSERT_TRUE(kernels::ForEachAppendLaunch(
       p,
       [&](const kernels::AppendLaunch& a) {
+        EXPECT_EQ(a.pair, pairs && kernels::AppendPairs(p));
         ForEachThread(a.shape, [&](uint32_t x, uint32_t y, uint32_t t) {
           if (p.scale_events != nullptr) {
             kernels::AppendThread<kBf16, kV, true>(a, x, y, t);
@@ -52,22 +53,23 @@ void EmulateAppend(const internal::AppendParams& p, uint32_t rows_per_cta) {
           }
         });
       },
-      rows_per_cta));
+      rows_per_cta,
+      pairs ? kernels::AppendPairPolicy::kWherePossible : kernels::AppendPairPolicy::kNever));
 }
 
 template <bool kBf16>
-void EmulateAppendAny(const internal::AppendParams& p, uint32_t r) {
+void EmulateAppendAny(const internal::AppendParams& p, uint32_t r, bool pairs) {
   switch (kernels::VariantOf(p.recipe)) {
     case RecipeVariant::kStandard:
-      return EmulateAppend<kBf16, RecipeVariant::kStandard>(p, r);
+      return EmulateAppend<kBf16, RecipeVariant::kStandard>(p, r, pairs);
     case RecipeVariant::kMae:
-      return EmulateAppend<kBf16, RecipeVariant::kMae>(p, r);
+      return EmulateAppend<kBf16, RecipeVariant::kMae>(p, r, pairs);
     case RecipeVariant::kMse:
-      return EmulateAppend<kBf16, RecipeVariant::kMse>(p, r);
+      return EmulateAppend<kBf16, RecipeVariant::kMse>(p, r, pairs);
     case RecipeVariant::kMaeHalf:
-      return EmulateAppend<kBf16, RecipeVariant::kMaeHalf>(p, r);
+      return EmulateAppend<kBf16, RecipeVariant::kMaeHalf>(p, r, pairs);
     case RecipeVariant::kMseHalf:
-      return EmulateAppend<kBf16, RecipeVariant::kMseHalf>(p, r);
+      return EmulateAppend<kBf16, RecipeVariant::kMseHalf>(p, r, pairs);
   }
 }
 
@@ -93,22 +95,52 @@ TEST_P(AppendHostTest, GridMatchesReference) {
         op->Run(c.Args(in.data(), Device::Cpu(), want.data()), c.Cache(want.data(), Device::Cpu()))
             .ok());
     ASSERT_NE(want, c.out) << "the case wrote nothing";
-    for (uint32_t rows_per_cta : kRowsPerCta) {
-      std::vector<uint8_t> got = c.out;
-      const internal::AppendParams p = AppendParamsFor(c, in.data(), got.data());
-      if (c.spec.dtype == DType::kBF16) {
-        EmulateAppendAny<true>(p, rows_per_cta);
-      } else {
-        EmulateAppendAny<false>(p, rows_per_cta);
+    // Items of one block, and of two adjacent blocks where the geometry
+    // allows it.
+    for (const bool pairs : {false, true}) {
+      for (uint32_t rows_per_cta : kRowsPerCta) {
+        std::vector<uint8_t> got = c.out;
+        const internal::AppendParams p = AppendParamsFor(c, in.data(), got.data());
+        if (c.spec.dtype == DType::kBF16) {
+          EmulateAppendAny<true>(p, rows_per_cta, pairs);
+        } else {
+          EmulateAppendAny<false>(p, rows_per_cta, pairs);
+        }
+        ASSERT_EQ(FirstDifference(want, got), "") << c.spec.Name() << " round " << round
+                                                  << " rows_per_cta " << rows_per_cta
+                                                  << " pairs " << pairs;
       }
-      ASSERT_EQ(FirstDifference(want, got), "")
-          << c.spec.Name() << " round " << round << " rows_per_cta " << rows_per_cta;
     }
   }
 }
 
 INSTANTIATE_TEST_SUITE_P(Sweep, AppendHostTest, ::testing::ValuesIn(testing::AppendSweep()),
                          [](const auto& info) { return info.param.Name(); });
+
+// The launch's own choice (AppendPairPolicy::kAuto): pairs exactly where the
+// geometry allows them and the keys are NVFP4; the sweep holds cases of
+// both kinds, and FP8-key cases whose geometry would allow pairs.
+TEST(AppendPairPolicyTest, PairsForNvfp4KeysOnly) {
+  int paired = 0, fp8_eligible = 0, single = 0;
+  for (const testing::AppendSpec& spec : testing::AppendSweep()) {
+    testing::AppendCase c = testing::MakeAppendCase(spec, 7);
+    std::vector<uint8_t> in = c.in, out = c.out;
+    const internal::AppendParams p = AppendParamsFor(c, in.data(), out.data());
+    const bool want = kernels::AppendPairs(p) && !p.fp8_keys;
+    int launches = 0;
+    ASSERT_TRUE(kernels::ForEachAppendLaunch(p, [&](const kernels::AppendLaunch& a) {
+      EXPECT_EQ(a.pair, want) << spec.Name();
+      ++launches;
+    }));
+    EXPECT_GT(launches, 0) << spec.Name();
+    paired += want ? 1 : 0;
+    fp8_eligible += p.fp8_keys && kernels::AppendPairs(p) ? 1 : 0;
+    single += want ? 0 : 1;
+  }
+  EXPECT_GT(paired, 0);
+  EXPECT_GT(fp8_eligible, 0);
+  EXPECT_GT(single, 0);
+}
 
 // ----------------------------------------------------------------- dequant
 internal::DequantParams DequantParamsFor(const testing::DequantCase& c, uint8_t* in, uint8_t* out) {
