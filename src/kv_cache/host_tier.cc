@@ -67,7 +67,7 @@ absl::Status KVCacheState::EnqueueSwapCopy(const std::vector<int32_t>& pages,
                                            const std::vector<int32_t>& host_ids, bool to_host,
                                            Stream stream, int* event, bool prefix_tier) {
   int e = -1;
-  FP4KV_RETURN_IF_ERROR(TakeEvent(&e));
+  if (event != nullptr) FP4KV_RETURN_IF_ERROR(TakeEvent(&e));
   absl::Status st = [&]() -> absl::Status {
     const int64_t n = static_cast<int64_t>(pages.size());
     FP4KV_CUDA_RETURN_IF_ERROR(
@@ -100,9 +100,12 @@ absl::Status KVCacheState::EnqueueSwapCopy(const std::vector<int32_t>& pages,
                                                : HostCopy(d_ids + n, d_ids, n, false, prefix_tier),
                                            side));
     }
-    FP4KV_CUDA_RETURN_IF_ERROR(cudaEventRecord(host.swap_events[e], host.copy_stream));
+    if (e >= 0) {
+      FP4KV_CUDA_RETURN_IF_ERROR(cudaEventRecord(host.swap_events[e], host.copy_stream));
+    }
     return absl::OkStatus();
   }();
+  if (e < 0) return st;
   if (!st.ok()) {
     host.free_events.push_back(e);
     return st;

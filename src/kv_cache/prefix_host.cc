@@ -142,13 +142,15 @@ absl::Status KVCacheState::DemoteForAllocation(int64_t n, Stream stream,
       const size_t e = std::min(dev.size(), b + chunk);
       std::vector<int32_t> d(dev.begin() + b, dev.begin() + e),
           h(hosts.begin() + b, hosts.begin() + e);
-      int event = -1;
-      st = EnqueueSwapCopy(d, h, /*to_host=*/true, stream, &event, /*prefix_tier=*/true);
+      // No event: stream order carries the batch (`stream` waits for the
+      // copy stream as a whole, OrderAfterCopies), and an event recorded
+      // behind the copy would only lengthen that wait.
+      st = EnqueueSwapCopy(d, h, /*to_host=*/true, stream, /*event=*/nullptr,
+                           /*prefix_tier=*/true);
       if (!st.ok()) {
         enqueued = b;
         break;
       }
-      host.free_events.push_back(event);  // stream order carries it; nothing waits on the event
     }
   }
   for (size_t k = 0; k < enqueued; ++k) copied[entry_of[k]] = 1;

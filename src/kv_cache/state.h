@@ -404,7 +404,8 @@ class KVCacheState {
   absl::Status TakeEvent(int* out);
 
   // Copies pages between the pool and the host tier on the copy stream,
-  // after the work on `stream` so far; *event is recorded after the copy.
+  // after the work on `stream` so far; *event is recorded after the copy
+  // (event null: none, for batches that only stream order follows).
   // n <= max_pages_per_seq pages (the room of the swap ids); prefix_tier:
   // host pages of prefix_host.
   absl::Status EnqueueSwapCopy(const std::vector<int32_t>& pages,
