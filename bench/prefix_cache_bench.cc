@@ -45,7 +45,7 @@
 //     promoted sequence's block-table row). The pinned copy is timed the
 //     same way, as many times, back to back after the case's runs. Median
 //     of 15 runs after 2 warm-up runs; batches of at most 64 pages, whose
-//     runs last microseconds: 105 runs (7 an iteration). Counters:
+//     runs last microseconds: 105 runs (7 an iteration) after 14. Counters:
 //       median_us, GBps          the copy (page bytes / median time)
 //       pinned_copy_us, pinned_GBps  the pinned cudaMemcpyAsync
 //       fraction_of_pinned_copy  GBps / pinned_GBps (pct_of_copy: x 100)
@@ -605,13 +605,14 @@ void RunTierCase(benchmark::State& state, KVCache& c, int64_t pages, GatedTimer&
   // Warm-up runs not gated: first-use work (lazily created events and
   // buffers) may wait for the device, which a held stream would turn into
   // the gate's time-out rather than a measurement.
-  for (int r = 0; st.ok() && r < kTierWarmupRuns; ++r) {
+  // Short batches (tens of microseconds, where one run's jitter is a few
+  // percent) take kTierShortReps runs an iteration, after as many warm-up
+  // runs as one iteration has.
+  const int reps = pages <= kTierShortPages ? kTierShortReps : 1;
+  for (int r = 0; st.ok() && r < kTierWarmupRuns * reps; ++r) {
     double w = 0;
     st = run(false, &w, nullptr);
   }
-  // Short batches (tens of microseconds, where one run's jitter is a few
-  // percent) take kTierShortReps runs an iteration.
-  const int reps = pages <= kTierShortPages ? kTierShortReps : 1;
   for (auto _ : state) {
     double sum = 0;
     for (int k = 0; k < reps && st.ok(); ++k) {
@@ -627,10 +628,10 @@ void RunTierCase(benchmark::State& state, KVCache& c, int64_t pages, GatedTimer&
   // The baseline: as many copies, back to back after warm-up copies (the
   // copy engine at its best; a copy timed right after each run measured 4-5
   // us slower at 1 page on the H200, which would flatter the cases).
-  for (int r = 0; st.ok() && r < kTierWarmupRuns + static_cast<int>(ms.size()); ++r) {
+  for (int r = 0; st.ok() && r < kTierWarmupRuns * reps + static_cast<int>(ms.size()); ++r) {
     double b = 0;
     st = baseline.Time(timer, &b);
-    if (r >= kTierWarmupRuns) copy_ms.push_back(b);
+    if (r >= kTierWarmupRuns * reps) copy_ms.push_back(b);
   }
   for (int r = 0; st.ok() && r < kTierWallRuns; ++r) {
     double w = 0;

@@ -515,6 +515,39 @@ TEST(GpuAttentionLongRange, WarpRangesCrossTheTableReload) {
   }
 }
 
+// One long request of one KV head: the split-KV schedule cuts it into more
+// chunks than one round of the merge kernel reads (a round covers 32 splits
+// at head dim 64, 16 at 128, 8 at 256; 5000 tokens in chunks of 64 are 79
+// splits, 3000 are 47), so each row's partials are merged over several
+// rounds. The sweeps' single requests (at most 1000 tokens: 16 splits) fit
+// one round below head dim 256.
+TEST(GpuAttentionLongSplit, MergeTakesSeveralRounds) {
+  FP4KV_SKIP_WITHOUT_GPU();
+  std::vector<AttentionSpec> specs;
+  constexpr int kDims[] = {64, 128, 256};
+  for (int i = 0; i < 3; ++i) {
+    AttentionSpec s;
+    s.batch = 1;
+    s.num_kv_heads = 1;
+    s.group = i == 1 ? 4 : 8;
+    s.head_dim = kDims[i];
+    s.page_size = 16;
+    s.layout = i == 2 ? Layout::kHND : Layout::kNHD;
+    s.dtype = i == 1 ? DType::kF16 : DType::kBF16;
+    s.min_seq_len = s.max_seq_len = i == 2 ? 3000 : 5000;
+    s.lse = true;
+    s.sinks = i == 0;
+    specs.push_back(s);
+  }
+  // FP8 keys for the head dim 128 case as well.
+  specs.push_back(testing::WithFp8Keys(std::vector<AttentionSpec>{specs[1]})[0]);
+  for (const AttentionSpec& spec : specs) {
+    AttentionCase c = testing::MakeAttentionCase(spec, 53);
+    ExpectGpuMatchesReference(c, spec.Name(), /*graph_rounds=*/true);
+    if (HasFatalFailure()) return;
+  }
+}
+
 // The public FP8 key readers of page_reader.cuh over all 256 codes, laid
 // out as one key row of a pool: Fp8KeyWordToHalf2 (times Fp8KeyHalfScale())
 // and LoadFp8KeyFloat must give e4m3(code) exactly for every finite code.
