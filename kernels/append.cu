@@ -1,8 +1,10 @@
 // Quantize-append kernels and their launcher (see append.cuh for the shape).
 #include "absl/status/status.h"
 #include "kernels/append.cuh"
+#include "kernels/attention/ptx.cuh"
 #include "src/cuda_util.h"
 #include "src/params.h"
+#include "src/status_macros.h"
 
 namespace fp4kv {
 namespace internal {
@@ -11,9 +13,17 @@ namespace {
 using kernels::AppendLaunch;
 using kernels::RecipeVariant;
 
+// Launched as a programmatic dependent (AppendParams::overlap_launch), the
+// kernel's CTAs may start while the kernel before it in the stream runs:
+// they wait for that grid's completion (and its memory) before reading
+// anything, then let the next dependent launch, so that its launch overlaps
+// this kernel's work rather than following it. Both are no-ops in an
+// ordinary launch.
 template <bool kBf16, RecipeVariant kVariant, bool kCount, bool kPair>
 __global__ void __launch_bounds__(kernels::kMaxTileThreads)
     QuantizeAppendKernel(const AppendLaunch a) {
+  kernels::WaitForPrerequisiteGrids();
+  kernels::LaunchDependentGrids();
   kernels::AppendThreadT<kBf16, kVariant, kCount, kPair>(a, blockIdx.x, blockIdx.y, threadIdx.x);
 }
 
@@ -50,16 +60,40 @@ absl::Status LaunchAppend(const AppendParams& p, Stream stream) {
   const RecipeVariant v = kernels::VariantOf(p.recipe);
   const bool bf16 = p.input_dtype == DType::kBF16;
   const bool count = p.scale_events != nullptr;
+  cudaError_t err = cudaSuccess;
   const bool ok = kernels::ForEachAppendLaunch(p, [&](const AppendLaunch& a) {
     const AppendKernelFn fn = a.pair ? PickAppendKernelFor<true>(bf16, count, v)
                                      : PickAppendKernelFor<false>(bf16, count, v);
-    fn<<<dim3(a.shape.grid_x, a.shape.grid_y), a.shape.threads, 0, stream>>>(a);
+    if (!p.overlap_launch) {
+      fn<<<dim3(a.shape.grid_x, a.shape.grid_y), a.shape.threads, 0, stream>>>(a);
+      return;
+    }
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(a.shape.grid_x, a.shape.grid_y);
+    cfg.blockDim = dim3(a.shape.threads);
+    cfg.stream = stream;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    const cudaError_t e = cudaLaunchKernelEx(&cfg, fn, a);
+    if (err == cudaSuccess) err = e;
   });
   if (!ok) {
     return absl::InvalidArgumentError(
         "append: expected num_kv_heads * (head_dim_k + head_dim_v) / 16 <= 2^24 blocks per row");
   }
+  FP4KV_CUDA_RETURN_IF_ERROR(err);
   return CudaStatus(cudaGetLastError(), "QuantizeAppendKernel launch");
+}
+
+absl::Status AppendOverlapsLaunch(bool* out) {
+  cudaFuncAttributes fa;
+  FP4KV_CUDA_RETURN_IF_ERROR(
+      cudaFuncGetAttributes(&fa, PickAppendKernelFor<false>(true, false, RecipeVariant::kStandard)));
+  *out = fa.ptxVersion >= 90;
+  return absl::OkStatus();
 }
 
 }  // namespace internal

@@ -77,7 +77,9 @@ absl::StatusOr<Appender> Appender::Create(const Options& o) {
   }
   FP4KV_RETURN_IF_ERROR(ValidateRecipe(o.recipe));
   FP4KV_RETURN_IF_ERROR(CheckCommonOptions(o.geometry, o.device));
-  return Appender(o);
+  bool overlap = false;
+  if (o.device.is_cuda()) FP4KV_RETURN_IF_ERROR(internal::AppendOverlapsLaunch(&overlap));
+  return internal::AppendAccess::Make(o, overlap);
 }
 
 namespace internal {
@@ -174,7 +176,10 @@ absl::Status RunAppend(const Appender& op, const AppendParams& p, Stream stream)
     ReferenceAppend(p);
     return absl::OkStatus();
   }
-  return LaunchAppend(p, stream);
+  if (AppendAccess::OverlapLaunch(op) == p.overlap_launch) return LaunchAppend(p, stream);
+  AppendParams q = p;
+  q.overlap_launch = AppendAccess::OverlapLaunch(op);
+  return LaunchAppend(q, stream);
 }
 }  // namespace internal
 

@@ -61,6 +61,11 @@ struct AppendParams {
   // FP8 keys count 16-value groups (ClassifyFp8KeyBlock).
   uint64_t* scale_events = nullptr;
   bool fp8_keys = false;  // K rows are E4M3 bytes under k_scale (no block scales)
+  // CUDA: launched as a programmatic dependent of the kernel before it in
+  // the stream (its CTAs may become resident while that kernel finishes and
+  // wait in griddepcontrol.wait before reading anything). Set by RunAppend
+  // when the append kernels' loaded code has that wait (sm_90+).
+  bool overlap_launch = false;
 };
 
 struct DequantParams {
@@ -410,6 +415,14 @@ absl::StatusOr<MaterializeParams> MakeMaterializeParams(const Materializer::Opti
 // own early outs (nothing to do). `op` comes from Create(); `p` from the
 // Make*Params of its options.
 absl::Status RunAppend(const Appender& op, const AppendParams& p, Stream stream);
+
+// What Create() found about an Appender's device (RunAppend's business).
+struct AppendAccess {
+  static bool OverlapLaunch(const Appender& op) { return op.overlap_launch_; }
+  static Appender Make(const Appender::Options& o, bool overlap_launch) {
+    return Appender(o, overlap_launch);
+  }
+};
 absl::Status RunDequantize(const Dequantizer& op, const DequantParams& p, Stream stream);
 absl::Status RunMaterialize(const Materializer& op, const MaterializeParams& p, Stream stream);
 
@@ -429,6 +442,9 @@ void ReferenceQuantizeCache(const QuantizeCacheParams& p);
 // CUDA launchers (kernels/). Enqueue on `stream`, allocate nothing, never
 // synchronize; return the launch status (cudaGetLastError) as a Status.
 absl::Status LaunchAppend(const AppendParams& p, Stream stream);
+// Whether the append kernels' code loaded on the current device waits in
+// griddepcontrol.wait (PTX 9.0+), so that AppendParams::overlap_launch is safe.
+absl::Status AppendOverlapsLaunch(bool* out);
 absl::Status LaunchDequantize(const DequantParams& p, Stream stream);
 absl::Status LaunchMaterialize(const MaterializeParams& p, Stream stream);
 absl::Status LaunchQuantizeLinear(const LinearQuantParams& p, Stream stream);

@@ -74,6 +74,10 @@ struct AppendArgs {
   uint64_t* scale_events = nullptr;
 };
 
+namespace internal {
+struct AppendAccess;  // src/params.h
+}  // namespace internal
+
 class Appender {
  public:
   // Not usable: every Run() returns FailedPrecondition until assigned from
@@ -104,9 +108,12 @@ class Appender {
   const Options& options() const { return options_; }
 
  private:
-  explicit Appender(const Options& o) : options_(o), created_(true) {}
+  friend struct internal::AppendAccess;
+  Appender(const Options& o, bool overlap_launch)
+      : options_(o), created_(true), overlap_launch_(overlap_launch) {}
   Options options_;
   bool created_ = false;
+  bool overlap_launch_ = false;  // found at Create() (CUDA; see AppendParams)
 };
 
 // ---------------------------------------------------------------------------
