@@ -11,10 +11,10 @@ namespace {
 using kernels::QuantizeCacheLaunch;
 using kernels::RecipeVariant;
 
-template <bool kBf16, RecipeVariant kVariant>
+template <bool kBf16, RecipeVariant kVariant, bool kPair>
 __global__ void __launch_bounds__(kernels::kMaxTileThreads)
     QuantizeCacheKernel(const QuantizeCacheLaunch a) {
-  kernels::QuantizeCacheThread<kBf16, kVariant>(a, blockIdx.x, blockIdx.y, threadIdx.x);
+  kernels::QuantizeCacheThreadT<kBf16, kVariant, kPair>(a, blockIdx.x, blockIdx.y, threadIdx.x);
 }
 
 // Warp maxima of the per-thread amax, added with one integer max per side
@@ -45,19 +45,19 @@ __global__ void CacheScalesFinishKernel(const QuantizeCacheParams p) {
 
 using QuantizeCacheFn = void (*)(QuantizeCacheLaunch);
 
-template <bool kBf16>
+template <bool kBf16, bool kPair>
 QuantizeCacheFn PickQuantizeCacheKernel(RecipeVariant v) {
   switch (v) {
     case RecipeVariant::kStandard:
-      return QuantizeCacheKernel<kBf16, RecipeVariant::kStandard>;
+      return QuantizeCacheKernel<kBf16, RecipeVariant::kStandard, kPair>;
     case RecipeVariant::kMae:
-      return QuantizeCacheKernel<kBf16, RecipeVariant::kMae>;
+      return QuantizeCacheKernel<kBf16, RecipeVariant::kMae, kPair>;
     case RecipeVariant::kMse:
-      return QuantizeCacheKernel<kBf16, RecipeVariant::kMse>;
+      return QuantizeCacheKernel<kBf16, RecipeVariant::kMse, kPair>;
     case RecipeVariant::kMaeHalf:
-      return QuantizeCacheKernel<kBf16, RecipeVariant::kMaeHalf>;
+      return QuantizeCacheKernel<kBf16, RecipeVariant::kMaeHalf, kPair>;
     case RecipeVariant::kMseHalf:
-      return QuantizeCacheKernel<kBf16, RecipeVariant::kMseHalf>;
+      return QuantizeCacheKernel<kBf16, RecipeVariant::kMseHalf, kPair>;
   }
   return nullptr;
 }
@@ -86,15 +86,18 @@ absl::Status LaunchQuantizeCache(const QuantizeCacheParams& p, Stream stream) {
         [&](const QuantizeCacheLaunch& a) {
           amax_fn<<<dim3(a.shape.grid_x, a.shape.grid_y), a.shape.threads, 0, stream>>>(a);
         },
-        per_cta);
+        per_cta, kernels::AppendPairPolicy::kNever);
     CacheScalesFinishKernel<<<1, 1, 0, stream>>>(p);
   }
   const RecipeVariant v = kernels::VariantOf(p.recipe);
-  const QuantizeCacheFn fn =
-      bf16 ? PickQuantizeCacheKernel<true>(v) : PickQuantizeCacheKernel<false>(v);
   kernels::ForEachQuantizeCacheLaunch(
       p,
       [&](const QuantizeCacheLaunch& a) {
+        const QuantizeCacheFn fn =
+            a.pair ? (bf16 ? PickQuantizeCacheKernel<true, true>(v)
+                           : PickQuantizeCacheKernel<false, true>(v))
+                   : (bf16 ? PickQuantizeCacheKernel<true, false>(v)
+                           : PickQuantizeCacheKernel<false, false>(v));
         fn<<<dim3(a.shape.grid_x, a.shape.grid_y), a.shape.threads, 0, stream>>>(a);
       },
       per_cta);

@@ -337,7 +337,10 @@ INSTANTIATE_TEST_SUITE_P(Sweep, LinearHostTest, ::testing::ValuesIn(testing::Lin
 
 // ---------------------------------------------------------- quantize cache
 template <bool kBf16, RecipeVariant kV>
-void EmulateQuantizeCache(const internal::QuantizeCacheParams& p, uint32_t rows_per_cta) {
+void EmulateQuantizeCache(const internal::QuantizeCacheParams& p, uint32_t rows_per_cta,
+                          bool pairs) {
+  const kernels::AppendPairPolicy policy =
+      pairs ? kernels::AppendPairPolicy::kWherePossible : kernels::AppendPairPolicy::kNever;
   if (p.compute_scales) {
     // The amax pass: the kernel's warp and integer maxima are exact and
     // order-free, so a plain max over every thread's result is the same.
@@ -352,32 +355,33 @@ void EmulateQuantizeCache(const internal::QuantizeCacheParams& p, uint32_t rows_
             *p.amax_bits[1] = std::max(*p.amax_bits[1], FloatBits(v));
           });
         },
-        rows_per_cta));
+        rows_per_cta, kernels::AppendPairPolicy::kNever));  // as the launcher
     kernels::FinishCacheScalesFromBits(p);
   }
   ASSERT_TRUE(kernels::ForEachQuantizeCacheLaunch(
       p,
       [&](const kernels::QuantizeCacheLaunch& a) {
+        EXPECT_EQ(a.pair, pairs && kernels::QuantizeCachePairs(p));
         ForEachThread(a.shape, [&](uint32_t x, uint32_t y, uint32_t t) {
           kernels::QuantizeCacheThread<kBf16, kV>(a, x, y, t);
         });
       },
-      rows_per_cta));
+      rows_per_cta, policy));
 }
 
 template <bool kBf16>
-void EmulateQuantizeCacheAny(const internal::QuantizeCacheParams& p, uint32_t r) {
+void EmulateQuantizeCacheAny(const internal::QuantizeCacheParams& p, uint32_t r, bool pairs) {
   switch (kernels::VariantOf(p.recipe)) {
     case RecipeVariant::kStandard:
-      return EmulateQuantizeCache<kBf16, RecipeVariant::kStandard>(p, r);
+      return EmulateQuantizeCache<kBf16, RecipeVariant::kStandard>(p, r, pairs);
     case RecipeVariant::kMae:
-      return EmulateQuantizeCache<kBf16, RecipeVariant::kMae>(p, r);
+      return EmulateQuantizeCache<kBf16, RecipeVariant::kMae>(p, r, pairs);
     case RecipeVariant::kMse:
-      return EmulateQuantizeCache<kBf16, RecipeVariant::kMse>(p, r);
+      return EmulateQuantizeCache<kBf16, RecipeVariant::kMse>(p, r, pairs);
     case RecipeVariant::kMaeHalf:
-      return EmulateQuantizeCache<kBf16, RecipeVariant::kMaeHalf>(p, r);
+      return EmulateQuantizeCache<kBf16, RecipeVariant::kMaeHalf>(p, r, pairs);
     case RecipeVariant::kMseHalf:
-      return EmulateQuantizeCache<kBf16, RecipeVariant::kMseHalf>(p, r);
+      return EmulateQuantizeCache<kBf16, RecipeVariant::kMseHalf>(p, r, pairs);
   }
 }
 
@@ -395,21 +399,48 @@ TEST_P(QuantizeCacheHostTest, GridMatchesReference) {
         op->Run(c.Args(in.data(), want.data(), Device::Cpu()), c.Cache(want.data(), Device::Cpu()))
             .ok());
     ASSERT_NE(want, c.out) << "the case wrote nothing";
-    for (uint32_t rows_per_cta : kRowsPerCta) {
-      std::vector<uint8_t> got = c.out;
-      absl::StatusOr<internal::QuantizeCacheParams> p = internal::MakeQuantizeCacheParams(
-          c.Options(Device::Cpu()), c.Args(in.data(), got.data(), Device::Cpu()),
-          c.Cache(got.data(), Device::Cpu()));
-      ASSERT_TRUE(p.ok()) << p.status();
-      if (c.spec.dtype == DType::kBF16) {
-        EmulateQuantizeCacheAny<true>(*p, rows_per_cta);
-      } else {
-        EmulateQuantizeCacheAny<false>(*p, rows_per_cta);
+    // Items of one block, and of two adjacent blocks where the geometry
+    // allows it (both passes).
+    for (const bool pairs : {false, true}) {
+      for (uint32_t rows_per_cta : kRowsPerCta) {
+        std::vector<uint8_t> got = c.out;
+        absl::StatusOr<internal::QuantizeCacheParams> p = internal::MakeQuantizeCacheParams(
+            c.Options(Device::Cpu()), c.Args(in.data(), got.data(), Device::Cpu()),
+            c.Cache(got.data(), Device::Cpu()));
+        ASSERT_TRUE(p.ok()) << p.status();
+        if (c.spec.dtype == DType::kBF16) {
+          EmulateQuantizeCacheAny<true>(*p, rows_per_cta, pairs);
+        } else {
+          EmulateQuantizeCacheAny<false>(*p, rows_per_cta, pairs);
+        }
+        ASSERT_EQ(FirstDifference(want, got), "") << c.spec.Name() << " round " << round
+                                                  << " rows_per_cta " << rows_per_cta
+                                                  << " pairs " << pairs;
       }
-      ASSERT_EQ(FirstDifference(want, got), "")
-          << c.spec.Name() << " round " << round << " rows_per_cta " << rows_per_cta;
     }
   }
+}
+
+// The launch's own choice for the whole-cache quantize: pairs exactly where
+// the geometry allows them and the keys are NVFP4, as for the append.
+TEST(QuantizeCachePairPolicyTest, PairsForNvfp4KeysOnly) {
+  int paired = 0, single = 0;
+  for (const testing::QuantizeCacheSpec& spec : testing::QuantizeCacheSweep()) {
+    testing::QuantizeCacheCase c = testing::MakeQuantizeCacheCase(spec, 5);
+    std::vector<uint8_t> in = c.in, out = c.out;
+    absl::StatusOr<internal::QuantizeCacheParams> p = internal::MakeQuantizeCacheParams(
+        c.Options(Device::Cpu()), c.Args(in.data(), out.data(), Device::Cpu()),
+        c.Cache(out.data(), Device::Cpu()));
+    ASSERT_TRUE(p.ok()) << p.status();
+    const bool want = kernels::QuantizeCachePairs(*p) && !p->fp8_keys;
+    ASSERT_TRUE(kernels::ForEachQuantizeCacheLaunch(*p, [&](const kernels::QuantizeCacheLaunch& a) {
+      EXPECT_EQ(a.pair, want) << spec.Name();
+    }));
+    paired += want ? 1 : 0;
+    single += want ? 0 : 1;
+  }
+  EXPECT_GT(paired, 0);
+  EXPECT_GT(single, 0);
 }
 
 INSTANTIATE_TEST_SUITE_P(Sweep, QuantizeCacheHostTest,
