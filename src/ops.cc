@@ -78,7 +78,16 @@ absl::StatusOr<Appender> Appender::Create(const Options& o) {
   FP4KV_RETURN_IF_ERROR(ValidateRecipe(o.recipe));
   FP4KV_RETURN_IF_ERROR(CheckCommonOptions(o.geometry, o.device));
   bool overlap = false;
-  if (o.device.is_cuda()) FP4KV_RETURN_IF_ERROR(internal::AppendOverlapsLaunch(&overlap));
+  if (o.device.is_cuda()) {
+    // The code loaded on the op's device (the caller's current device is
+    // restored).
+    int current = 0;
+    FP4KV_CUDA_RETURN_IF_ERROR(cudaGetDevice(&current));
+    if (current != o.device.ordinal) FP4KV_CUDA_RETURN_IF_ERROR(cudaSetDevice(o.device.ordinal));
+    const absl::Status st = internal::AppendOverlapsLaunch(&overlap);
+    if (current != o.device.ordinal) FP4KV_CUDA_RETURN_IF_ERROR(cudaSetDevice(current));
+    FP4KV_RETURN_IF_ERROR(st);
+  }
   return internal::AppendAccess::Make(o, overlap);
 }
 
