@@ -16,6 +16,7 @@
 #define FP4KV_KERNELS_APPEND_CUH_
 
 #include <cstdint>
+#include <cstring>
 
 #include "kernels/device_util.cuh"
 #include "kernels/fast_format.cuh"
@@ -81,10 +82,28 @@ FP4KV_HD bool CodeRows16(const internal::PoolPtrs& pool) {
           15u) == 0;
 }
 
+// Whether a pool's scale rows start on even bytes (a pair's two scale bytes
+// then leave as one 16-bit store). A pool without scales (FP8 keys) passes.
+FP4KV_HD bool ScaleRows2(const internal::PoolPtrs& pool) {
+  return ((reinterpret_cast<uintptr_t>(pool.scales) | static_cast<uint64_t>(pool.scale_page) |
+           static_cast<uint64_t>(pool.scale_entry) | static_cast<uint64_t>(pool.scale_head)) &
+          1u) == 0;
+}
+
+// A pair's two scale bytes (the first block's at the lower address), as one
+// 16-bit store; ScaleRows2 holds and the first block's index is even.
+FP4KV_HD void StoreScalePair(uint8_t* dst, const uint8_t (&sb)[2]) {
+#if defined(__CUDA_ARCH__)
+  *reinterpret_cast<uint16_t*>(dst) = static_cast<uint16_t>(sb[0] | (sb[1] << 8));
+#else
+  std::memcpy(dst, sb, 2);
+#endif
+}
+
 // Whether p's geometry lets append items be pairs of blocks.
 inline bool AppendPairs(const internal::AppendParams& p) {
   return (p.k.head_dim / kBlockSize) % 2 == 0 && (p.v.head_dim / kBlockSize) % 2 == 0 &&
-         CodeRows16(p.k) && CodeRows16(p.v);
+         CodeRows16(p.k) && CodeRows16(p.v) && ScaleRows2(p.k) && ScaleRows2(p.v);
 }
 
 // kAuto: pairs where the geometry allows them and the keys are NVFP4. On an
@@ -259,8 +278,11 @@ FP4KV_HD void AppendThreadT(const AppendLaunch& a, uint32_t cta_x, uint32_t cta_
         Store8(dst, U32x2{packed[0][0], packed[0][1]});
       }
       uint8_t* const sdst = scales + page * pool.scale_page + entry * pool.scale_entry;
-      FP4KV_UNROLL
-      for (int k = 0; k < kB; ++k) sdst[k] = sb[k];
+      if constexpr (kPair) {
+        StoreScalePair(sdst, sb);
+      } else {
+        sdst[0] = sb[0];
+      }
     }
   }
   if constexpr (kCount) {

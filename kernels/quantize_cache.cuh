@@ -33,7 +33,7 @@ using QuantizeCacheLaunch = BlockRowLaunch<internal::QuantizeCacheParams>;
 // append's, AppendPairs).
 inline bool QuantizeCachePairs(const internal::QuantizeCacheParams& p) {
   return (p.k.head_dim / kBlockSize) % 2 == 0 && (p.v.head_dim / kBlockSize) % 2 == 0 &&
-         CodeRows16(p.k) && CodeRows16(p.v);
+         CodeRows16(p.k) && CodeRows16(p.v) && ScaleRows2(p.k) && ScaleRows2(p.v);
 }
 
 // The launches covering p's rows; pairs of blocks an item under the
@@ -170,8 +170,11 @@ FP4KV_HD void QuantizeCacheThreadT(const QuantizeCacheLaunch& a, uint32_t cta_x,
         Store8(data, U32x2{packed[0][0], packed[0][1]});
       }
       uint8_t* const scales = c.pool.scales + dst[u] * c.pool.scale_page + entry[u] * c.pool.scale_entry;
-      FP4KV_UNROLL
-      for (int k = 0; k < kB; ++k) scales[k] = sb[k];
+      if constexpr (kPair) {
+        StoreScalePair(scales, sb);
+      } else {
+        scales[0] = sb[0];
+      }
     }
   }
 }
