@@ -6,9 +6,9 @@
 // serves 32 values and the codes leave as one 16-byte store. A thread owns
 // one item (fixed head and block: offsets computed once) and quantizes it
 // for the rows of its CTA, two rows at a time with both rows' loads issued
-// first (pairs: one row at a time, the same bytes in flight). Consecutive threads take consecutive items, so a warp reads 1 KiB
-// (pairs: 2 KiB) and writes 256 (512) contiguous packed bytes per row when
-// heads are contiguous.
+// first (pairs: one row at a time, the same bytes in flight). Consecutive
+// threads take consecutive items, so a warp reads 1 KiB (pairs: 2 KiB) and
+// writes 256 (512) contiguous packed bytes per row when heads are contiguous.
 //
 // The thread body is FP4KV_HD so tests/kernels_host_test.cc can run the whole
 // grid on the CPU; append.cu wraps it in the kernel.
@@ -100,8 +100,11 @@ FP4KV_HD void StoreScalePair(uint8_t* dst, const uint8_t (&sb)[2]) {
 #endif
 }
 
-// Whether p's geometry lets append items be pairs of blocks.
-inline bool AppendPairs(const internal::AppendParams& p) {
+// Whether p's geometry lets items be pairs of adjacent blocks (the append's
+// and the whole-cache quantize's params alike): every head row an even
+// number of blocks, code rows 16-byte aligned, scale rows 2-byte aligned.
+template <typename Params>
+bool BlockPairsFit(const Params& p) {
   return (p.k.head_dim / kBlockSize) % 2 == 0 && (p.v.head_dim / kBlockSize) % 2 == 0 &&
          CodeRows16(p.k) && CodeRows16(p.v) && ScaleRows2(p.k) && ScaleRows2(p.v);
 }
@@ -114,13 +117,34 @@ inline bool AppendPairs(const internal::AppendParams& p) {
 // for every case.
 enum class AppendPairPolicy { kAuto, kNever, kWherePossible };
 
+template <typename Params>
+bool UseBlockPairs(const Params& p, AppendPairPolicy pairs) {
+  return pairs != AppendPairPolicy::kNever && BlockPairsFit(p) &&
+         (pairs == AppendPairPolicy::kWherePossible || !p.fp8_keys);
+}
+
 // The launches covering p's nnz rows.
 template <typename F>
 bool ForEachAppendLaunch(const internal::AppendParams& p, F&& f, uint32_t rows_per_cta = 0,
                          AppendPairPolicy pairs = AppendPairPolicy::kAuto) {
-  const bool pair = pairs != AppendPairPolicy::kNever && AppendPairs(p) &&
-                    (pairs == AppendPairPolicy::kWherePossible || !p.fp8_keys);
-  return ForEachBlockRowLaunch(p, p.nnz, rows_per_cta, static_cast<F&&>(f), pair);
+  return ForEachBlockRowLaunch(p, p.nnz, rows_per_cta, static_cast<F&&>(f),
+                               UseBlockPairs(p, pairs));
+}
+
+// Stores one NVFP4 item's codes and scale bytes at its row: one block (8
+// code bytes, one scale byte) or a pair (16 code bytes in one store, the two
+// scale bytes in one 16-bit store).
+template <int kB>
+FP4KV_HD void StoreNvfp4Item(uint8_t* data, uint8_t* scales, const uint32_t (&packed)[kB][2],
+                             const uint8_t (&sb)[kB]) {
+  static_assert(kB == 1 || kB == 2, "one block or a pair");
+  if constexpr (kB == 2) {
+    Store16(data, U32x4{packed[0][0], packed[0][1], packed[1][0], packed[1][1]});
+    StoreScalePair(scales, sb);
+  } else {
+    Store8(data, U32x2{packed[0][0], packed[0][1]});
+    scales[0] = sb[0];
+  }
 }
 
 // internal::ResolveAppendRow with the division by page_size done by
@@ -272,17 +296,8 @@ FP4KV_HD void AppendThreadT(const AppendLaunch& a, uint32_t cta_x, uint32_t cta_
           underflow += e == ScaleEvent::kUnderflow ? 1u : 0u;
         }
       }
-      if constexpr (kPair) {
-        Store16(dst, U32x4{packed[0][0], packed[0][1], packed[kB - 1][0], packed[kB - 1][1]});
-      } else {
-        Store8(dst, U32x2{packed[0][0], packed[0][1]});
-      }
-      uint8_t* const sdst = scales + page * pool.scale_page + entry * pool.scale_entry;
-      if constexpr (kPair) {
-        StoreScalePair(sdst, sb);
-      } else {
-        sdst[0] = sb[0];
-      }
+      StoreNvfp4Item<kB>(dst, scales + page * pool.scale_page + entry * pool.scale_entry, packed,
+                         sb);
     }
   }
   if constexpr (kCount) {

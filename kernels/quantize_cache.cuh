@@ -29,22 +29,14 @@ namespace kernels {
 
 using QuantizeCacheLaunch = BlockRowLaunch<internal::QuantizeCacheParams>;
 
-// Whether p's geometry lets items be pairs of adjacent blocks (as the
-// append's, AppendPairs).
-inline bool QuantizeCachePairs(const internal::QuantizeCacheParams& p) {
-  return (p.k.head_dim / kBlockSize) % 2 == 0 && (p.v.head_dim / kBlockSize) % 2 == 0 &&
-         CodeRows16(p.k) && CodeRows16(p.v) && ScaleRows2(p.k) && ScaleRows2(p.v);
-}
-
 // The launches covering p's rows; pairs of blocks an item under the
 // append's policy (AppendPairPolicy: kAuto takes them for NVFP4 keys).
 template <typename F>
 bool ForEachQuantizeCacheLaunch(const internal::QuantizeCacheParams& p, F&& f,
                                 uint32_t rows_per_cta = 0,
                                 AppendPairPolicy pairs = AppendPairPolicy::kAuto) {
-  const bool pair = pairs != AppendPairPolicy::kNever && QuantizeCachePairs(p) &&
-                    (pairs == AppendPairPolicy::kWherePossible || !p.fp8_keys);
-  return ForEachBlockRowLaunch(p, p.rows, rows_per_cta, static_cast<F&&>(f), pair);
+  return ForEachBlockRowLaunch(p, p.rows, rows_per_cta, static_cast<F&&>(f),
+                               UseBlockPairs(p, pairs));
 }
 
 // internal::ResolveCacheRow for row r, with the division by page_size done
@@ -164,17 +156,9 @@ FP4KV_HD void QuantizeCacheThreadT(const QuantizeCacheLaunch& a, uint32_t cta_x,
       for (int k = 0; k < kB; ++k) {
         sb[k] = QuantizeBlockFast<kBf16, kVariant>(w[u][k], qs, p.recipe, packed[k]);
       }
-      if constexpr (kPair) {
-        Store16(data, U32x4{packed[0][0], packed[0][1], packed[kB - 1][0], packed[kB - 1][1]});
-      } else {
-        Store8(data, U32x2{packed[0][0], packed[0][1]});
-      }
-      uint8_t* const scales = c.pool.scales + dst[u] * c.pool.scale_page + entry[u] * c.pool.scale_entry;
-      if constexpr (kPair) {
-        StoreScalePair(scales, sb);
-      } else {
-        scales[0] = sb[0];
-      }
+      StoreNvfp4Item<kB>(data,
+                         c.pool.scales + dst[u] * c.pool.scale_page + entry[u] * c.pool.scale_entry,
+                         packed, sb);
     }
   }
 }

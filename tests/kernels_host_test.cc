@@ -44,7 +44,7 @@ void EmulateAppend(const internal::AppendParams& p, uint32_t rows_per_cta, bool 
   ASSERT_TRUE(kernels::ForEachAppendLaunch(
       p,
       [&](const kernels::AppendLaunch& a) {
-        EXPECT_EQ(a.pair, pairs && kernels::AppendPairs(p));
+        EXPECT_EQ(a.pair, pairs && kernels::BlockPairsFit(p));
         ForEachThread(a.shape, [&](uint32_t x, uint32_t y, uint32_t t) {
           if (p.scale_events != nullptr) {
             kernels::AppendThread<kBf16, kV, true>(a, x, y, t);
@@ -126,7 +126,7 @@ TEST(AppendPairPolicyTest, PairsForNvfp4KeysOnly) {
     testing::AppendCase c = testing::MakeAppendCase(spec, 7);
     std::vector<uint8_t> in = c.in, out = c.out;
     const internal::AppendParams p = AppendParamsFor(c, in.data(), out.data());
-    const bool want = kernels::AppendPairs(p) && !p.fp8_keys;
+    const bool want = kernels::BlockPairsFit(p) && !p.fp8_keys;
     int launches = 0;
     ASSERT_TRUE(kernels::ForEachAppendLaunch(p, [&](const kernels::AppendLaunch& a) {
       EXPECT_EQ(a.pair, want) << spec.Name();
@@ -134,7 +134,7 @@ TEST(AppendPairPolicyTest, PairsForNvfp4KeysOnly) {
     }));
     EXPECT_GT(launches, 0) << spec.Name();
     paired += want ? 1 : 0;
-    fp8_eligible += p.fp8_keys && kernels::AppendPairs(p) ? 1 : 0;
+    fp8_eligible += p.fp8_keys && kernels::BlockPairsFit(p) ? 1 : 0;
     single += want ? 0 : 1;
   }
   EXPECT_GT(paired, 0);
@@ -361,7 +361,7 @@ void EmulateQuantizeCache(const internal::QuantizeCacheParams& p, uint32_t rows_
   ASSERT_TRUE(kernels::ForEachQuantizeCacheLaunch(
       p,
       [&](const kernels::QuantizeCacheLaunch& a) {
-        EXPECT_EQ(a.pair, pairs && kernels::QuantizeCachePairs(p));
+        EXPECT_EQ(a.pair, pairs && kernels::BlockPairsFit(p));
         ForEachThread(a.shape, [&](uint32_t x, uint32_t y, uint32_t t) {
           kernels::QuantizeCacheThread<kBf16, kV>(a, x, y, t);
         });
@@ -432,7 +432,7 @@ TEST(QuantizeCachePairPolicyTest, PairsForNvfp4KeysOnly) {
         c.Options(Device::Cpu()), c.Args(in.data(), out.data(), Device::Cpu()),
         c.Cache(out.data(), Device::Cpu()));
     ASSERT_TRUE(p.ok()) << p.status();
-    const bool want = kernels::QuantizeCachePairs(*p) && !p->fp8_keys;
+    const bool want = kernels::BlockPairsFit(*p) && !p->fp8_keys;
     ASSERT_TRUE(kernels::ForEachQuantizeCacheLaunch(*p, [&](const kernels::QuantizeCacheLaunch& a) {
       EXPECT_EQ(a.pair, want) << spec.Name();
     }));
