@@ -3,6 +3,8 @@
 // src/reference/page_copy_reference.cc produce the same bytes.
 #include <cuda_runtime_api.h>
 
+#include <atomic>
+
 #include "absl/status/status.h"
 #include "fp4kv/format.h"
 #include "fp4kv/recipe.h"
@@ -114,6 +116,17 @@ __global__ void __launch_bounds__(kCopyThreads) PageCopyKernel(const PageCopyPar
   }
 }
 
+// SetPageCopyDelayForTesting: one thread spins on the global timer.
+__global__ void HoldStreamKernel(int64_t ns) {
+  int64_t t0, t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+  do {
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  } while (t - t0 < ns);
+}
+
+std::atomic<int64_t> g_copy_delay_us{0};
+
 // Items of one side's page: NVFP4 blocks (one scale byte each) or FP8 key
 // bytes.
 FP4KV_HD int64_t RequantItemsPerPage(const RequantizePagesParams& p, int kv) {
@@ -177,9 +190,17 @@ absl::Status LaunchAdoptScales(const AdoptScalesParams& p, Stream stream) {
   return CudaStatus(cudaGetLastError(), "AdoptScalesKernel launch");
 }
 
+void SetPageCopyDelayForTesting(int64_t microseconds) {
+  g_copy_delay_us.store(microseconds > 0 ? microseconds : 0, std::memory_order_relaxed);
+}
+
 absl::Status LaunchPageCopy(const PageCopyParams& p, Stream stream) {
   const int64_t units = p.num_pages * 4 * p.num_layers;
   if (units <= 0) return absl::OkStatus();
+  if (const int64_t us = g_copy_delay_us.load(std::memory_order_relaxed); us > 0) {
+    HoldStreamKernel<<<1, 1, 0, reinterpret_cast<cudaStream_t>(stream)>>>(us * 1000);
+    FP4KV_RETURN_IF_ERROR(CudaStatus(cudaGetLastError(), "HoldStreamKernel launch"));
+  }
   const int64_t cap = p.max_ctas > 0 ? p.max_ctas : kMaxCtas;
   bool vec = (reinterpret_cast<uintptr_t>(p.src) | reinterpret_cast<uintptr_t>(p.dst) |
               static_cast<uintptr_t>(p.src_layer_stride) |

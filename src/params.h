@@ -452,6 +452,10 @@ absl::Status LaunchDequantizeLinear(const LinearDequantParams& p, Stream stream)
 absl::Status LaunchCalibrateRows(const RowCalibrationParams& p, Stream stream);
 absl::Status LaunchReencode(const ReencodeParams& p, Stream stream);
 absl::Status LaunchPageCopy(const PageCopyParams& p, Stream stream);
+// Tests only: every later LaunchPageCopy first holds its stream for this many
+// microseconds (0, the default: no hold), so that a page read or reused
+// before its copy completes shows as wrong bytes instead of a rare race.
+void SetPageCopyDelayForTesting(int64_t microseconds);
 absl::Status LaunchAdoptScales(const AdoptScalesParams& p, Stream stream);
 absl::Status LaunchRequantizePages(const RequantizePagesParams& p, Stream stream);
 // Scale computation (when p.compute_scales) and quantization, in order.

@@ -28,6 +28,7 @@
 
 #include "fp4kv/kv_cache.h"
 #include "gtest/gtest.h"
+#include "src/params.h"
 #include "src/prefix_hash.h"
 #include "testing/kv_cache_harness.h"
 #include "testing/test_util.h"
@@ -163,9 +164,12 @@ class PrefixFuzzer {
   int ps() const { return c_->geometry().page_size; }
   int64_t PagesFor(int64_t n) const { return (n + ps() - 1) / ps(); }
   int64_t MaxLen() const { return int64_t{c_->options().max_pages_per_seq} * ps(); }
+  // Before the pools are read directly: every stream, since a promotion's
+  // copy runs on the cache's copy stream and is ordered only before the
+  // sequence's next step (the steps themselves must not need this).
   void Sync() {
     if (c_->device().is_cuda()) {
-      ASSERT_EQ(cudaStreamSynchronize(reinterpret_cast<cudaStream_t>(stream_)), cudaSuccess);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     }
   }
 
@@ -606,6 +610,35 @@ TEST_P(KVCachePrefixFuzz, GpuRandomOperationsKeepInvariantsAndReuseExactBytes) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Configs, KVCachePrefixFuzz, ::testing::Values(0, 1, 2, 3),
+                         [](const ::testing::TestParamInfo<int>& i) {
+                           return std::string(kConfigs[i.param].name);
+                         });
+
+// The host tier's copies held back (each page copy waits 300 us on its
+// stream first): a GPU page reused, or a promoted page read, before its copy
+// completes then holds the wrong bytes at the next check, instead of losing a
+// race only now and then.
+class KVCachePrefixFuzzSlowCopies : public ::testing::TestWithParam<int> {};
+
+TEST_P(KVCachePrefixFuzzSlowCopies, GpuHostTierCopiesAreOrderedByEventsNotByTiming) {
+  FP4KV_SKIP_WITHOUT_GPU();
+  const Config& c = kConfigs[GetParam()];
+  ASSERT_GT(c.host_pages, 0);
+  struct Delay {
+    Delay() { internal::SetPageCopyDelayForTesting(300); }
+    ~Delay() { internal::SetPageCopyDelayForTesting(0); }
+  } delay;
+  cudaStream_t stream;
+  FP4KV_ASSERT_CUDA(cudaStreamCreate(&stream));
+  {
+    KVCache cache = MakeCache(c, Device::Cuda(0));
+    PrefixFuzzer f(&cache, 15 * 104729 + GetParam(), reinterpret_cast<Stream>(stream));
+    f.Run(testing::FuzzOps(6000));
+  }
+  FP4KV_ASSERT_CUDA(cudaStreamDestroy(stream));
+}
+
+INSTANTIATE_TEST_SUITE_P(HostConfigs, KVCachePrefixFuzzSlowCopies, ::testing::Values(2, 3),
                          [](const ::testing::TestParamInfo<int>& i) {
                            return std::string(kConfigs[i.param].name);
                          });
