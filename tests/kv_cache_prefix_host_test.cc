@@ -4,7 +4,8 @@
 // by tier, KV events with their medium, and scale changes clearing both
 // tiers. The byte checks run on the CPU and (named Gpu/...) on GPU 0.
 // PromotionInFlight (GPU): who waits for a promotion's copy (sharers and
-// reusers of its pages) and who does not (steps of other sequences).
+// reusers of its pages, a copy on write into one) and who does not (steps of
+// other sequences).
 #include <cuda_runtime_api.h>
 
 #include <atomic>
@@ -631,6 +632,61 @@ TEST_F(PromotionInFlight, StepReusingAPromotedPageWaitsForIt) {
   // overwritten four of u's pages after its appends.
   const testing::PoolCopy pools = DownloadPools(c);
   EXPECT_EQ(testing::CheckSequenceBytes(c, pools, u, ut), "");
+  EXPECT_TRUE(c.CheckInvariants().ok()) << c.CheckInvariants();
+}
+
+// Copy on write into a page a promotion still writes: a fork's first step
+// copies the shared partial last page into a fresh page, and when the only
+// free pages are the promoted ones (released, out of the index) that copy,
+// enqueued before the step's upload, must come after the promotion's copy.
+TEST_F(PromotionInFlight, CopyOnWriteIntoAPromotedPageWaitsForIt) {
+  KVCache c = testing::CreateCacheOrAbort(HostPrefixOptions(Device::Cuda(0), 12, 8));
+  Model m(&c, A());
+  const std::vector<int32_t> pa = Iota(17, 100);
+  ASSERT_NO_FATAL_FAILURE(DemotePrompt(c, m, pa));
+  // x: 5 tokens (its second page partial); a sequence without token ids takes
+  // 6 more pages, so the 4 left free are the ones the promotion takes.
+  const std::vector<int32_t> px = Iota(5, 300);
+  absl::StatusOr<PrefixSequence> x = m.Prefill(px);
+  ASSERT_TRUE(x.ok()) << x.status();
+  const SequenceId hog = c.CreateSequence().value();
+  ASSERT_TRUE(c.PrepareStep({{hog, 6 * kPs}}, A()).ok());
+  ASSERT_EQ(cudaStreamSynchronize(a_), cudaSuccess);
+  ASSERT_EQ(c.Stats().pages_free, 4);
+  absl::StatusOr<CacheAppender> app = c.appender();
+  ASSERT_TRUE(app.ok()) << app.status();
+  TokenFactory f(c);
+  const std::vector<Token> yt = {f.Make(9000)};
+  testing::StepInputs in;
+  ASSERT_TRUE(testing::FillStepInputs(c, yt, &in, B()).ok());
+
+  StreamHold hold(a_);
+  ASSERT_TRUE(hold.ok());
+  PrefixSequence p;
+  ASSERT_NO_FATAL_FAILURE(PromoteHeld(c, pa, &p));  // in flight behind A
+  ASSERT_TRUE(c.ReleaseSequence(p.seq).ok());
+  c.ResetPrefixCache();
+  ASSERT_EQ(c.Stats().pages_free, 4);
+  absl::StatusOr<SequenceId> y = c.ForkSequence(x->seq);
+  ASSERT_TRUE(y.ok()) << y.status();
+  absl::StatusOr<StepInfo> info = c.PrepareStep({{*y, 1}}, B());
+  ASSERT_TRUE(info.ok()) << info.status();
+  ASSERT_EQ(info->pages_allocated, 1) << "the step did not copy the shared page on write";
+  ASSERT_TRUE(testing::RunAppendAllLayers(c, *app, &in, B()).ok());
+  EXPECT_FALSE(CompletesWithin(b_, 0.25)) << "the copy on write did not wait for the promotion";
+  hold.Release();
+  ASSERT_EQ(cudaStreamSynchronize(a_), cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(b_), cudaSuccess);
+  ASSERT_TRUE(c.SynchronizeSwaps().ok());
+  // Had the copy on write not waited, the promotion's copy (held back until
+  // now) would have overwritten y's last page after the copy and the append.
+  const testing::PoolCopy pools = DownloadPools(c);
+  std::vector<Token> xt;
+  for (int32_t id : px) xt.push_back(m.TokenOf(id));
+  std::vector<Token> all = xt;
+  all.push_back(yt[0]);
+  EXPECT_EQ(testing::CheckSequenceBytes(c, pools, x->seq, xt), "");
+  EXPECT_EQ(testing::CheckSequenceBytes(c, pools, *y, all), "");
   EXPECT_TRUE(c.CheckInvariants().ok()) << c.CheckInvariants();
 }
 
