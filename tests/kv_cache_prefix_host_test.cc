@@ -4,8 +4,8 @@
 // by tier, KV events with their medium, and scale changes clearing both
 // tiers. The byte checks run on the CPU and (named Gpu/...) on GPU 0.
 // PromotionInFlight (GPU): who waits for a promotion's copy (sharers and
-// reusers of its pages, a copy on write into one) and who does not (steps of
-// other sequences).
+// reusers of its pages, a copy on write or an import into one) and who does
+// not (steps of other sequences).
 #include <cuda_runtime_api.h>
 
 #include <atomic>
@@ -687,6 +687,54 @@ TEST_F(PromotionInFlight, CopyOnWriteIntoAPromotedPageWaitsForIt) {
   all.push_back(yt[0]);
   EXPECT_EQ(testing::CheckSequenceBytes(c, pools, x->seq, xt), "");
   EXPECT_EQ(testing::CheckSequenceBytes(c, pools, *y, all), "");
+  EXPECT_TRUE(c.CheckInvariants().ok()) << c.CheckInvariants();
+}
+
+// An import whose reserved pages are ones a promotion still writes: its
+// copies into them come after the promotion's copy.
+TEST_F(PromotionInFlight, ImportIntoAPromotedPageWaitsForIt) {
+  KVCache c = testing::CreateCacheOrAbort(HostPrefixOptions(Device::Cuda(0), 12, 8));
+  Model m(&c, A());
+  const std::vector<int32_t> pa = Iota(17, 100);
+  ASSERT_NO_FATAL_FAILURE(DemotePrompt(c, m, pa));
+  // z: 9 tokens (3 pages), exported to pinned memory on B; a sequence without
+  // token ids takes 5 more pages, so the 4 left free are the promotion's.
+  const std::vector<int32_t> pz = Iota(9, 400);
+  absl::StatusOr<PrefixSequence> z = m.Prefill(pz);
+  ASSERT_TRUE(z.ok()) << z.status();
+  ASSERT_EQ(cudaStreamSynchronize(a_), cudaSuccess);
+  const int64_t bytes = c.ExportedBytes(z->seq).value();
+  void* image = nullptr;
+  ASSERT_EQ(cudaMallocHost(&image, static_cast<size_t>(bytes)), cudaSuccess);
+  std::unique_ptr<void, void (*)(void*)> free_image(image, [](void* q) { (void)cudaFreeHost(q); });
+  ASSERT_TRUE(c.ExportSequence(z->seq, image, bytes, B()).ok());
+  ASSERT_EQ(cudaStreamSynchronize(b_), cudaSuccess);
+  const SequenceId hog = c.CreateSequence().value();
+  ASSERT_TRUE(c.PrepareStep({{hog, 5 * kPs}}, A()).ok());
+  ASSERT_EQ(cudaStreamSynchronize(a_), cudaSuccess);
+  ASSERT_EQ(c.Stats().pages_free, 4);
+
+  StreamHold hold(a_);
+  ASSERT_TRUE(hold.ok());
+  PrefixSequence p;
+  ASSERT_NO_FATAL_FAILURE(PromoteHeld(c, pa, &p));  // in flight behind A
+  ASSERT_TRUE(c.ReleaseSequence(p.seq).ok());
+  c.ResetPrefixCache();
+  ASSERT_EQ(c.Stats().pages_free, 4);
+  absl::StatusOr<SequenceId> got = c.ImportSequence(image, bytes, {}, B());
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_FALSE(CompletesWithin(b_, 0.25)) << "the import did not wait for the promotion";
+  hold.Release();
+  ASSERT_EQ(cudaStreamSynchronize(a_), cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(b_), cudaSuccess);
+  ASSERT_TRUE(c.SynchronizeSwaps().ok());
+  // Had the import not waited, the promotion's copy (held back until now)
+  // would have overwritten three of the imported pages.
+  const testing::PoolCopy pools = DownloadPools(c);
+  std::vector<Token> zt;
+  for (int32_t id : pz) zt.push_back(m.TokenOf(id));
+  EXPECT_EQ(testing::CheckSequenceBytes(c, pools, z->seq, zt), "");
+  EXPECT_EQ(testing::CheckSequenceBytes(c, pools, *got, zt), "");
   EXPECT_TRUE(c.CheckInvariants().ok()) << c.CheckInvariants();
 }
 
