@@ -4,8 +4,8 @@
 // by tier, KV events with their medium, and scale changes clearing both
 // tiers. The byte checks run on the CPU and (named Gpu/...) on GPU 0.
 // PromotionInFlight (GPU): who waits for a promotion's copy (sharers and
-// reusers of its pages, a copy on write or an import into one) and who does
-// not (steps of other sequences).
+// reusers of its pages, a copy on write or an import of either kind into
+// one) and who does not (steps of other sequences).
 #include <cuda_runtime_api.h>
 
 #include <atomic>
@@ -21,6 +21,7 @@
 #include "fp4kv/kv_cache.h"
 #include "gtest/gtest.h"
 #include "testing/kv_cache_harness.h"
+#include "testing/test_util.h"
 
 namespace fp4kv {
 namespace {
@@ -735,6 +736,73 @@ TEST_F(PromotionInFlight, ImportIntoAPromotedPageWaitsForIt) {
   for (int32_t id : pz) zt.push_back(m.TokenOf(id));
   EXPECT_EQ(testing::CheckSequenceBytes(c, pools, z->seq, zt), "");
   EXPECT_EQ(testing::CheckSequenceBytes(c, pools, *got, zt), "");
+  EXPECT_TRUE(c.CheckInvariants().ok()) << c.CheckInvariants();
+}
+
+// ImportHalfPages into pages a promotion still writes: its quantization
+// into them comes after the promotion's copy. Checked against an import of
+// the same rows made first, with nothing in flight (same scales, so the same
+// bytes); that import also loads the quantization kernel, whose first
+// (lazy) load could otherwise wait for the held stream on the host.
+TEST_F(PromotionInFlight, HalfPageImportIntoAPromotedPageWaitsForIt) {
+  KVCache c = testing::CreateCacheOrAbort(HostPrefixOptions(Device::Cuda(0), 12, 8));
+  Model m(&c, A());
+  const std::vector<int32_t> pa = Iota(17, 100);
+  ASSERT_NO_FATAL_FAILURE(DemotePrompt(c, m, pa));
+  const CacheGeometry& g = c.geometry();
+  // Per layer a stacked HND bf16 cache of 3 pages of random rows.
+  constexpr int kSrcPages = 3;
+  const int64_t elems = int64_t{kSrcPages} * 2 * g.num_kv_heads * kPs * g.head_dim_k;
+  std::vector<testing::Buffer> src;
+  std::vector<HalfPagedCache> layers;
+  src.reserve(static_cast<size_t>(c.num_layers()));
+  for (int l = 0; l < c.num_layers(); ++l) {
+    src.emplace_back(c.device(), static_cast<size_t>(elems) * 2);
+    const std::vector<uint16_t> rows = testing::RandomHalfBits(DType::kBF16, elems, 31 + l);
+    ASSERT_TRUE(src.back().Upload(rows.data(), rows.size() * 2));
+  }
+  for (int l = 0; l < c.num_layers(); ++l) {
+    absl::StatusOr<HalfPagedCache> v = HalfPagedCache::FromStacked(
+        src[l].View(DType::kBF16, {kSrcPages, 2, g.num_kv_heads, kPs, g.head_dim_k}),
+        Layout::kHND);
+    ASSERT_TRUE(v.ok()) << v.status();
+    layers.push_back(*v);
+  }
+  const std::vector<int32_t> src_pages = {2, 0, 1};
+  const int64_t length = 3 * kPs - 1;
+  // The reference: imported, exported, released (its pages free again).
+  absl::StatusOr<SequenceId> ref = c.ImportHalfPages(layers, src_pages, length, B());
+  ASSERT_TRUE(ref.ok()) << ref.status();
+  const int64_t bytes = c.ExportedBytes(*ref).value();
+  std::vector<uint64_t> want(static_cast<size_t>(bytes / 8 + 2)), got(want.size());
+  ASSERT_TRUE(c.ExportSequence(*ref, want.data(), bytes, B()).ok());
+  ASSERT_EQ(cudaStreamSynchronize(b_), cudaSuccess);
+  ASSERT_TRUE(c.ReleaseSequence(*ref).ok());
+  const SequenceId hog = c.CreateSequence().value();
+  ASSERT_TRUE(c.PrepareStep({{hog, 8 * kPs}}, A()).ok());
+  ASSERT_EQ(cudaStreamSynchronize(a_), cudaSuccess);
+  ASSERT_EQ(c.Stats().pages_free, 4);
+
+  StreamHold hold(a_);
+  ASSERT_TRUE(hold.ok());
+  PrefixSequence p;
+  ASSERT_NO_FATAL_FAILURE(PromoteHeld(c, pa, &p));  // in flight behind A
+  ASSERT_TRUE(c.ReleaseSequence(p.seq).ok());
+  c.ResetPrefixCache();
+  ASSERT_EQ(c.Stats().pages_free, 4);
+  absl::StatusOr<SequenceId> under = c.ImportHalfPages(layers, src_pages, length, B());
+  ASSERT_TRUE(under.ok()) << under.status();
+  EXPECT_FALSE(CompletesWithin(b_, 0.25)) << "the import did not wait for the promotion";
+  hold.Release();
+  ASSERT_EQ(cudaStreamSynchronize(a_), cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(b_), cudaSuccess);
+  ASSERT_TRUE(c.SynchronizeSwaps().ok());
+  // Had the import not waited, the promotion's copy (held back until then)
+  // would have overwritten three of its pages.
+  ASSERT_EQ(c.ExportedBytes(*under).value(), bytes);
+  ASSERT_TRUE(c.ExportSequence(*under, got.data(), bytes, B()).ok());
+  ASSERT_EQ(cudaStreamSynchronize(b_), cudaSuccess);
+  EXPECT_TRUE(got == want) << "the import under the promotion holds other bytes";
   EXPECT_TRUE(c.CheckInvariants().ok()) << c.CheckInvariants();
 }
 
