@@ -521,6 +521,63 @@ void SwapTest::RunSwapFuzz(int check_every) {
   }
 }
 
+// A scale change with re-encoding right after a SwapIn: the re-encode must
+// come after the copy that fills the swapped-in pages (GPU: the copy is held
+// back 20 ms, so a re-encode that did not wait would be overwritten by the
+// old bytes). The swapped sequence's fork kept the shared pages on the device
+// and is re-encoded in place: both must end up with the same image.
+TEST_P(SwapTest, ReencodeAfterSwapInWaitsForItsCopy) {
+  KVCache cache = testing::CreateCacheOrAbort(SwapOptions(device_, 30, 20));
+  Model m(&cache, stream_, 5);
+  const SequenceId x = m.Create();
+  ASSERT_TRUE(m.Step({{x, 10}}).ok());
+  // A first re-encode with nothing in flight loads its kernel: a first
+  // (lazy) kernel load waits for the whole device, the held copy included,
+  // and would hide a missing wait below.
+  ASSERT_TRUE(cache.UpdateGlobalScales({0.4f, 1.25f}, {0.625f, 2.5f}, stream_,
+                                       StoredTokens::kReencode)
+                  .ok());
+  Sync();
+  const SequenceId y = cache.ForkSequence(x).value();
+  ASSERT_TRUE(cache.SwapOut(x, stream_).ok());
+  // Two steps of another sequence retire the swap-out (its device pages are
+  // let go), so the SwapIn below copies back into fresh pages.
+  const SequenceId z = m.Create();
+  ASSERT_TRUE(m.Step({{z, 1}}).ok());
+  ASSERT_TRUE(m.Step({{z, 1}}).ok());
+  ASSERT_TRUE(cache.SynchronizeSwaps().ok());
+  ASSERT_EQ(cache.Stats().swaps_in_flight, 0);
+  const int64_t bytes = cache.ExportedBytes(y).value();
+  std::vector<uint64_t> before(static_cast<size_t>(bytes / 8 + 2)), img_x(before.size()),
+      img_y(before.size());
+  ASSERT_TRUE(cache.ExportSequence(y, before.data(), bytes, stream_).ok());
+  Sync();
+  struct Delay {
+    explicit Delay(bool on) {
+      if (on) internal::SetPageCopyDelayForTesting(20000);
+    }
+    ~Delay() { internal::SetPageCopyDelayForTesting(0); }
+  };
+  const int64_t swapped_in = cache.Stats().bytes_swapped_in;
+  {
+    Delay delay(device_.is_cuda());
+    ASSERT_TRUE(cache.SwapIn(x, stream_).ok());
+  }
+  ASSERT_GT(cache.Stats().bytes_swapped_in, swapped_in) << "the SwapIn copied nothing";
+  ASSERT_TRUE(cache.UpdateGlobalScales({0.25f, 1.0f}, {0.5f, 3.0f}, stream_,
+                                       StoredTokens::kReencode)
+                  .ok());
+  ASSERT_TRUE(cache.SynchronizeSwaps().ok());
+  Sync();
+  ASSERT_EQ(cache.ExportedBytes(x).value(), bytes);
+  ASSERT_TRUE(cache.ExportSequence(x, img_x.data(), bytes, stream_).ok());
+  ASSERT_TRUE(cache.ExportSequence(y, img_y.data(), bytes, stream_).ok());
+  Sync();
+  EXPECT_FALSE(img_y == before) << "the scale change re-encoded nothing";
+  EXPECT_TRUE(img_x == img_y) << "the swapped-in pages were not re-encoded after their copy";
+  EXPECT_TRUE(cache.CheckInvariants().ok()) << cache.CheckInvariants();
+}
+
 TEST_P(SwapTest, FuzzSwapsInterleavedWithSteps) { RunSwapFuzz(1); }
 
 INSTANTIATE_TEST_SUITE_P(Cpu, SwapTest, ::testing::Values(false));
