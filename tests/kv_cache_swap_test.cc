@@ -393,8 +393,9 @@ TEST_P(SwapTest, HostTierOptionsAreValidated) {
 }
 
 // Random swap-outs, swap-ins, steps, forks, truncations, releases and
-// export/import round trips; after every operation the invariants hold and
-// every resident sequence holds its tokens' bytes.
+// export/import round trips; after every operation the invariants hold, and
+// after every check_every-th one every resident sequence holds its tokens'
+// bytes.
 void SwapTest::RunSwapFuzz(int check_every) {
   for (uint64_t seed : {11u, 12u, 13u, 14u}) {
     SCOPED_TRACE(seed);
