@@ -28,7 +28,6 @@
 
 #include "fp4kv/kv_cache.h"
 #include "gtest/gtest.h"
-#include "src/params.h"
 #include "src/prefix_hash.h"
 #include "testing/kv_cache_harness.h"
 #include "testing/test_util.h"
@@ -624,10 +623,7 @@ TEST_P(KVCachePrefixFuzzSlowCopies, GpuHostTierCopiesAreOrderedByEventsNotByTimi
   FP4KV_SKIP_WITHOUT_GPU();
   const Config& c = kConfigs[GetParam()];
   ASSERT_GT(c.host_pages, 0);
-  struct Delay {
-    Delay() { internal::SetPageCopyDelayForTesting(300); }
-    ~Delay() { internal::SetPageCopyDelayForTesting(0); }
-  } delay;
+  const testing::ScopedPageCopyDelay delay(300);
   cudaStream_t stream;
   FP4KV_ASSERT_CUDA(cudaStreamCreate(&stream));
   {

@@ -497,6 +497,26 @@ class PromotionInFlight : public ::testing::Test {
     *out = *p;
   }
 
+  // PromoteHeld, then the promoter released and the index cleared: the
+  // promoted pages, their copy still held back, are free pages again (the
+  // pool then has `free` free pages; no eviction, so no demotion orders later
+  // work after the copies).
+  void PromoteHeldThenFree(KVCache& c, const std::vector<int32_t>& pa, int64_t free) {
+    PrefixSequence p;
+    ASSERT_NO_FATAL_FAILURE(PromoteHeld(c, pa, &p));
+    ASSERT_TRUE(c.ReleaseSequence(p.seq).ok());
+    c.ResetPrefixCache();
+    ASSERT_EQ(c.Stats().pages_free, free);
+  }
+
+  // Lets the held promotion go and waits for A, B and every copy.
+  void ReleaseAndDrain(StreamHold& hold, KVCache& c) {
+    hold.Release();
+    ASSERT_EQ(cudaStreamSynchronize(a_), cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(b_), cudaSuccess);
+    ASSERT_TRUE(c.SynchronizeSwaps().ok());
+  }
+
   cudaStream_t a_ = nullptr;
   cudaStream_t b_ = nullptr;
 };
@@ -584,10 +604,7 @@ TEST_F(PromotionInFlight, SequenceSharingThePromotedPagesWaitsForIt) {
                              out_k.View(DType::kBF16, {rows, g.num_kv_heads, g.head_dim_k}),
                              out_v.View(DType::kBF16, {rows, g.num_kv_heads, g.head_dim_v}), B())
                   .ok());
-  hold.Release();
-  ASSERT_EQ(cudaStreamSynchronize(a_), cudaSuccess);
-  ASSERT_EQ(cudaStreamSynchronize(b_), cudaSuccess);
-  ASSERT_TRUE(c.SynchronizeSwaps().ok());
+  ASSERT_NO_FATAL_FAILURE(ReleaseAndDrain(hold, c));
   // Read on B while the copy was held back: equal only if B waited for it.
   EXPECT_EQ(out_k.DownloadAs<uint16_t>(rows * row), want_k);
   EXPECT_EQ(out_v.DownloadAs<uint16_t>(rows * row), want_v);
@@ -614,21 +631,12 @@ TEST_F(PromotionInFlight, StepReusingAPromotedPageWaitsForIt) {
 
   StreamHold hold(a_);
   ASSERT_TRUE(hold.ok());
-  PrefixSequence p;
-  ASSERT_NO_FATAL_FAILURE(PromoteHeld(c, pa, &p));
-  // Released and out of the index: the promoted pages are free pages again
-  // (no eviction, so no demotion orders the next step after the copies).
-  ASSERT_TRUE(c.ReleaseSequence(p.seq).ok());
-  c.ResetPrefixCache();
-  ASSERT_EQ(c.Stats().pages_free, 12);
+  ASSERT_NO_FATAL_FAILURE(PromoteHeldThenFree(c, pa, 12));
   // u takes every page of the pool, the four promoted ones among them.
   ASSERT_TRUE(c.PrepareStep({{u, 12 * kPs}}, B()).ok());
   ASSERT_TRUE(testing::RunAppendAllLayers(c, *app, &in, B()).ok());
   EXPECT_FALSE(CompletesWithin(b_, 0.25)) << "the step wrote pages the promotion still writes";
-  hold.Release();
-  ASSERT_EQ(cudaStreamSynchronize(a_), cudaSuccess);
-  ASSERT_EQ(cudaStreamSynchronize(b_), cudaSuccess);
-  ASSERT_TRUE(c.SynchronizeSwaps().ok());
+  ASSERT_NO_FATAL_FAILURE(ReleaseAndDrain(hold, c));
   // Had the step not waited, the copy (held back until now) would have
   // overwritten four of u's pages after its appends.
   const testing::PoolCopy pools = DownloadPools(c);
@@ -663,11 +671,7 @@ TEST_F(PromotionInFlight, CopyOnWriteIntoAPromotedPageWaitsForIt) {
 
   StreamHold hold(a_);
   ASSERT_TRUE(hold.ok());
-  PrefixSequence p;
-  ASSERT_NO_FATAL_FAILURE(PromoteHeld(c, pa, &p));  // in flight behind A
-  ASSERT_TRUE(c.ReleaseSequence(p.seq).ok());
-  c.ResetPrefixCache();
-  ASSERT_EQ(c.Stats().pages_free, 4);
+  ASSERT_NO_FATAL_FAILURE(PromoteHeldThenFree(c, pa, 4));
   absl::StatusOr<SequenceId> y = c.ForkSequence(x->seq);
   ASSERT_TRUE(y.ok()) << y.status();
   absl::StatusOr<StepInfo> info = c.PrepareStep({{*y, 1}}, B());
@@ -675,10 +679,7 @@ TEST_F(PromotionInFlight, CopyOnWriteIntoAPromotedPageWaitsForIt) {
   ASSERT_EQ(info->pages_allocated, 1) << "the step did not copy the shared page on write";
   ASSERT_TRUE(testing::RunAppendAllLayers(c, *app, &in, B()).ok());
   EXPECT_FALSE(CompletesWithin(b_, 0.25)) << "the copy on write did not wait for the promotion";
-  hold.Release();
-  ASSERT_EQ(cudaStreamSynchronize(a_), cudaSuccess);
-  ASSERT_EQ(cudaStreamSynchronize(b_), cudaSuccess);
-  ASSERT_TRUE(c.SynchronizeSwaps().ok());
+  ASSERT_NO_FATAL_FAILURE(ReleaseAndDrain(hold, c));
   // Had the copy on write not waited, the promotion's copy (held back until
   // now) would have overwritten y's last page after the copy and the append.
   const testing::PoolCopy pools = DownloadPools(c);
@@ -717,18 +718,11 @@ TEST_F(PromotionInFlight, ImportIntoAPromotedPageWaitsForIt) {
 
   StreamHold hold(a_);
   ASSERT_TRUE(hold.ok());
-  PrefixSequence p;
-  ASSERT_NO_FATAL_FAILURE(PromoteHeld(c, pa, &p));  // in flight behind A
-  ASSERT_TRUE(c.ReleaseSequence(p.seq).ok());
-  c.ResetPrefixCache();
-  ASSERT_EQ(c.Stats().pages_free, 4);
+  ASSERT_NO_FATAL_FAILURE(PromoteHeldThenFree(c, pa, 4));
   absl::StatusOr<SequenceId> got = c.ImportSequence(image, bytes, {}, B());
   ASSERT_TRUE(got.ok()) << got.status();
   EXPECT_FALSE(CompletesWithin(b_, 0.25)) << "the import did not wait for the promotion";
-  hold.Release();
-  ASSERT_EQ(cudaStreamSynchronize(a_), cudaSuccess);
-  ASSERT_EQ(cudaStreamSynchronize(b_), cudaSuccess);
-  ASSERT_TRUE(c.SynchronizeSwaps().ok());
+  ASSERT_NO_FATAL_FAILURE(ReleaseAndDrain(hold, c));
   // Had the import not waited, the promotion's copy (held back until now)
   // would have overwritten three of the imported pages.
   const testing::PoolCopy pools = DownloadPools(c);
@@ -785,18 +779,11 @@ TEST_F(PromotionInFlight, HalfPageImportIntoAPromotedPageWaitsForIt) {
 
   StreamHold hold(a_);
   ASSERT_TRUE(hold.ok());
-  PrefixSequence p;
-  ASSERT_NO_FATAL_FAILURE(PromoteHeld(c, pa, &p));  // in flight behind A
-  ASSERT_TRUE(c.ReleaseSequence(p.seq).ok());
-  c.ResetPrefixCache();
-  ASSERT_EQ(c.Stats().pages_free, 4);
+  ASSERT_NO_FATAL_FAILURE(PromoteHeldThenFree(c, pa, 4));
   absl::StatusOr<SequenceId> under = c.ImportHalfPages(layers, src_pages, length, B());
   ASSERT_TRUE(under.ok()) << under.status();
   EXPECT_FALSE(CompletesWithin(b_, 0.25)) << "the import did not wait for the promotion";
-  hold.Release();
-  ASSERT_EQ(cudaStreamSynchronize(a_), cudaSuccess);
-  ASSERT_EQ(cudaStreamSynchronize(b_), cudaSuccess);
-  ASSERT_TRUE(c.SynchronizeSwaps().ok());
+  ASSERT_NO_FATAL_FAILURE(ReleaseAndDrain(hold, c));
   // Had the import not waited, the promotion's copy (held back until then)
   // would have overwritten three of its pages.
   ASSERT_EQ(c.ExportedBytes(*under).value(), bytes);

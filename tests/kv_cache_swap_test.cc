@@ -18,7 +18,6 @@
 
 #include "fp4kv/kv_cache.h"
 #include "gtest/gtest.h"
-#include "src/params.h"
 #include "testing/kv_cache_harness.h"
 #include "testing/test_util.h"
 
@@ -553,15 +552,9 @@ TEST_P(SwapTest, ReencodeAfterSwapInWaitsForItsCopy) {
       img_y(before.size());
   ASSERT_TRUE(cache.ExportSequence(y, before.data(), bytes, stream_).ok());
   Sync();
-  struct Delay {
-    explicit Delay(bool on) {
-      if (on) internal::SetPageCopyDelayForTesting(20000);
-    }
-    ~Delay() { internal::SetPageCopyDelayForTesting(0); }
-  };
   const int64_t swapped_in = cache.Stats().bytes_swapped_in;
   {
-    Delay delay(device_.is_cuda());
+    const testing::ScopedPageCopyDelay delay(device_.is_cuda() ? 20000 : 0);
     ASSERT_TRUE(cache.SwapIn(x, stream_).ok());
   }
   ASSERT_GT(cache.Stats().bytes_swapped_in, swapped_in) << "the SwapIn copied nothing";
@@ -590,14 +583,7 @@ INSTANTIATE_TEST_SUITE_P(Gpu, SwapTest, ::testing::Values(true));
 // at the next check instead of losing a race now and then.
 class SwapSlowCopiesTest : public SwapTest {
  protected:
-  void SetUp() override {
-    SwapTest::SetUp();
-    internal::SetPageCopyDelayForTesting(300);
-  }
-  void TearDown() override {
-    internal::SetPageCopyDelayForTesting(0);
-    SwapTest::TearDown();
-  }
+  const testing::ScopedPageCopyDelay delay_{300};
 };
 
 TEST_P(SwapSlowCopiesTest, FuzzSwapsInterleavedWithSteps) { RunSwapFuzz(6); }

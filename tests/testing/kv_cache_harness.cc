@@ -9,6 +9,7 @@
 
 #include "fp4kv/format.h"
 #include "fp4kv/ops.h"
+#include "src/params.h"
 
 namespace fp4kv {
 namespace testing {
@@ -21,6 +22,12 @@ KVCache CreateCacheOrAbort(const KVCacheOptions& options) {
   }
   return *std::move(c);
 }
+
+ScopedPageCopyDelay::ScopedPageCopyDelay(int64_t microseconds) {
+  internal::SetPageCopyDelayForTesting(microseconds);
+}
+
+ScopedPageCopyDelay::~ScopedPageCopyDelay() { internal::SetPageCopyDelayForTesting(0); }
 
 void CpuOrGpuStreamTest::SetUp() {
   if (!GetParam()) return;

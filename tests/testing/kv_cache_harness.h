@@ -19,6 +19,19 @@ namespace testing {
 // step needs the cache.
 KVCache CreateCacheOrAbort(const KVCacheOptions& options);
 
+// While in scope, every page copy of the cache (swaps, promotions,
+// demotions, image copies) first holds its stream `microseconds` (0: none),
+// so that work reading or reusing a page before its copy completes finds
+// wrong bytes every time (internal::SetPageCopyDelayForTesting). No copy is
+// held once it goes out of scope.
+class ScopedPageCopyDelay {
+ public:
+  explicit ScopedPageCopyDelay(int64_t microseconds);
+  ScopedPageCopyDelay(const ScopedPageCopyDelay&) = delete;
+  ScopedPageCopyDelay& operator=(const ScopedPageCopyDelay&) = delete;
+  ~ScopedPageCopyDelay();
+};
+
 // Cases that run on the CPU (parameter false) and on GPU 0 with a stream of
 // their own (true; skipped without a GPU). stream_ is null on the CPU.
 class CpuOrGpuStreamTest : public ::testing::TestWithParam<bool> {
