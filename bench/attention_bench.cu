@@ -25,7 +25,9 @@
 //                  from the same schedule the kernel derives on the device
 // Arg family (FP4KV_ATTENTION_KERNEL set around Create()): 0 the default
 // choice, 1 rows in M forced, 2 tokens in M with cp.async copies forced, 3
-// tokens in M with TMA copies forced (sm_90a builds on an H200).
+// tokens in M with TMA copies forced (sm_90a builds on an H200). The label
+// of every case names the family Create() chose (DecodeAttention::
+// decode_family, prefill_family).
 //
 // BM_PrefillAttention: prefill and extend chunks (more than kDecodeRowsQLen
 // new tokens a request, causal), alone and mixed with decode rows in one
@@ -200,6 +202,8 @@ void BM_DecodeAttention(benchmark::State& state) {
   auto op = DecodeAttention::Create(o);
   unsetenv("FP4KV_ATTENTION_KERNEL");
   BENCH_CHECK(state, op.ok(), "DecodeAttention::Create");
+  // The family that ran, in the JSON beside the numbers.
+  state.SetLabel(std::string("decode ") + op->decode_family());
   BENCH_CHECK(state, ws.Alloc(static_cast<size_t>(std::max<int64_t>(op->WorkspaceBytes(), 256))),
               "workspace");
   DecodeAttentionArgs a;
@@ -482,6 +486,8 @@ void BM_PrefillAttention(benchmark::State& state) {
   unsetenv("FP4KV_ATTENTION_KERNEL");
   auto op = DecodeAttention::Create(o);
   BENCH_CHECK(state, op.ok(), ("DecodeAttention::Create: " + op.status().ToString()).c_str());
+  state.SetLabel(std::string("decode ") + op->decode_family() + ", prefill " +
+                 op->prefill_family());
   BENCH_CHECK(state, ws.Alloc(static_cast<size_t>(std::max<int64_t>(op->WorkspaceBytes(), 256))),
               "workspace");
   DecodeAttentionArgs a;

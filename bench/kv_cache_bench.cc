@@ -311,6 +311,7 @@ void BM_DecodeStepGraph(benchmark::State& state) {
   check(app.ok(), app.status().ToString());
   check(mat.ok(), mat.status().ToString());
   if (attend) check(att.ok(), att.status().ToString());
+  if (attend && att.ok()) state.SetLabel(std::string("decode ") + att->op().decode_family());
   const int64_t W = c.Fp8WorkspacePagesAtCapacity();
   const int64_t attn_ws_bytes = attend && att.ok() ? att->WorkspaceBytes() : 0;
   void* d_ws = nullptr;

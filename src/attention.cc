@@ -125,6 +125,29 @@ absl::StatusOr<DecodeAttention> DecodeAttention::Create(const Options& o) {
                          static_cast<int>(setup.prefill_family));
 }
 
+const char* DecodeAttention::decode_family() const {
+  if (!options_.device.is_cuda()) return "cpu";
+  switch (static_cast<internal::AttentionFamily>(family_)) {
+    case internal::AttentionFamily::kRowsInM:
+      return "rows_in_m";
+    case internal::AttentionFamily::kTokensInM:
+      return "tokens_in_m";
+    case internal::AttentionFamily::kTokensInMTma:
+      return "tokens_in_m_tma";
+    case internal::AttentionFamily::kTokensInMTmaAll:
+      return "tokens_in_m_tma_all";
+  }
+  return "unknown";
+}
+
+const char* DecodeAttention::prefill_family() const {
+  if (!options_.device.is_cuda()) return "cpu";
+  if (options_.max_q_len <= kDecodeRowsQLen) return "none";
+  return static_cast<internal::PrefillFamily>(prefill_family_) == internal::PrefillFamily::kWgmma
+             ? "wgmma"
+             : "mma";
+}
+
 namespace internal {
 absl::StatusOr<AttentionParams> MakeAttentionParams(const DecodeAttention::Options& o,
                                                     const DecodeAttentionArgs& a,

@@ -9,6 +9,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <string>
 #include <vector>
@@ -130,6 +131,33 @@ bool TmaDecodeAvailable() {
 
 void ExpectFamilyMatchesReference(AttentionCase& c, const std::string& name, bool graph_rounds);
 
+// The families an op chose are the ones FP4KV_ATTENTION_KERNEL and
+// FP4KV_PREFILL_KERNEL ask for, or by default the fastest this build and
+// GPU run (TMA decode and the wgmma prefill at head dim 64 / 128 on an
+// sm_90a build on compute capability 9.0): Create() must not fall back
+// silently. The log names them for every case.
+void ExpectFamiliesAsAsked(const DecodeAttention& op, const std::string& name) {
+  const char* decode_env = std::getenv("FP4KV_ATTENTION_KERNEL");
+  const char* prefill_env = std::getenv("FP4KV_PREFILL_KERNEL");
+  const std::string decode = decode_env != nullptr ? decode_env : "";
+  const std::string prefill = prefill_env != nullptr ? prefill_env : "";
+  const bool sm90a = TmaDecodeAvailable();
+  std::string want_decode = decode;
+  if (decode.empty() || decode == "auto") want_decode = sm90a ? "tokens_in_m_tma" : "tokens_in_m";
+  if (decode == "tokens_in_m_tma") want_decode = "tokens_in_m_tma_all";
+  const int d = op.options().geometry.head_dim_v;
+  std::string want_prefill = prefill;
+  if (op.options().max_q_len <= kDecodeRowsQLen) {
+    want_prefill = "none";
+  } else if (prefill.empty() || prefill == "auto") {
+    want_prefill = sm90a && (d == 64 || d == 128) ? "wgmma" : "mma";
+  }
+  std::printf("[ family   ] %s: decode %s, prefill %s\n", name.c_str(), op.decode_family(),
+              op.prefill_family());
+  EXPECT_EQ(op.decode_family(), want_decode) << name;
+  EXPECT_EQ(op.prefill_family(), want_prefill) << name;
+}
+
 // Every kernel family against the reference: an eager Run, then (with
 // graph_rounds) two replays of one captured graph after rewriting the inputs.
 void ExpectGpuMatchesReference(AttentionCase& c, const std::string& name,
@@ -151,6 +179,7 @@ void ExpectFamilyMatchesReference(AttentionCase& c, const std::string& name, boo
   const Device cuda = Device::Cuda(0);
   auto op = DecodeAttention::Create(c.Options(cuda));
   ASSERT_TRUE(op.ok()) << name << ": " << op.status();
+  ExpectFamiliesAsAsked(*op, name);
   testing::DeviceBuffer din(c.in.size()), dout(c.out.size());
   testing::DeviceBuffer ws(static_cast<size_t>(op->WorkspaceBytes() > 0 ? op->WorkspaceBytes() : 256));
   ASSERT_TRUE(din.ok() && dout.ok() && ws.ok()) << name << ": cudaMalloc";

@@ -121,6 +121,15 @@ class DecodeAttention {
 
   const Options& options() const { return options_; }
 
+  // The kernel families Create() chose, for logs, benchmarks and tests.
+  // Decode: "rows_in_m", "tokens_in_m" (cp.async copies), "tokens_in_m_tma"
+  // (TMA copies where they measured faster, cp.async elsewhere) or
+  // "tokens_in_m_tma_all" (FP4KV_ATTENTION_KERNEL=tokens_in_m_tma). Prefill
+  // (requests of more than kDecodeRowsQLen new tokens): "mma" or "wgmma";
+  // "none" when max_q_len <= kDecodeRowsQLen. "cpu" for both on the CPU.
+  const char* decode_family() const;
+  const char* prefill_family() const;
+
  private:
   friend struct internal::DecodeAttentionRunner;
   DecodeAttention(const Options& o, int num_sms, int64_t workspace_bytes, bool merge_overlaps,
