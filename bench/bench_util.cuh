@@ -9,6 +9,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <numeric>
 #include <random>
@@ -25,7 +26,13 @@ namespace fp4kv {
 namespace bench {
 
 inline constexpr int kDefaultTimedRuns = 25;
+// Warm-up before a case's timed runs: at least kWarmupRuns launches and at
+// least kWarmupMs of the case's own work, after a process-wide warm-up
+// (WarmUpGpuOnce), so that the first case of a process meets a GPU whose
+// clocks have ramped up like every later case.
 inline constexpr int kWarmupRuns = 3;
+inline constexpr double kWarmupMs = 25.0;
+inline constexpr double kProcessWarmupMs = 300.0;
 
 inline bool HaveGpu(benchmark::State& state) {
   int n = 0;
@@ -124,16 +131,56 @@ __global__ void SpinKernel(long long cycles) {
   }
 }
 
+// Once a process: keeps every SM busy for about kProcessWarmupMs (spinning
+// kernels on a stream of their own), so that the clocks of an idle GPU have
+// ramped up before the first timed case.
+inline void WarmUpGpuOnce() {
+  static const bool done = [] {
+    int sms = 0;
+    if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return false;
+    }
+    cudaStream_t w;
+    if (cudaStreamCreateWithFlags(&w, cudaStreamNonBlocking) != cudaSuccess) return false;
+    const auto t0 = std::chrono::steady_clock::now();
+    while (std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0)
+               .count() < kProcessWarmupMs) {
+      SpinKernel<<<4 * sms, 32, 0, w>>>(40000000);  // about 20 ms at 2 GHz
+      if (cudaStreamSynchronize(w) != cudaSuccess) break;
+    }
+    (void)cudaStreamDestroy(w);
+    return true;
+  }();
+  (void)done;
+}
+
+// At least kWarmupRuns launches and kWarmupMs of wall time on stream s.
+template <typename F>
+void WarmUp(cudaStream_t s, F&& launch) {
+  WarmUpGpuOnce();
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < 100000; ++i) {
+    launch();
+    if (i + 1 < kWarmupRuns) continue;
+    if (cudaStreamSynchronize(s) != cudaSuccess) return;
+    if (std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() >=
+        kWarmupMs) {
+      return;
+    }
+  }
+}
+
 // Median milliseconds of one launch() on stream s, timed by events around
-// it; with `block` each timed run first queues a spinning kernel (about
-// 100 us) so that the start event and launch()'s kernels are already queued
-// on a busy stream when the GPU reaches them (MedianGpuMs).
+// it, after WarmUp; with `block` each timed run first queues a spinning
+// kernel (about 100 us) so that the start event and launch()'s kernels are
+// already queued on a busy stream when the GPU reaches them (MedianGpuMs).
 template <typename F>
 double MedianEventMs(cudaStream_t s, F&& launch, int timed_runs, bool block) {
   cudaEvent_t start, stop;
   (void)cudaEventCreate(&start);
   (void)cudaEventCreate(&stop);
-  for (int i = 0; i < kWarmupRuns; ++i) launch();
+  WarmUp(s, launch);
   std::vector<double> ms;
   for (int r = 0; r < timed_runs; ++r) {
     if (block) SpinKernel<<<1, 1, 0, s>>>(200000);
