@@ -220,7 +220,7 @@ std::string CompareCacheAttention(const CacheAttentionWant& want,
                                   const std::vector<uint16_t>& out,
                                   const std::vector<float>& lse, DType dtype,
                                   uint16_t out_poison, float lse_poison, double rel_tol,
-                                  double lse_tol, double cancellation_tol) {
+                                  double lse_tol, double cancellation_tol, double* worst_ratio) {
   const int Hq = want.num_qo_heads, D = want.head_dim_v;
   if (static_cast<int64_t>(out.size()) != want.rows * Hq * D) {
     return absl::StrCat("out: ", out.size(), " values, expected ", want.rows * Hq * D);
@@ -268,6 +268,7 @@ std::string CompareCacheAttention(const CacheAttentionWant& want,
       const double mag = want.magnitude.empty() ? norm : want.magnitude[i];
       const double bound =
           cancellation_tol > 0 ? std::max(rel_tol * norm, cancellation_tol * mag) : rel_tol * norm;
+      if (worst_ratio != nullptr) *worst_ratio = std::max(*worst_ratio, diff / (bound + abs_floor));
       if (!(diff <= bound + abs_floor)) {
         return absl::StrCat(where, ": ||got - want|| = ", diff, ", ||want|| = ", norm,
                             ", ||sum p|v||| = ", mag, " (rel tol ", rel_tol,
@@ -298,7 +299,7 @@ std::string RunAndCheckCacheAttention(const KVCache& c, const CacheAttention& op
                                       absl::Span<const StepEntry> entries,
                                       const std::vector<uint16_t>& q, int64_t rows,
                                       int num_qo_heads, Stream stream,
-                                      double cancellation_tol) {
+                                      double cancellation_tol, double* worst_ratio) {
   const CacheGeometry& g = c.geometry();
   const Device dev = c.device();
   const int64_t q_elems = rows * num_qo_heads * g.head_dim_k;
@@ -331,7 +332,7 @@ std::string RunAndCheckCacheAttention(const KVCache& c, const CacheAttention& op
   if (want->queries == 0) return "the step has no query: the check checks nothing";
   const uint16_t out_poison = 0x0101 * kCacheAttentionPoison;
   return CompareCacheAttention(*want, got, got_lse, DType::kBF16, out_poison,
-                               CacheAttentionLsePoison(), 4e-3, 1e-3, cancellation_tol);
+                               CacheAttentionLsePoison(), 4e-3, 1e-3, cancellation_tol, worst_ratio);
 }
 
 }  // namespace testing

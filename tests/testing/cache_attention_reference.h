@@ -78,13 +78,14 @@ absl::StatusOr<CacheAttentionWant> CacheAttentionReference(
 // element, lse_poison's bits). With `cancellation_tol` > 0 the output bound is
 // max(rel_tol * ||want||, cancellation_tol * magnitude) instead (for data
 // whose values cancel, see CacheAttentionWant::magnitude). "" or the first
-// failure.
+// failure. With `worst_ratio`, the largest ||got - want|| / bound over the
+// rows compared is stored there (at most 1 when "" is returned).
 std::string CompareCacheAttention(const CacheAttentionWant& want,
                                   const std::vector<uint16_t>& out,
                                   const std::vector<float>& lse, DType dtype,
                                   uint16_t out_poison, float lse_poison,
                                   double rel_tol = 4e-3, double lse_tol = 1e-3,
-                                  double cancellation_tol = 0.0);
+                                  double cancellation_tol = 0.0, double* worst_ratio = nullptr);
 
 // The byte out and lse are filled with before a checked run, and lse's
 // poison as a float.
@@ -96,13 +97,14 @@ float CacheAttentionLsePoison();
 // written), out, lse and the workspace poisoned first, on `stream` (then
 // the device is synchronized), and compares with CacheAttentionReference.
 // "" or the first difference; a step without any query fails (the check
-// would check nothing). cancellation_tol: as in CompareCacheAttention (0:
-// the plain bound of the attention suites).
+// would check nothing). cancellation_tol, worst_ratio: as in
+// CompareCacheAttention (0: the plain bound of the attention suites).
 std::string RunAndCheckCacheAttention(const KVCache& cache, const CacheAttention& op, int layer,
                                       absl::Span<const StepEntry> entries,
                                       const std::vector<uint16_t>& q, int64_t rows,
                                       int num_qo_heads, Stream stream = nullptr,
-                                      double cancellation_tol = 0.0);
+                                      double cancellation_tol = 0.0,
+                                      double* worst_ratio = nullptr);
 
 }  // namespace testing
 }  // namespace fp4kv
