@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <cstdint>
 #include <memory>
 #include <random>
@@ -661,6 +662,7 @@ TEST_P(KVCacheTpTest, GpuExplicitScalesGiveTheOneRankAttention) {
   const std::vector<float> full = run(kHeads, 0);
   ASSERT_EQ(full.size(), static_cast<size_t>(kLayers) * kSeqs * kHeads * kGroup * kAttnDim);
   const int heads = kHeads / tp;
+  int rows = 0, bitwise = 0;
   for (int r = 0; r < tp; ++r) {
     const std::vector<float> got = run(heads, r * heads);
     ASSERT_EQ(got.size(), full.size() / tp);
@@ -675,12 +677,20 @@ TEST_P(KVCacheTpTest, GpuExplicitScalesGiveTheOneRankAttention) {
             err += (g - w) * double(g - w);
             norm += double(w) * w;
           }
-          EXPECT_LE(std::sqrt(err), 1e-2 * std::sqrt(norm) + 1e-3)
+          // The plain attention bound (relative L2 4e-3 per row, as
+          // CompareCacheAttention: two bf16 subnormal ulps per element).
+          EXPECT_LE(std::sqrt(err), 4e-3 * std::sqrt(norm) + 2.0 * std::sqrt(double{kAttnDim}) *
+                                                                  std::ldexp(1.0, -133))
               << "rank " << r << " layer " << l << " seq " << b << " q head " << h;
+          ++rows;
+          if (err == 0.0) ++bitwise;
         }
       }
     }
   }
+  // Where a rank's work split matches the one-rank cache's, the rows are
+  // equal bit for bit; the log says how many were.
+  std::printf("[ tp ] %d of %d rows equal bit for bit to the one-rank cache's\n", bitwise, rows);
 }
 
 INSTANTIATE_TEST_SUITE_P(Ranks, KVCacheTpTest, ::testing::Values(2, 4),
