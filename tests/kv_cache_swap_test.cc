@@ -16,6 +16,8 @@
 #include <string>
 #include <vector>
 
+#include "fp4kv/calibrate.h"
+#include "fp4kv/format.h"
 #include "fp4kv/kv_cache.h"
 #include "gtest/gtest.h"
 #include "testing/kv_cache_harness.h"
@@ -568,6 +570,82 @@ TEST_P(SwapTest, ReencodeAfterSwapInWaitsForItsCopy) {
   ASSERT_TRUE(cache.ExportSequence(y, img_y.data(), bytes, stream_).ok());
   Sync();
   EXPECT_FALSE(img_y == before) << "the scale change re-encoded nothing";
+  EXPECT_TRUE(img_x == img_y) << "the swapped-in pages were not re-encoded after their copy";
+  EXPECT_TRUE(cache.CheckInvariants().ok()) << cache.CheckInvariants();
+}
+
+// The same for a re-encoding calibration (CalibrateGlobalScales with
+// StoredTokens::kReencode): its re-encode must wait for the SwapIn's copy
+// too (the OrderAfterCopies of the calibrate path).
+TEST_P(SwapTest, CalibrateAfterSwapInWaitsForItsCopy) {
+  KVCache cache = testing::CreateCacheOrAbort(SwapOptions(device_, 30, 20));
+  Model m(&cache, stream_, 6);
+  const SequenceId x = m.Create();
+  ASSERT_TRUE(m.Step({{x, 10}}).ok());
+  constexpr int kRows = 8;
+  const KVCacheOptions& o = cache.options();
+  const int hk = o.geometry.num_kv_heads;
+  absl::StatusOr<Calibrator> cal = Calibrator::Create(
+      {kRows * hk * o.geometry.head_dim_k, DType::kBF16, device_, o.recipe});
+  ASSERT_TRUE(cal.ok()) << cal.status();
+  // Rows of two magnitudes: the second calibration changes the scales again.
+  auto rows = [&](int dim, float scale, uint32_t seed) {
+    std::mt19937 rng(seed);
+    std::normal_distribution<float> normal(0.0f, scale);
+    std::vector<uint16_t> r(static_cast<size_t>(kRows) * hk * dim);
+    for (uint16_t& x : r) x = FloatToBf16Bits(normal(rng));
+    return r;
+  };
+  testing::Buffer k1(device_, kRows * hk * o.geometry.head_dim_k * 2),
+      v1(device_, kRows * hk * o.geometry.head_dim_v * 2),
+      k2(device_, kRows * hk * o.geometry.head_dim_k * 2),
+      v2(device_, kRows * hk * o.geometry.head_dim_v * 2);
+  const std::vector<uint16_t> k1h = rows(o.geometry.head_dim_k, 3.0f, 1),
+                              v1h = rows(o.geometry.head_dim_v, 0.5f, 2),
+                              k2h = rows(o.geometry.head_dim_k, 9.0f, 3),
+                              v2h = rows(o.geometry.head_dim_v, 2.0f, 4);
+  ASSERT_TRUE(k1.Upload(k1h.data(), k1h.size() * 2) && v1.Upload(v1h.data(), v1h.size() * 2) &&
+              k2.Upload(k2h.data(), k2h.size() * 2) && v2.Upload(v2h.data(), v2h.size() * 2));
+  auto view = [&](testing::Buffer& b, int dim) {
+    return b.View(DType::kBF16, {kRows, hk, dim});
+  };
+  // A first re-encoding calibration with nothing in flight loads the
+  // calibration and re-encode kernels (a lazy first load waits for the whole
+  // device and would hide a missing wait below).
+  ASSERT_TRUE(cache.CalibrateGlobalScales(0, view(k1, o.geometry.head_dim_k),
+                                          view(v1, o.geometry.head_dim_v), *cal, stream_,
+                                          StoredTokens::kReencode)
+                  .ok());
+  Sync();
+  const SequenceId y = cache.ForkSequence(x).value();
+  ASSERT_TRUE(cache.SwapOut(x, stream_).ok());
+  const SequenceId z = m.Create();
+  ASSERT_TRUE(m.Step({{z, 1}}).ok());
+  ASSERT_TRUE(m.Step({{z, 1}}).ok());
+  ASSERT_TRUE(cache.SynchronizeSwaps().ok());
+  ASSERT_EQ(cache.Stats().swaps_in_flight, 0);
+  const int64_t bytes = cache.ExportedBytes(y).value();
+  std::vector<uint64_t> before(static_cast<size_t>(bytes / 8 + 2)), img_x(before.size()),
+      img_y(before.size());
+  ASSERT_TRUE(cache.ExportSequence(y, before.data(), bytes, stream_).ok());
+  Sync();
+  const int64_t swapped_in = cache.Stats().bytes_swapped_in;
+  {
+    const testing::ScopedPageCopyDelay delay(device_.is_cuda() ? 20000 : 0);
+    ASSERT_TRUE(cache.SwapIn(x, stream_).ok());
+  }
+  ASSERT_GT(cache.Stats().bytes_swapped_in, swapped_in) << "the SwapIn copied nothing";
+  ASSERT_TRUE(cache.CalibrateGlobalScales(0, view(k2, o.geometry.head_dim_k),
+                                          view(v2, o.geometry.head_dim_v), *cal, stream_,
+                                          StoredTokens::kReencode)
+                  .ok());
+  ASSERT_TRUE(cache.SynchronizeSwaps().ok());
+  Sync();
+  ASSERT_EQ(cache.ExportedBytes(x).value(), bytes);
+  ASSERT_TRUE(cache.ExportSequence(x, img_x.data(), bytes, stream_).ok());
+  ASSERT_TRUE(cache.ExportSequence(y, img_y.data(), bytes, stream_).ok());
+  Sync();
+  EXPECT_FALSE(img_y == before) << "the calibration re-encoded nothing";
   EXPECT_TRUE(img_x == img_y) << "the swapped-in pages were not re-encoded after their copy";
   EXPECT_TRUE(cache.CheckInvariants().ok()) << cache.CheckInvariants();
 }
