@@ -51,6 +51,57 @@ SUMMARY="$OUT_DIR/summary.txt"
 note() { echo "$*" | tee -a "$SUMMARY"; }
 
 nvidia-smi > "$OUT_DIR/nvidia-smi.txt" 2>&1 || true
+nvidia-smi -q -d CLOCK,PERFORMANCE,POWER > "$OUT_DIR/nvidia-smi-clocks.txt" 2>&1 || true
+
+# ------------------------------------------------------------ run header
+# run.json: what a reader needs to trust the numbers (commit and build from
+# .carry/BUILD_INFO, written by package_for_gpu.sh; the GPU, driver, clocks
+# as found, date) and the run's id, <date>-<gpu>-<commit>, the folder name
+# it is saved under in bench/runs/ (scripts/save_run.sh).
+BUILD_INFO=""
+for f in "$BUILD_DIR/../BUILD_INFO" "$BUILD_DIR/BUILD_INFO"; do
+  [ -f "$f" ] && BUILD_INFO=$f && break
+done
+python3 - "$OUT_DIR/run.json" "$BUILD_INFO" <<'PY' || echo "gpu_check: run.json not written" >&2
+import datetime, json, re, subprocess, sys
+out, info_path = sys.argv[1], sys.argv[2]
+def smi(fields):
+    try:
+        r = subprocess.run(["nvidia-smi", "--query-gpu=" + fields, "--format=csv,noheader,nounits"],
+                           capture_output=True, text=True, timeout=30)
+        return [x.strip() for x in r.stdout.strip().split("\n")[0].split(",")]
+    except Exception:
+        return []
+keys = ["name", "driver_version", "memory.total", "clocks.sm", "clocks.mem", "clocks.max.sm",
+        "clocks.max.mem", "power.limit", "pcie.link.gen.current", "pcie.link.width.current",
+        "temperature.gpu"]
+vals = smi(",".join(keys))
+gpu = dict(zip(keys, vals)) if len(vals) == len(keys) else {}
+build = {}
+if info_path:
+    with open(info_path) as f:
+        build = json.load(f)
+try:
+    cuda = re.search(r"CUDA Version: *([0-9.]+)", subprocess.run(["nvidia-smi"], capture_output=True,
+                     text=True).stdout).group(1)
+except Exception:
+    cuda = ""
+now = datetime.datetime.now(datetime.timezone.utc)
+m = re.search(r"([HAB]\d{2,3}|GB\d{3}|L40S?)", gpu.get("name", ""))
+short = m.group(1).lower() if m else "gpu"
+commit = build.get("commit", "unknown")
+run = {
+    "id": f"{now:%Y-%m-%d}-{short}-{commit}" + ("-dirty" if build.get("dirty") else ""),
+    "date_utc": now.isoformat(timespec="seconds"),
+    "gpu": gpu, "driver_cuda_version": cuda, "build": build,
+    "clocks_note": "as found: the run never changes clocks or power limits",
+}
+with open(out, "w") as f:
+    json.dump(run, f, indent=2)
+print("run", run["id"], "|", gpu.get("name", "?"), "| driver", gpu.get("driver_version", "?"),
+      "| SM clock", gpu.get("clocks.sm", "?"), "of", gpu.get("clocks.max.sm", "?"), "MHz")
+PY
+[ -f "$OUT_DIR/run.json" ] && note "$(python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print('run', r['id'])" "$OUT_DIR/run.json")"
 
 # ----------------------------------------------------------------- tests
 note "== tests"
@@ -68,6 +119,66 @@ for exe in $( [ "${SKIP_TESTS:-0}" = 1 ] || executables '*_test'); do
     | tee -a "$SUMMARY"
   [ "$rc" -ne 0 ] && status=1
 done
+
+# tests.json: passed / failed / skipped per binary (from the gtest JSON), so
+# a published test count names its run like any other number.
+python3 - "$OUT_DIR" <<'PY' || true
+import glob, json, os, sys
+out = sys.argv[1]
+counts = {}
+for path in sorted(glob.glob(os.path.join(out, "*.gtest.json"))):
+    name = os.path.basename(path)[:-len(".gtest.json")]
+    try:
+        data = json.load(open(path))
+    except ValueError:
+        continue
+    c = {"passed": 0, "failed": 0, "skipped": 0}
+    for suite in data.get("testsuites", []):
+        for t in suite.get("testsuite", []):
+            if t.get("result") == "SKIPPED":
+                c["skipped"] += 1
+            elif t.get("failures"):
+                c["failed"] += 1
+            elif t.get("status", "RUN") == "RUN":
+                c["passed"] += 1
+    counts[name] = c
+with open(os.path.join(out, "tests.json"), "w") as f:
+    json.dump(counts, f, indent=1, sort_keys=True)
+PY
+
+# ------------------------------------------------------- mutant libraries
+# scripts/build_mutants.sh packs libraries with one cross-stream wait taken
+# out (.carry/mutants/NAME/: the library, xz-compressed, and `tests`: binary
+# and gtest filter). Each named test must FAIL against its mutant: a test
+# that passes without the wait it was written for checks nothing.
+MUTANT_DIR=${MUTANT_DIR:-$(dirname "$BUILD_DIR")/mutants}
+if [ "${SKIP_TESTS:-0}" != 1 ] && [ "${SKIP_MUTANTS:-0}" != 1 ] && [ -d "$MUTANT_DIR" ]; then
+  note "== mutants (each test must fail against a library without its wait)"
+  printf '%-28s %-28s %5s %s\n' mutant binary rc verdict | tee -a "$SUMMARY"
+  for dir in "$MUTANT_DIR"/*/; do
+    name=$(basename "$dir")
+    read -r exe filter < "$dir/tests"
+    lib=$(mktemp -d)
+    for f in "$dir"/*.xz; do
+      python3 -c "import lzma,sys; open(sys.argv[2],'wb').write(lzma.open(sys.argv[1]).read())" \
+        "$f" "$lib/$(basename "$f" .xz)"
+    done
+    LD_LIBRARY_PATH="$lib:${LD_LIBRARY_PATH:-}" timeout 600 "$BUILD_DIR/$exe" \
+      --gtest_filter="$filter" > "$OUT_DIR/mutant_$name.log" 2>&1
+    rc=$?
+    ran=$(grep -cE '^\[ +(OK|FAILED) +\] .*\(' "$OUT_DIR/mutant_$name.log")
+    failed=$(grep -cE '^\[  FAILED  \] .*\(' "$OUT_DIR/mutant_$name.log")
+    if [ "$ran" -eq 0 ]; then
+      verdict="MISSED (no test ran; see the log)"; status=1
+    elif [ "$failed" -gt 0 ]; then
+      verdict="caught ($failed of $ran failed)"
+    else
+      verdict="MISSED (passed without the wait)"; status=1
+    fi
+    printf '%-28s %-28s %5s %s\n' "$name" "$exe" "$rc" "$verdict" | tee -a "$SUMMARY"
+    rm -rf "$lib"
+  done
+fi
 
 # ------------------------------------------- sm_80 code through PTX JIT
 # package_for_gpu.sh builds the GPU tests a second time with compute_80 PTX
