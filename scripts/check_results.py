@@ -1,32 +1,50 @@
 #!/usr/bin/env python3
-"""Markdown tables from Google Benchmark JSON, and a check of quoted numbers.
+"""Tables from saved runs, and a check that every published number matches its run.
 
 Usage:
-  scripts/check_results.py OUT/kernels_bench.json OUT/attention_bench.json ...
-  scripts/check_results.py OUT/*.json --check README.md --check bench/RESULTS.md
+  check_results.py tables RUN_DIR_OR_JSON...   markdown tables of Google Benchmark JSON
+  check_results.py RUN/a.json RUN/b.json       the same (the form gpu_check.sh calls)
+  check_results.py check [--runs DIR] FILE...  every measured number of FILE against its run
+  check_results.py value [--runs DIR] RUN FILE SELECTOR KEY [--decimals N]
+                                               one saved value (to write a reference)
 
-For every JSON file (written by a bench with --benchmark_out=FILE
---benchmark_out_format=json, as scripts/gpu_check.sh does) it prints one
-markdown table: case name, median, % of copy and every other counter. The
-median is the case's `median_us` counter (CUDA events, median of the timed
-runs), else `graph_us` (one graph replay, BM_DecodeStepGraph), else Google
-Benchmark's own time per iteration. "% of copy" is the `pct_of_copy` counter:
-the case's bytes per second against the device-to-device cudaMemcpy of the
-same process (bench/RESULTS.md states which bytes count).
+A run is a folder bench/runs/<id>/ written by scripts/gpu_check.sh: run.json (the header:
+commit, GPU, driver, clocks, date), one Google Benchmark JSON per bench (NAME.json),
+tests.json (passed / failed / skipped per test binary), and the logs.
 
---check FILE (repeatable): lists every measured-looking number in FILE (a
-number with a decimal point in a table row, or followed by us, ms, %, GB/s
-or x) that no value of the given JSON files gives when rounded to the same
-number of decimals (us values are also tried as ms). Exit status 1 when
-something is listed, so a stale README is noticed; numbers that are not
-measurements (targets, shapes) may be listed too and are judged by eye.
+How a document quotes a number (the "check" command):
+
+  <!-- runs: A=2026-12-07-h100-6cc970d -->       declares a run alias (one or more pairs)
+  122.2 us<!--@ A attention_bench BM_X/batch:64 median_us -->
+
+A reference comment follows the number it proves (the unit, if any, may stand between).
+Inside it: REF [OP REF ...], where REF is four words, ALIAS FILE SELECTOR KEY: FILE is a
+JSON file of the run without ".json"; for Google Benchmark JSON the SELECTOR is the case
+name (as the tables print it: no /manual_time, /real_time or /iterations) and KEY a counter
+or real_time; for any other JSON, data[SELECTOR][KEY]. OP is one of + - * / and a REF may
+be a plain number, so a ratio reads "REF / REF" and a percentage "REF / REF * 100". The
+written number must equal the value rounded to the decimals written (integers too; "1,234"
+reads 1234); a value of a `*_us` key quoted in ms or s is converted by the unit written.
+A range "49.3-55.2%" is two numbers, each with its comment.
+
+A number that is not a measurement (a target, a shape, a constant of the format) takes
+<!--spec--> after it, or stands in a region <!-- spec --> ... <!-- /spec -->. Every other
+number that looks measured (a number followed by us, µs, ms, s, %, GB/s, TB/s, TFLOP/s or
+x, or a number with a decimal point in a table row) must carry a reference, unless it
+follows a comparison sign (≥ ≤ > < ~), stands in code, or is a commit hash. The check fails
+(exit status 1) on: an unreferenced measured number, a reference whose run, file, case or
+key does not exist, a value that does not match, an undeclared alias, and a run alias that
+no visible text of the document names (each declared run must be named as `<id>`
+somewhere in the file, so a reader can find it).
 
 Standard library only.
 """
 
 import argparse
+import ast
 import json
 import math
+import operator
 import os
 import re
 import sys
@@ -39,6 +57,7 @@ STANDARD_KEYS = {
     "error_message", "label", "bytes_per_second", "items_per_second", "skipped",
 }
 MEDIAN_KEYS = ("median_us", "graph_us")
+DEFAULT_RUNS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench", "runs")
 
 
 def clean_name(name):
@@ -118,72 +137,324 @@ def table(path, data):
     return "\n".join(lines)
 
 
-def json_values(datas):
-    """Every number the runs hold (counters and times), us also as ms."""
-    vals = []
-    for data in datas:
-        for b in data.get("benchmarks", []):
-            for k, v in b.items():
-                if isinstance(v, bool) or not isinstance(v, (int, float)):
-                    continue
-                vals.append(v)
-                if k.endswith("_us") or (k in ("real_time", "cpu_time")
-                                         and b.get("time_unit") == "us"):
-                    vals.append(v / 1e3)  # as ms
-                if k.endswith("bytes") or k == "bytes":
-                    vals.extend((v / 1e6, v / 1e9))  # MB, GB
-    return vals
+# ----------------------------------------------------------------- runs
 
 
-NUMBER = re.compile(r"(?<![\w.])(\d+\.\d+)(?![\w.])")
-UNIT_AFTER = re.compile(r"^\s*(us|ms|µs|%|GB/s|x\b)")
+class RunError(Exception):
+    pass
 
 
-def check(path, vals):
-    flagged = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            in_table = line.lstrip().startswith("|")
-            for m in NUMBER.finditer(line):
-                text = m.group(1)
-                if not in_table and not UNIT_AFTER.match(line[m.end():]):
-                    continue
-                decimals = len(text.split(".")[1])
-                x = float(text)
-                if any(abs(round(v, decimals) - x) < 0.5 * 10 ** -decimals + 1e-12 for v in vals):
-                    continue
-                flagged.append((lineno, text, line.strip()))
-    return flagged
+class Runs:
+    """Lazy access to bench/runs/<id>/<file>.json."""
 
+    def __init__(self, root):
+        self.root = root
+        self.cache = {}
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("json", nargs="+", help="Google Benchmark JSON files")
-    ap.add_argument("--check", action="append", default=[], metavar="FILE",
-                    help="flag numbers in FILE that no JSON value gives (repeatable)")
-    args = ap.parse_args()
-    datas = []
-    for path in args.json:
-        try:
+    def has_run(self, run_id):
+        return os.path.isfile(os.path.join(self.root, run_id, "run.json"))
+
+    def load(self, run_id, name):
+        key = (run_id, name)
+        if key not in self.cache:
+            path = os.path.join(self.root, run_id, name + ".json")
+            if not os.path.isfile(path):
+                raise RunError(f"run {run_id} has no {name}.json")
             with open(path, encoding="utf-8") as f:
-                data = json.load(f)
-        except (OSError, ValueError) as e:
-            print(f"check_results: {path}: {e}", file=sys.stderr)
+                self.cache[key] = json.load(f)
+        return self.cache[key]
+
+    def value(self, run_id, name, selector, key):
+        if not self.has_run(run_id):
+            raise RunError(f"no run {run_id} (no {run_id}/run.json under {self.root})")
+        data = self.load(run_id, name)
+        if isinstance(data, dict) and "benchmarks" in data:
+            for b in runs(data):
+                if clean_name(b.get("name", "")) == selector:
+                    if b.get("error_occurred"):
+                        raise RunError(f"{run_id}/{name}: {selector} ended in an error")
+                    if key not in b:
+                        raise RunError(f"{run_id}/{name}: {selector} has no counter {key}")
+                    v = b[key]
+                    if isinstance(v, bool) or not isinstance(v, (int, float)):
+                        raise RunError(f"{run_id}/{name}: {selector} {key} is not a number")
+                    return float(v)
+            raise RunError(f"{run_id}/{name}: no case {selector}")
+        if not isinstance(data, dict) or selector not in data:
+            raise RunError(f"{run_id}/{name}: no entry {selector}")
+        entry = data[selector]
+        if not isinstance(entry, dict) or key not in entry:
+            raise RunError(f"{run_id}/{name}: {selector} has no key {key}")
+        v = entry[key]
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise RunError(f"{run_id}/{name}: {selector} {key} is not a number")
+        return float(v)
+
+
+# ------------------------------------------------------------- documents
+
+RUNS_DECL = re.compile(r"<!--\s*runs:\s*(.*?)-->", re.S)
+REF_COMMENT = re.compile(r"<!--@(.*?)-->", re.S)
+SPEC_COMMENT = re.compile(r"<!--\s*spec\s*-->")
+ANY_COMMENT = re.compile(r"<!--.*?-->", re.S)
+# A number: digits with optional thousands separators and decimals.
+NUMBER = re.compile(r"(?<![\w.,/#])(\d{1,3}(?:,\d{3})+|\d+)(\.\d+)?(?!\d|\.\d|,\d{3})")
+# The first end of a range ("49.3-55.2%") takes the unit of the second.
+RANGE_AFTER = re.compile(r"^[-–]\d[\d.,]*(?:\s?(us|µs|ms|s|%|GB/s|TB/s|TFLOP/s)|x)(?![\w/])")
+UNITS = r"(us|µs|ms|s|%|GB/s|TB/s|TFLOP/s|x)"
+# "x" only when attached ("1.57x"): "64 x 4096" is a shape.
+UNIT_AFTER = re.compile(r"^(?:\s?(us|µs|ms|s|%|GB/s|TB/s|TFLOP/s)|x)(?![\w/])")
+OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv}
+
+
+class Problem:
+    def __init__(self, path, lineno, text, why):
+        self.path, self.lineno, self.text, self.why = path, lineno, text, why
+
+    def __str__(self):
+        return f"{self.path}:{self.lineno}: {self.text}: {self.why}"
+
+
+def evaluate(expr, aliases, store):
+    """Value of a reference comment's expression and the unit key of its first REF."""
+    words = expr.split()
+    if not words:
+        raise RunError("empty reference")
+    values, ops, first_key = [], [], None
+    i = 0
+    expect_value = True
+    while i < len(words):
+        w = words[i]
+        if expect_value:
+            if re.fullmatch(r"-?\d+(\.\d+)?", w):
+                values.append(float(w))
+                i += 1
+            else:
+                if i + 4 > len(words):
+                    raise RunError(f"a reference needs ALIAS FILE SELECTOR KEY, got {' '.join(words[i:])!r}")
+                alias, name, selector, key = words[i:i + 4]
+                if alias not in aliases:
+                    raise RunError(f"alias {alias} is not declared (<!-- runs: {alias}=<id> -->)")
+                values.append(store.value(aliases[alias], name, selector, key))
+                if first_key is None:
+                    first_key = key
+                i += 4
+            expect_value = False
+        else:
+            if w not in OPS:
+                raise RunError(f"expected one of + - * /, got {w!r}")
+            ops.append(w)
+            i += 1
+            expect_value = True
+    if expect_value:
+        raise RunError("the reference ends with an operator")
+    # * and / before + and -.
+    vals, pending = [values[0]], []
+    for op, v in zip(ops, values[1:]):
+        if op in "*/":
+            if op == "/" and v == 0:
+                raise RunError("division by zero")
+            vals[-1] = OPS[op](vals[-1], v)
+        else:
+            pending.append(op)
+            vals.append(v)
+    total = vals[0]
+    for op, v in zip(pending, vals[1:]):
+        total = OPS[op](total, v)
+    return total, first_key
+
+
+def unit_scale(key, unit):
+    """Factor from a counter's unit to the unit written after the number."""
+    if key is None:
+        return 1.0
+    if key.endswith("_us") or key == "real_time":
+        return {"ms": 1e-3, "s": 1e-6}.get(unit, 1.0)
+    return 1.0
+
+
+def matches(written, decimals, value):
+    return abs(round(value, decimals) - written) < 0.5 * 10 ** -decimals + 1e-9 * max(1.0, abs(written))
+
+
+def strip_code(line):
+    """The line with inline code spans blanked (same length)."""
+    return re.sub(r"`[^`]*`", lambda m: " " * len(m.group(0)), line)
+
+
+def check_text(path, text, store):
+    problems = []
+    aliases = {}
+    for m in RUNS_DECL.finditer(text):
+        for pair in m.group(1).split():
+            if "=" not in pair:
+                problems.append(Problem(path, text.count("\n", 0, m.start()) + 1, pair,
+                                        "expected ALIAS=RUN in a runs declaration"))
+                continue
+            alias, run_id = pair.split("=", 1)
+            aliases[alias] = run_id
+    visible = ANY_COMMENT.sub("", text)
+    for alias, run_id in aliases.items():
+        lineno = next((n for n, l in enumerate(text.split("\n"), 1) if f"{alias}={run_id}" in l), 1)
+        if not store.has_run(run_id):
+            problems.append(Problem(path, lineno, alias, f"run {run_id} is not saved under {store.root}"))
+        if run_id not in visible:
+            problems.append(Problem(path, lineno, alias,
+                                    f"run {run_id} is declared but never named in the text"))
+    in_fence = False
+    in_spec = False
+    checked = 0
+    for lineno, line in enumerate(text.split("\n"), 1):
+        if line.lstrip().startswith("```"):
+            in_fence = not in_fence
             continue
-        datas.append(data)
-        print(table(path, data))
-    status = 0
-    if args.check:
-        vals = json_values(datas)
-        for path in args.check:
-            flagged = check(path, vals)
-            print(f"## {path}: {len(flagged)} number(s) not found in the JSON")
-            for lineno, text, line in flagged:
-                print(f"{path}:{lineno}: {text}: {line[:120]}")
-            if flagged:
-                status = 1
-    return status
+        if in_fence:
+            continue
+        if re.fullmatch(r"\s*<!--\s*spec\s*-->\s*", line):
+            in_spec = True
+            continue
+        if re.fullmatch(r"\s*<!--\s*/spec\s*-->\s*", line):
+            in_spec = False
+            continue
+        # Comments are replaced by markers at their place: the number before a
+        # marker is the one it speaks for.
+        plain = strip_code(line)
+        refs = []  # (start, end, kind, body)
+        for m in ANY_COMMENT.finditer(plain):
+            body = m.group(0)
+            if body.startswith("<!--@"):
+                refs.append((m.start(), m.end(), "ref", body[5:-3]))
+            elif SPEC_COMMENT.fullmatch(body):
+                refs.append((m.start(), m.end(), "spec", ""))
+            else:
+                refs.append((m.start(), m.end(), "other", ""))
+        in_table = plain.lstrip().startswith("|")
+        claimed = set()
+        for start, end, kind, body in refs:
+            if kind == "other":
+                continue
+            # The number right before the comment (a unit may stand between).
+            before = plain[:start]
+            m = re.search(r"(?<![\w.])(\d{1,3}(?:,\d{3})+|\d+)(\.\d+)?(\s?" + UNITS + r")?\s?$", before)
+            if m is None:
+                problems.append(Problem(path, lineno, body.strip()[:40] or "spec",
+                                        "a reference comment that follows no number"))
+                continue
+            claimed.add(m.start())
+            if kind == "spec":
+                continue
+            written = float((m.group(1) + (m.group(2) or "")).replace(",", ""))
+            decimals = len(m.group(2)) - 1 if m.group(2) else 0
+            unit = (m.group(4) or "").strip()
+            try:
+                value, key = evaluate(body, aliases, store)
+            except RunError as e:
+                problems.append(Problem(path, lineno, m.group(0).strip(), str(e)))
+                continue
+            checked += 1
+            value *= unit_scale(key, unit)
+            if not matches(written, decimals, value):
+                problems.append(Problem(path, lineno, m.group(0).strip(),
+                                        f"the run says {value:.6g} ({body.strip()})"))
+        if in_spec:
+            continue
+        # Unreferenced numbers that look measured.
+        masked = plain
+        for start, end, kind, body in refs:
+            masked = masked[:start] + " " * (end - start) + masked[end:]
+        for m in NUMBER.finditer(masked):
+            if m.start() in claimed:
+                continue
+            after = masked[m.end():]
+            # A reference separated from its number only by a unit claims it.
+            has_unit = UNIT_AFTER.match(after) is not None or RANGE_AFTER.match(after) is not None
+            decimal = m.group(2) is not None
+            if not (has_unit or (in_table and decimal)):
+                continue
+            prefix = masked[:m.start()].rstrip()
+            if prefix.endswith(("≥", "≤", ">", "<", "~", "=", "±")) or prefix.endswith((">=", "<=")):
+                continue
+            if re.search(r"\b(floor|goal|target)\s*$", prefix, re.I):
+                continue
+            word = m.group(0)
+            problems.append(Problem(path, lineno, word + (UNIT_AFTER.match(after).group(0) if UNIT_AFTER.match(after) else ""),
+                                    "a measured-looking number with no reference "
+                                    "(<!--@ ALIAS FILE SELECTOR KEY --> or <!--spec-->)"))
+    return problems, checked
+
+
+def check_files(paths, root):
+    store = Runs(root)
+    all_problems = []
+    total = 0
+    for path in paths:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        problems, checked = check_text(path, text, store)
+        total += checked
+        print(f"{path}: {checked} number(s) checked against their runs, {len(problems)} problem(s)")
+        all_problems.extend(problems)
+    for p in all_problems:
+        print(p)
+    return all_problems, total
+
+
+# ------------------------------------------------------------------ main
+
+
+def load_jsons(paths):
+    out = []
+    for path in paths:
+        files = [path]
+        if os.path.isdir(path):
+            files = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".json"))
+        for p in files:
+            try:
+                with open(p, encoding="utf-8") as f:
+                    data = json.load(f)
+            except (OSError, ValueError) as e:
+                print(f"check_results: {p}: {e}", file=sys.stderr)
+                continue
+            if isinstance(data, dict) and "benchmarks" in data:
+                out.append((p, data))
+    return out
+
+
+def main(argv):
+    if argv and argv[0] not in ("tables", "check", "value", "-h", "--help"):
+        argv = ["tables"] + argv  # the older form: JSON files only
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog=__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    t = sub.add_parser("tables", help="markdown tables of benchmark JSON")
+    t.add_argument("paths", nargs="+")
+    c = sub.add_parser("check", help="check the numbers of documents against their runs")
+    c.add_argument("--runs", default=DEFAULT_RUNS, help="folder of runs (default bench/runs)")
+    c.add_argument("files", nargs="+")
+    v = sub.add_parser("value", help="print one saved value")
+    v.add_argument("--runs", default=DEFAULT_RUNS)
+    v.add_argument("--decimals", type=int, default=None)
+    v.add_argument("run")
+    v.add_argument("file")
+    v.add_argument("selector")
+    v.add_argument("key")
+    args = ap.parse_args(argv)
+    if args.cmd == "tables":
+        for p, data in load_jsons(args.paths):
+            print(table(p, data))
+        return 0
+    if args.cmd == "value":
+        try:
+            x = Runs(args.runs).value(args.run, args.file, args.selector, args.key)
+        except RunError as e:
+            print(f"check_results: {e}", file=sys.stderr)
+            return 1
+        print(fmt(x) if args.decimals is None else f"{x:.{args.decimals}f}")
+        return 0
+    problems, _ = check_files(args.files, args.runs)
+    return 1 if problems else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))
