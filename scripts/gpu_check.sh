@@ -29,9 +29,9 @@ OUT_DIR=$(cd "$OUT_DIR" && pwd)
 if [ -d ./.carry/lib ]; then
   export LD_LIBRARY_PATH="$(cd ./.carry/lib && pwd)${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 fi
-# The real-model K/V/Q the attention tests read (packed by package_for_gpu.sh).
-if [ -z "${FP4KV_REALKV_DIR:-}" ] && [ -d ./.carry/data/realkv ]; then
-  export FP4KV_REALKV_DIR="$(cd ./.carry/data/realkv && pwd)"
+# The real-model K/V/Q the attention tests read (in the working tree).
+if [ -z "${FP4KV_REALKV_DIR:-}" ] && [ -d ./tests/data/realkv ]; then
+  export FP4KV_REALKV_DIR="$(cd ./tests/data/realkv && pwd)"
 fi
 # NCCL (the transfer module dlopens libnccl.so.2): the machine's own copy,
 # from the nvidia-nccl wheel or the CUDA toolkit; NVLink multicast off.

@@ -9,9 +9,9 @@
 # (the shared CUDA runtime) or the system's x86_64-linux-gnu folder, except
 # the C library itself (libc, libm, libpthread, libdl, librt, ld-linux):
 # libfp4kv, libcudart, Abseil, Google Benchmark, libstdc++, libgcc_s.
-# .carry/data holds a copy of tests/data/realkv (point FP4KV_REALKV_DIR at
-# it on the device machine). scripts/gpu_check.sh puts .carry/lib on
-# LD_LIBRARY_PATH.
+# The real-model K/V of tests/data/realkv travel with the working tree
+# (scripts/gpu_check.sh points FP4KV_REALKV_DIR at them). scripts/gpu_check.sh
+# puts .carry/lib on LD_LIBRARY_PATH.
 #
 # libnccl is never packed (200+ MB; the transfer module loads it with dlopen):
 # scripts/gpu_check.sh finds the GPU machine's own copy (the nvidia-nccl
@@ -96,8 +96,6 @@ for exe in "${exes[@]}"; do
       ($3 ~ /^(\/usr)?\/lib\/x86_64-linux-gnu\// || $3 ~ /^\/usr\/local\/cuda/ ||
        index($3, build) == 1) {print $1, $3}')
 done
-mkdir -p .carry/data
-cp -r tests/data/realkv .carry/data/
 
 # The sm_80 code path on a Hopper GPU: the GPU test executables built again
 # with compute_80 PTX only (no SASS), so the driver JIT-compiles the sm_80
