@@ -166,8 +166,9 @@ if [ "${SKIP_TESTS:-0}" != 1 ] && [ "${SKIP_MUTANTS:-0}" != 1 ] && [ -d "$MUTANT
     LD_LIBRARY_PATH="$lib:${LD_LIBRARY_PATH:-}" timeout 600 "$BUILD_DIR/$exe" \
       --gtest_filter="$filter" > "$OUT_DIR/mutant_$name.log" 2>&1
     rc=$?
-    ran=$(grep -cE '^\[ +(OK|FAILED) +\] .*\(' "$OUT_DIR/mutant_$name.log")
-    failed=$(grep -cE '^\[  FAILED  \] .*\(' "$OUT_DIR/mutant_$name.log")
+    # Result lines end in "(N ms)"; the closing list of failures does not.
+    ran=$(grep -cE '^\[ +(OK|FAILED) +\] .*\([0-9]+ ms\)$' "$OUT_DIR/mutant_$name.log")
+    failed=$(grep -cE '^\[  FAILED  \] .*\([0-9]+ ms\)$' "$OUT_DIR/mutant_$name.log")
     if [ "$ran" -eq 0 ]; then
       verdict="MISSED (no test ran; see the log)"; status=1
     elif [ "$failed" -gt 0 ]; then
