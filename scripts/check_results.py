@@ -7,6 +7,8 @@ Usage:
   check_results.py check [--runs DIR] FILE...  every measured number of FILE against its run
   check_results.py value [--runs DIR] RUN FILE SELECTOR KEY [--decimals N]
                                                one saved value (to write a reference)
+  check_results.py fill [--runs DIR] FILE...   replaces {{EXPR|FORMAT UNIT}} placeholders
+                                               with the value and its reference comment
 
 A run is a folder bench/runs/<id>/ written by scripts/gpu_check.sh: run.json (the header:
 commit, GPU, driver, clocks, date), one Google Benchmark JSON per bench (NAME.json),
@@ -18,10 +20,12 @@ How a document quotes a number (the "check" command):
   122.2 us<!--@ A attention_bench BM_X/batch:64 median_us -->
 
 A reference comment follows the number it proves (the unit, if any, may stand between).
-Inside it: REF [OP REF ...], where REF is four words, ALIAS FILE SELECTOR KEY: FILE is a
+Inside it: REF [OP REF ...], where REF is four words, ALIAS FILE SELECTOR KEY (parentheses,
+as separate words, group): FILE is a
 JSON file of the run without ".json"; for Google Benchmark JSON the SELECTOR is the case
 name (as the tables print it: no /manual_time, /real_time or /iterations) and KEY a counter
-or real_time; for any other JSON, data[SELECTOR][KEY]. OP is one of + - * / and a REF may
+or real_time (a name with spaces is written with "_" for each run of spaces); for any
+other JSON, data[SELECTOR][KEY]. OP is one of + - * / and a REF may
 be a plain number, so a ratio reads "REF / REF" and a percentage "REF / REF * 100". The
 written number must equal the value rounded to the decimals written (integers too; "1,234"
 reads 1234); a value of a `*_us` key quoted in ms or s is converted by the unit written.
@@ -170,7 +174,9 @@ class Runs:
         data = self.load(run_id, name)
         if isinstance(data, dict) and "benchmarks" in data:
             for b in runs(data):
-                if clean_name(b.get("name", "")) == selector:
+                # A case name with spaces is referred to with "_" for each run of spaces.
+                name = clean_name(b.get("name", ""))
+                if name == selector or re.sub(r"\s+", "_", name) == selector:
                     if b.get("error_occurred"):
                         raise RunError(f"{run_id}/{name}: {selector} ended in an error")
                     if key not in b:
@@ -205,6 +211,8 @@ UNITS = r"(us|µs|ms|s|%|GB/s|TB/s|TFLOP/s|x)"
 # "x" only when attached ("1.57x"): "64 x 4096" is a shape.
 UNIT_AFTER = re.compile(r"^(?:\s?(us|µs|ms|s|%|GB/s|TB/s|TFLOP/s)|x)(?![\w/])")
 OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv}
+AST_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+           ast.Div: operator.truediv}
 
 
 class Problem:
@@ -216,52 +224,49 @@ class Problem:
 
 
 def evaluate(expr, aliases, store):
-    """Value of a reference comment's expression and the unit key of its first REF."""
+    """Value of a reference comment's expression and the key of its first REF.
+    Words: REF (ALIAS FILE SELECTOR KEY), numbers, + - * / and parentheses."""
     words = expr.split()
     if not words:
         raise RunError("empty reference")
-    values, ops, first_key = [], [], None
+    values, text, first_key = [], [], None
     i = 0
-    expect_value = True
     while i < len(words):
         w = words[i]
-        if expect_value:
-            if re.fullmatch(r"-?\d+(\.\d+)?", w):
-                values.append(float(w))
-                i += 1
-            else:
-                if i + 4 > len(words):
-                    raise RunError(f"a reference needs ALIAS FILE SELECTOR KEY, got {' '.join(words[i:])!r}")
-                alias, name, selector, key = words[i:i + 4]
-                if alias not in aliases:
-                    raise RunError(f"alias {alias} is not declared (<!-- runs: {alias}=<id> -->)")
-                values.append(store.value(aliases[alias], name, selector, key))
-                if first_key is None:
-                    first_key = key
-                i += 4
-            expect_value = False
-        else:
-            if w not in OPS:
-                raise RunError(f"expected one of + - * /, got {w!r}")
-            ops.append(w)
+        if w in OPS or w in ("(", ")") or re.fullmatch(r"\d+(\.\d+)?", w):
+            text.append(w)
             i += 1
-            expect_value = True
-    if expect_value:
-        raise RunError("the reference ends with an operator")
-    # * and / before + and -.
-    vals, pending = [values[0]], []
-    for op, v in zip(ops, values[1:]):
-        if op in "*/":
-            if op == "/" and v == 0:
+            continue
+        if i + 4 > len(words):
+            raise RunError(f"a reference needs ALIAS FILE SELECTOR KEY, got {' '.join(words[i:])!r}")
+        alias, name, selector, key = words[i:i + 4]
+        if alias not in aliases:
+            raise RunError(f"alias {alias} is not declared (<!-- runs: {alias}=<id> -->)")
+        values.append(store.value(aliases[alias], name, selector, key))
+        if first_key is None:
+            first_key = key
+        text.append(f"v{len(values) - 1}")
+        i += 4
+    try:
+        tree = ast.parse(" ".join(text), mode="eval")
+    except SyntaxError:
+        raise RunError(f"not an expression: {expr.strip()!r}")
+
+    def ev(node):
+        if isinstance(node, ast.Expression):
+            return ev(node.body)
+        if isinstance(node, ast.BinOp) and type(node.op) in AST_OPS:
+            right = ev(node.right)
+            if isinstance(node.op, ast.Div) and right == 0:
                 raise RunError("division by zero")
-            vals[-1] = OPS[op](vals[-1], v)
-        else:
-            pending.append(op)
-            vals.append(v)
-    total = vals[0]
-    for op, v in zip(pending, vals[1:]):
-        total = OPS[op](total, v)
-    return total, first_key
+            return AST_OPS[type(node.op)](ev(node.left), right)
+        if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)):
+            return float(node.value)
+        if isinstance(node, ast.Name) and re.fullmatch(r"v\d+", node.id):
+            return values[int(node.id[1:])]
+        raise RunError(f"not an expression: {expr.strip()!r}")
+
+    return ev(tree), first_key
 
 
 def unit_scale(key, unit):
@@ -342,6 +347,10 @@ def check_text(path, text, store):
                 continue
             claimed.add(m.start())
             if kind == "spec":
+                # A spec after a range ("10–50x<!--spec-->") speaks for both ends.
+                r = re.search(r"(?<![\w.])(\d+(?:\.\d+)?)[-–]$", plain[:m.start()])
+                if r is not None:
+                    claimed.add(r.start())
                 continue
             written = float((m.group(1) + (m.group(2) or "")).replace(",", ""))
             decimals = len(m.group(2)) - 1 if m.group(2) else 0
@@ -399,6 +408,36 @@ def check_files(paths, root):
     return all_problems, total
 
 
+# ------------------------------------------------------------------ fill
+
+PLACEHOLDER = re.compile(r"\{\{(.*?)\|\s*([^}]*?)\s*\}\}")
+
+
+def fill_text(text, store):
+    """Replaces every {{EXPR|FORMAT [UNIT]}} with the value and its reference:
+    "{{A attention_bench BM_X median_us|.1f us}}" -> "122.2 us<!--@ A ... -->".
+    FORMAT is a Python format spec (".1f", ",.0f"); UNIT, if given, is written
+    after the number (a *_us value is converted to ms or s as the check does)."""
+    aliases = {}
+    for m in RUNS_DECL.finditer(text):
+        for pair in m.group(1).split():
+            if "=" in pair:
+                a, r = pair.split("=", 1)
+                aliases[a] = r
+
+    def one(m):
+        expr, spec = m.group(1).strip(), m.group(2).split()
+        fmt_spec = spec[0] if spec else ".1f"
+        unit = " ".join(spec[1:])
+        value, key = evaluate(expr, aliases, store)
+        value *= unit_scale(key, unit)
+        number = format(value, fmt_spec)
+        sep = "" if unit in ("", "%", "x") else " "
+        return f"{number}{sep}{unit}<!--@ {expr} -->"
+
+    return PLACEHOLDER.sub(one, text)
+
+
 # ------------------------------------------------------------------ main
 
 
@@ -421,7 +460,7 @@ def load_jsons(paths):
 
 
 def main(argv):
-    if argv and argv[0] not in ("tables", "check", "value", "-h", "--help"):
+    if argv and argv[0] not in ("tables", "check", "value", "fill", "-h", "--help"):
         argv = ["tables"] + argv  # the older form: JSON files only
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -432,6 +471,9 @@ def main(argv):
     c = sub.add_parser("check", help="check the numbers of documents against their runs")
     c.add_argument("--runs", default=DEFAULT_RUNS, help="folder of runs (default bench/runs)")
     c.add_argument("files", nargs="+")
+    fl = sub.add_parser("fill", help="replace {{EXPR|FORMAT UNIT}} placeholders in place")
+    fl.add_argument("--runs", default=DEFAULT_RUNS)
+    fl.add_argument("files", nargs="+")
     v = sub.add_parser("value", help="print one saved value")
     v.add_argument("--runs", default=DEFAULT_RUNS)
     v.add_argument("--decimals", type=int, default=None)
@@ -443,6 +485,19 @@ def main(argv):
     if args.cmd == "tables":
         for p, data in load_jsons(args.paths):
             print(table(p, data))
+        return 0
+    if args.cmd == "fill":
+        store = Runs(args.runs)
+        for path in args.files:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+            try:
+                filled = fill_text(text, store)
+            except RunError as e:
+                print(f"check_results: {path}: {e}", file=sys.stderr)
+                return 1
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(filled)
         return 0
     if args.cmd == "value":
         try:

@@ -66,6 +66,9 @@ def test_matching_numbers_pass(runs):
 
 @pytest.mark.parametrize("bad,why", [
     (f"Decode takes 122.3 us{REF_A}.", "the run says 122.24"),
+    ("Share 0.97<!--@ A attention_bench BM_A/batch:64 median_us / ( A attention_bench "
+     "BM_A/batch:64 median_us + 2.5 ) -->.", "the run says 0.979958"),
+    ("Bad 1.0<!--@ A attention_bench BM_A/batch:64 median_us ) -->.", "not an expression"),
     (f"Decode takes 123 us{REF_A}.", "the run says 122.24"),
     (f"The step takes 6.62 ms{REF_B}.", "the run says 6.6054"),
     (f"Range 49.3-58.3%{PCT_A}.", "no reference"),
@@ -128,3 +131,15 @@ def test_repository_docs_pass():
     problems, checked = check_results.check_files(docs, os.path.join(root, "bench", "runs"))
     assert [str(p) for p in problems] == []
     assert checked > 0
+
+
+def test_fill_writes_numbers_the_check_accepts(runs):
+    text = HEAD + ("Decode {{A attention_bench BM_A/batch:64 median_us|.1f us}}, "
+                   "{{A attention_bench BM_A/batch:64 pct_of_copy|.1f %}} of copy; the step "
+                   "{{A attention_bench BM_B/batch:8 median_us|.2f ms}}, ratio "
+                   "{{A attention_bench BM_B/batch:8 median_us / A attention_bench BM_A/batch:64 median_us|.1f x}}.\n")
+    filled = check_results.fill_text(text, check_results.Runs(str(runs)))
+    assert "122.2 us<!--@" in filled and "58.3%<!--@" in filled and "6.61 ms<!--@" in filled
+    assert "54.0x<!--@" in filled
+    problems, checked = check(runs, filled)
+    assert problems == [] and checked == 4
