@@ -32,7 +32,9 @@
 //     graph_us is the median over the timed steps. Not in it: PrepareStep
 //     (prepare_us: its host time), the upload. kernels_sum_us: the same
 //     kernels launched eagerly, the sum of their event-timed durations
-//     (median of 10 steps). k8 1: the cache keeps FP8 keys (K8V4, NVFP4
+//     (median of 10 steps), and split: append_sum_us (every layer's append)
+//     and read_sum_us (every layer's attention or materialize). k8 1: the
+//     cache keeps FP8 keys (K8V4, NVFP4
 //     values); skipped with the status when the attention op refuses them.
 //   BM_OverlapDecodeLoop/<cuda>/<seqs>/<host_us>/<slots>: a decode loop (1
 //     new token per sequence and step, append + decode attention in every
@@ -370,19 +372,22 @@ void BM_DecodeStepGraph(benchmark::State& state) {
   };
   // Eager, one kernel at a time: the sum of the kernels' times, one step
   // (one PrepareStep) per run.
-  std::vector<double> kernel_sums;
+  std::vector<double> kernel_sums, append_sums, read_sums;
   for (int rep = 0; error.empty() && rep < kEagerSteps; ++rep) {
     if (!prepare()) break;
     const absl::Status st = layers(rep % sets, marks.data());
     if (!check(st.ok(), st.ToString()) || !STEP_CUDA(cudaStreamSynchronize(cs))) break;
-    double sum = 0;
+    double append = 0, read = 0;
     for (int l = 0; l < kLayers; ++l) {
       float a = 0, m = 0;
       STEP_CUDA(cudaEventElapsedTime(&a, marks[2 * l], marks[2 * l + 1]));
       STEP_CUDA(cudaEventElapsedTime(&m, marks[2 * l + 1], marks[2 * l + 2]));
-      sum += a + m;
+      append += a;
+      read += m;
     }
-    kernel_sums.push_back(sum * 1e3);
+    kernel_sums.push_back((append + read) * 1e3);
+    append_sums.push_back(append * 1e3);
+    read_sums.push_back(read * 1e3);
   }
   // One graph per input set, each captured once.
   std::vector<cudaGraph_t> graphs(sets, nullptr);
@@ -425,6 +430,10 @@ void BM_DecodeStepGraph(benchmark::State& state) {
   (void)cudaStreamSynchronize(cs);
   state.counters["graph_us"] = Median(graph_us);
   state.counters["kernels_sum_us"] = Median(kernel_sums);
+  // The same eager steps split: every layer's append, and its read (attention or
+  // materialize), summed over the layers.
+  state.counters["append_sum_us"] = Median(append_sums);
+  state.counters["read_sum_us"] = Median(read_sums);
   state.counters["prepare_us"] = Median(prep_us);
   state.counters["layers"] = kLayers;
   state.counters["seqs"] = seqs;
