@@ -39,7 +39,8 @@ follows a comparison sign (≥ ≤ > < ~), stands in code, or is a commit hash. 
 (exit status 1) on: an unreferenced measured number, a reference whose run, file, case or
 key does not exist, a value that does not match, an undeclared alias, and a run alias that
 no visible text of the document names (each declared run must be named as `<id>`
-somewhere in the file, so a reader can find it).
+somewhere in the file, so a reader can find it), and a PNG picture the document shows
+(![..](x.png)) that is missing or whose "Source" field names no saved run.
 
 Standard library only.
 """
@@ -392,6 +393,54 @@ def check_text(path, text, store):
     return problems, checked
 
 
+IMAGE = re.compile(r"!\[[^\]]*\]\(([^)\s]+\.png)\)")
+
+
+def png_text(path):
+    """The tEXt fields of a PNG file (keyword -> text)."""
+    import struct
+    out = {}
+    with open(path, "rb") as f:
+        if f.read(8) != b"\x89PNG\r\n\x1a\n":
+            raise RunError(f"{path} is not a PNG file")
+        while True:
+            head = f.read(8)
+            if len(head) < 8:
+                break
+            length, kind = struct.unpack(">I4s", head)
+            data = f.read(length)
+            f.read(4)  # CRC
+            if kind == b"tEXt" and b"\0" in data:
+                key, _, text = data.partition(b"\0")
+                out[key.decode("latin-1")] = text.decode("latin-1")
+            if kind == b"IEND":
+                break
+    return out
+
+
+def check_images(path, text, store):
+    """Every PNG a document shows exists and names a saved run in its Source field
+    (scripts/plot_results.py writes it)."""
+    problems = []
+    base = os.path.dirname(os.path.abspath(path))
+    for lineno, line in enumerate(text.split("\n"), 1):
+        for m in IMAGE.finditer(line):
+            img = os.path.join(base, m.group(1))
+            if not os.path.isfile(img):
+                problems.append(Problem(path, lineno, m.group(1), "the picture does not exist"))
+                continue
+            try:
+                source = png_text(img).get("Source", "")
+            except (OSError, RunError) as e:
+                problems.append(Problem(path, lineno, m.group(1), str(e)))
+                continue
+            run_id = os.path.basename(source.rstrip("/"))
+            if not source.startswith("bench/runs/") or not store.has_run(run_id):
+                problems.append(Problem(path, lineno, m.group(1),
+                                        f"the picture names no saved run (Source {source!r})"))
+    return problems
+
+
 def check_files(paths, root):
     store = Runs(root)
     all_problems = []
@@ -400,6 +449,7 @@ def check_files(paths, root):
         with open(path, encoding="utf-8") as f:
             text = f.read()
         problems, checked = check_text(path, text, store)
+        problems += check_images(path, text, store)
         total += checked
         print(f"{path}: {checked} number(s) checked against their runs, {len(problems)} problem(s)")
         all_problems.extend(problems)

@@ -31,7 +31,9 @@ else
   # Cases per binary, skipped ones counted (GPU cases skip without a GPU).
   python3 scripts/test_summary.py build/gtest-json
   bash scripts/test_python.sh build
-  # The docs' numbers against the saved runs (bench/runs), and the checker's own tests.
+  # The docs' numbers and pictures against the saved runs (bench/runs); the pictures of
+  # the newest run drawn again (into build/, installing matplotlib), and the scripts' tests.
   python3 scripts/check_results.py check README.md bench/RESULTS.md
+  bash scripts/plot_results.sh --out build/plots
   python3 -m pytest -q -p no:cacheprovider scripts/tests
 fi

@@ -143,3 +143,32 @@ def test_fill_writes_numbers_the_check_accepts(runs):
     assert "54.0x<!--@" in filled
     problems, checked = check(runs, filled)
     assert problems == [] and checked == 4
+
+
+def _png(path, fields):
+    """A 1x1 PNG with the given tEXt fields (no matplotlib needed)."""
+    import struct
+    import zlib
+
+    def chunk(kind, data):
+        return (struct.pack(">I", len(data)) + kind + data
+                + struct.pack(">I", zlib.crc32(kind + data) & 0xffffffff))
+    body = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 1, 1, 8, 0, 0, 0, 0))
+    for k, v in fields.items():
+        body += chunk(b"tEXt", k.encode("latin-1") + b"\0" + v.encode("latin-1"))
+    body += chunk(b"IDAT", zlib.compress(b"\0\0")) + chunk(b"IEND", b"")
+    path.write_bytes(body)
+
+
+def test_pictures_must_name_a_saved_run(runs, tmp_path):
+    store = check_results.Runs(str(runs))
+    doc = tmp_path / "doc.md"
+    _png(tmp_path / "good.png", {"Source": f"bench/runs/{RUN}"})
+    _png(tmp_path / "stale.png", {"Source": "bench/runs/2025-01-01-h200-0000000"})
+    _png(tmp_path / "bare.png", {})
+    text = "![a](good.png)\n![b](stale.png)\n![c](bare.png)\n![d](missing.png)\n"
+    problems = [str(p) for p in check_results.check_images(str(doc), text, store)]
+    assert len(problems) == 3, problems
+    assert "stale.png" in problems[0] and "names no saved run" in problems[0]
+    assert "bare.png" in problems[1]
+    assert "missing.png" in problems[2] and "does not exist" in problems[2]

@@ -1,0 +1,39 @@
+"""scripts/plot_results.py draws every picture from a saved run on the CPU machine."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.join(HERE, "..", "..")
+sys.path.insert(0, os.path.join(HERE, ".."))
+import check_results  # noqa: E402
+
+matplotlib = pytest.importorskip("matplotlib", reason="matplotlib: bash scripts/plot_results.sh "
+                                 "installs it (scripts/test.sh does)")
+
+
+def test_draws_every_picture_of_the_saved_run(tmp_path):
+    runs = os.path.join(ROOT, "bench", "runs")
+    gpu_runs = sorted(d for d in os.listdir(runs) if "-cpu-" not in d
+                      and os.path.isfile(os.path.join(runs, d, "run.json")))
+    assert gpu_runs, "no saved GPU run"
+    out = subprocess.run([sys.executable, os.path.join(HERE, "..", "plot_results.py"),
+                          "--out", str(tmp_path)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    names = sorted(os.listdir(tmp_path))
+    assert names == ["decode_attention.png", "decode_step.png", "prefill.png", "write_path.png"]
+    for n in names:
+        fields = check_results.png_text(str(tmp_path / n))
+        assert fields["Source"] == f"bench/runs/{gpu_runs[-1]}", n
+        assert os.path.getsize(tmp_path / n) > 10000, n
+
+
+def test_a_missing_run_is_an_error(tmp_path):
+    out = subprocess.run([sys.executable, os.path.join(HERE, "..", "plot_results.py"),
+                          "--run", "2025-01-01-h200-0000000", "--out", str(tmp_path)],
+                         capture_output=True, text=True)
+    assert out.returncode == 1
+    assert "no run 2025-01-01-h200-0000000" in out.stderr
