@@ -5,7 +5,8 @@ drawn from the same JSON so they cannot go stale by hand.
 Usage:
   plot_results.py [--run ID] [--runs DIR] [--out DIR]
 
-  --run   the run to draw (default: the newest GPU run under --runs, by date, then name)
+  --run   the run to draw (default: for each picture, the newest GPU run under --runs that
+          holds its bench; ids begin with the date)
   --runs  the folder of runs (default bench/runs)
   --out   where the PNGs go (default docs/img)
 
@@ -54,12 +55,11 @@ def load_bench(run_dir, bench):
     return {clean(b["name"]): b for b in data.get("benchmarks", []) if not b.get("error_occurred")}
 
 
-def newest_run(runs_dir):
+def gpu_runs(runs_dir):
+    """Saved GPU runs, newest first (ids begin with the date)."""
     ids = [d for d in os.listdir(runs_dir)
            if os.path.isfile(os.path.join(runs_dir, d, "run.json")) and "-cpu-" not in d]
-    if not ids:
-        raise SystemExit(f"plot_results: no GPU run under {runs_dir}")
-    return sorted(ids)[-1]
+    return sorted(ids, reverse=True)
 
 
 def header(run_dir, run_id):
@@ -79,7 +79,8 @@ def save(fig, out_dir, name, title, caption, run_id):
     fig.text(0.5, 0.01, text, ha="center", va="bottom", fontsize=7.5, color="#444")
     fig.tight_layout(rect=(0, 0.03 + 0.025 * text.count("\n"), 1, 0.93))
     path = os.path.join(out_dir, name)
-    fig.savefig(path, dpi=110, metadata={"Title": title, "Source": f"bench/runs/{run_id}",
+    fig.savefig(path, dpi=110, metadata={"Title": f"{title}; {run_line}",
+                                         "Source": f"bench/runs/{run_id}",
                                          "Software": "scripts/plot_results.py"})
     return path
 
@@ -254,20 +255,30 @@ def main(argv):
         print("plot_results: matplotlib is missing (bash scripts/plot_results.sh installs it)",
               file=sys.stderr)
         return 2
-    run_id = args.run or newest_run(args.runs)
-    run_dir = os.path.join(args.runs, run_id)
-    if not os.path.isfile(os.path.join(run_dir, "run.json")):
-        print(f"plot_results: no run {run_id} under {args.runs}", file=sys.stderr)
-        return 1
+    if args.run:
+        if not os.path.isfile(os.path.join(args.runs, args.run, "run.json")):
+            print(f"plot_results: no run {args.run} under {args.runs}", file=sys.stderr)
+            return 1
+        candidates = [args.run]
+    else:
+        candidates = gpu_runs(args.runs)
+        if not candidates:
+            print(f"plot_results: no GPU run under {args.runs}", file=sys.stderr)
+            return 1
     os.makedirs(args.out, exist_ok=True)
-    tail = header(run_dir, run_id)
     made = 0
     for draw in (decode_attention, prefill, write_path, decode_step):
-        path = draw(plt, run_dir, args.out, run_id, tail)
-        plt.close("all")
+        # Each picture from the newest run that has its bench (a run may hold only
+        # some benches); the picture names the run it was drawn from.
+        path = None
+        for run_id in candidates:
+            run_dir = os.path.join(args.runs, run_id)
+            path = draw(plt, run_dir, args.out, run_id, header(run_dir, run_id))
+            plt.close("all")
+            if path is not None:
+                break
         if path is None:
-            print(f"plot_results: {draw.__name__}: its bench is not in run {run_id}",
-                  file=sys.stderr)
+            print(f"plot_results: {draw.__name__}: no run has its bench", file=sys.stderr)
         else:
             print(path)
             made += 1
