@@ -122,29 +122,8 @@ done
 
 # tests.json: passed / failed / skipped per binary (from the gtest JSON), so
 # a published test count names its run like any other number.
-python3 - "$OUT_DIR" <<'PY' || true
-import glob, json, os, sys
-out = sys.argv[1]
-counts = {}
-for path in sorted(glob.glob(os.path.join(out, "*.gtest.json"))):
-    name = os.path.basename(path)[:-len(".gtest.json")]
-    try:
-        data = json.load(open(path))
-    except ValueError:
-        continue
-    c = {"passed": 0, "failed": 0, "skipped": 0}
-    for suite in data.get("testsuites", []):
-        for t in suite.get("testsuite", []):
-            if t.get("result") == "SKIPPED":
-                c["skipped"] += 1
-            elif t.get("failures"):
-                c["failed"] += 1
-            elif t.get("status", "RUN") == "RUN":
-                c["passed"] += 1
-    counts[name] = c
-with open(os.path.join(out, "tests.json"), "w") as f:
-    json.dump(counts, f, indent=1, sort_keys=True)
-PY
+python3 "$(dirname "$0")/test_summary.py" "$OUT_DIR" --suffix .gtest.json \
+  --json "$OUT_DIR/tests.json" > /dev/null || true
 
 # ------------------------------------------------------- mutant libraries
 # scripts/build_mutants.sh packs libraries with one cross-stream wait taken

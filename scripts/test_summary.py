@@ -4,8 +4,8 @@ that GTEST_OUTPUT=json:DIR/ makes every binary write (scripts/test.sh sets it
 for ctest). A binary whose cases all skipped is named as such: without a GPU
 the GPU cases skip, and ctest alone would count such a binary as passed.
 
-Usage: test_summary.py DIR
-Standard library only."""
+Usage: test_summary.py DIR [--suffix .gtest.json] [--json tests.json]
+(scripts/gpu_check.sh writes a run's tests.json with it.) Standard library only."""
 
 import glob
 import json
@@ -29,18 +29,26 @@ def counts(path):
 
 
 def main(argv):
-    if len(argv) != 1:
-        print(__doc__, file=sys.stderr)
-        return 2
+    import argparse
+    ap = argparse.ArgumentParser(description="gtest cases per binary")
+    ap.add_argument("dir", help="folder of gtest JSON files")
+    ap.add_argument("--suffix", default=".json",
+                    help="file name ending of the gtest JSON files (default .json)")
+    ap.add_argument("--json", metavar="FILE",
+                    help="also write {binary: {passed, failed, skipped}} to FILE")
+    args = ap.parse_args(argv)
     rows = []
-    for path in sorted(glob.glob(os.path.join(argv[0], "*.json"))):
+    for path in sorted(glob.glob(os.path.join(args.dir, "*" + args.suffix))):
         try:
-            rows.append((os.path.basename(path)[:-5], counts(path)))
+            rows.append((os.path.basename(path)[:-len(args.suffix)], counts(path)))
         except (OSError, ValueError) as e:
             print(f"test_summary: {path}: {e}", file=sys.stderr)
     if not rows:
-        print(f"test_summary: no gtest JSON in {argv[0]}", file=sys.stderr)
+        print(f"test_summary: no gtest JSON in {args.dir}", file=sys.stderr)
         return 1
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(dict(rows), f, indent=1, sort_keys=True)
     print(f"{'binary':32} {'passed':>7} {'failed':>7} {'skipped':>8}  note")
     total = {"passed": 0, "failed": 0, "skipped": 0}
     for name, c in rows:
