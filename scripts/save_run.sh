@@ -5,7 +5,8 @@
 # run id of its run.json (<date>-<gpu>-<commit>). A second part of the same
 # run (another device call on the same machine and commit: tests in one,
 # benches in the other) is merged into the folder; its header is kept in
-# run.json under "parts" and its summary appended to summary.txt.
+# run.json under "parts", its summary appended to summary.txt, its tests.json
+# merged, and any other file the folder already has kept as NAME.partN.EXT.
 #
 # Usage: scripts/save_run.sh RUN.tgz [ID]   (ID overrides the id of run.json)
 set -euo pipefail
@@ -24,9 +25,11 @@ src, dest, run_id = sys.argv[1:]
 new = json.load(open(os.path.join(src, "run.json")))
 new["id"] = run_id
 head_path = os.path.join(dest, "run.json")
+part = 1
 if os.path.exists(head_path):
     head = json.load(open(head_path))
     head.setdefault("parts", []).append(new)
+    part = len(head["parts"]) + 1
 else:
     head = new
 for name in sorted(os.listdir(src)):
@@ -41,6 +44,11 @@ for name in sorted(os.listdir(src)):
         merged = json.load(open(q))
         merged.update(json.load(open(p)))
         json.dump(merged, open(q, "w"), indent=1, sort_keys=True)
+    elif os.path.exists(q):
+        # A file the earlier part has too (its gpu_check.log, nvidia-smi.txt):
+        # kept beside it as NAME.partN.EXT.
+        stem, ext = os.path.splitext(name)
+        shutil.copyfile(p, os.path.join(dest, f"{stem}.part{part}{ext}"))
     else:
         shutil.copyfile(p, q)
 json.dump(head, open(head_path, "w"), indent=2)

@@ -10,6 +10,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <functional>
 #include <map>
 #include <optional>
 #include <random>
@@ -528,20 +529,16 @@ void SwapTest::RunSwapFuzz(int check_every) {
 // back 20 ms, so a re-encode that did not wait would be overwritten by the
 // old bytes). The swapped sequence's fork kept the shared pages on the device
 // and is re-encoded in place: both must end up with the same image.
-TEST_P(SwapTest, ReencodeAfterSwapInWaitsForItsCopy) {
-  KVCache cache = testing::CreateCacheOrAbort(SwapOptions(device_, 30, 20));
-  Model m(&cache, stream_, 5);
-  const SequenceId x = m.Create();
-  ASSERT_TRUE(m.Step({{x, 10}}).ok());
-  // A first re-encode with nothing in flight loads its kernel: a first
-  // (lazy) kernel load waits for the whole device, the held copy included,
-  // and would hide a missing wait below.
-  ASSERT_TRUE(cache.UpdateGlobalScales({0.4f, 1.25f}, {0.625f, 2.5f}, stream_,
-                                       StoredTokens::kReencode)
-                  .ok());
-  Sync();
+// `change` makes the re-encoding scale change; the caller has made one
+// already with nothing in flight, so that the kernels it launches are loaded
+// (a first, lazy kernel load waits for the whole device, the held copy
+// included, and would hide a missing wait).
+void ExpectScaleChangeAfterSwapInWaitsForItsCopy(KVCache& cache, Model& m, SequenceId x,
+                                                 const std::function<absl::Status()>& change,
+                                                 const Device& device, Stream stream,
+                                                 const std::function<void()>& sync) {
   const SequenceId y = cache.ForkSequence(x).value();
-  ASSERT_TRUE(cache.SwapOut(x, stream_).ok());
+  ASSERT_TRUE(cache.SwapOut(x, stream).ok());
   // Two steps of another sequence retire the swap-out (its device pages are
   // let go), so the SwapIn below copies back into fresh pages.
   const SequenceId z = m.Create();
@@ -552,26 +549,42 @@ TEST_P(SwapTest, ReencodeAfterSwapInWaitsForItsCopy) {
   const int64_t bytes = cache.ExportedBytes(y).value();
   std::vector<uint64_t> before(static_cast<size_t>(bytes / 8 + 2)), img_x(before.size()),
       img_y(before.size());
-  ASSERT_TRUE(cache.ExportSequence(y, before.data(), bytes, stream_).ok());
-  Sync();
+  ASSERT_TRUE(cache.ExportSequence(y, before.data(), bytes, stream).ok());
+  sync();
   const int64_t swapped_in = cache.Stats().bytes_swapped_in;
   {
-    const testing::ScopedPageCopyDelay delay(device_.is_cuda() ? 20000 : 0);
-    ASSERT_TRUE(cache.SwapIn(x, stream_).ok());
+    const testing::ScopedPageCopyDelay delay(device.is_cuda() ? 20000 : 0);
+    ASSERT_TRUE(cache.SwapIn(x, stream).ok());
   }
   ASSERT_GT(cache.Stats().bytes_swapped_in, swapped_in) << "the SwapIn copied nothing";
-  ASSERT_TRUE(cache.UpdateGlobalScales({0.25f, 1.0f}, {0.5f, 3.0f}, stream_,
-                                       StoredTokens::kReencode)
-                  .ok());
+  ASSERT_TRUE(change().ok());
   ASSERT_TRUE(cache.SynchronizeSwaps().ok());
-  Sync();
+  sync();
   ASSERT_EQ(cache.ExportedBytes(x).value(), bytes);
-  ASSERT_TRUE(cache.ExportSequence(x, img_x.data(), bytes, stream_).ok());
-  ASSERT_TRUE(cache.ExportSequence(y, img_y.data(), bytes, stream_).ok());
-  Sync();
+  ASSERT_TRUE(cache.ExportSequence(x, img_x.data(), bytes, stream).ok());
+  ASSERT_TRUE(cache.ExportSequence(y, img_y.data(), bytes, stream).ok());
+  sync();
   EXPECT_FALSE(img_y == before) << "the scale change re-encoded nothing";
   EXPECT_TRUE(img_x == img_y) << "the swapped-in pages were not re-encoded after their copy";
   EXPECT_TRUE(cache.CheckInvariants().ok()) << cache.CheckInvariants();
+}
+
+TEST_P(SwapTest, ReencodeAfterSwapInWaitsForItsCopy) {
+  KVCache cache = testing::CreateCacheOrAbort(SwapOptions(device_, 30, 20));
+  Model m(&cache, stream_, 5);
+  const SequenceId x = m.Create();
+  ASSERT_TRUE(m.Step({{x, 10}}).ok());
+  ASSERT_TRUE(cache.UpdateGlobalScales({0.4f, 1.25f}, {0.625f, 2.5f}, stream_,
+                                       StoredTokens::kReencode)
+                  .ok());
+  Sync();
+  ExpectScaleChangeAfterSwapInWaitsForItsCopy(
+      cache, m, x,
+      [&] {
+        return cache.UpdateGlobalScales({0.25f, 1.0f}, {0.5f, 3.0f}, stream_,
+                                        StoredTokens::kReencode);
+      },
+      device_, stream_, [&] { Sync(); });
 }
 
 // The same for a re-encoding calibration (CalibrateGlobalScales with
@@ -584,9 +597,9 @@ TEST_P(SwapTest, CalibrateAfterSwapInWaitsForItsCopy) {
   ASSERT_TRUE(m.Step({{x, 10}}).ok());
   constexpr int kRows = 8;
   const KVCacheOptions& o = cache.options();
-  const int hk = o.geometry.num_kv_heads;
-  absl::StatusOr<Calibrator> cal = Calibrator::Create(
-      {kRows * hk * o.geometry.head_dim_k, DType::kBF16, device_, o.recipe});
+  const int hk = o.geometry.num_kv_heads, dk = o.geometry.head_dim_k, dv = o.geometry.head_dim_v;
+  absl::StatusOr<Calibrator> cal =
+      Calibrator::Create({kRows * hk * dk, DType::kBF16, device_, o.recipe});
   ASSERT_TRUE(cal.ok()) << cal.status();
   // Rows of two magnitudes: the second calibration changes the scales again.
   auto rows = [&](int dim, float scale, uint32_t seed) {
@@ -596,58 +609,21 @@ TEST_P(SwapTest, CalibrateAfterSwapInWaitsForItsCopy) {
     for (uint16_t& x : r) x = FloatToBf16Bits(normal(rng));
     return r;
   };
-  testing::Buffer k1(device_, kRows * hk * o.geometry.head_dim_k * 2),
-      v1(device_, kRows * hk * o.geometry.head_dim_v * 2),
-      k2(device_, kRows * hk * o.geometry.head_dim_k * 2),
-      v2(device_, kRows * hk * o.geometry.head_dim_v * 2);
-  const std::vector<uint16_t> k1h = rows(o.geometry.head_dim_k, 3.0f, 1),
-                              v1h = rows(o.geometry.head_dim_v, 0.5f, 2),
-                              k2h = rows(o.geometry.head_dim_k, 9.0f, 3),
-                              v2h = rows(o.geometry.head_dim_v, 2.0f, 4);
+  testing::Buffer k1(device_, kRows * hk * dk * 2), v1(device_, kRows * hk * dv * 2),
+      k2(device_, kRows * hk * dk * 2), v2(device_, kRows * hk * dv * 2);
+  const std::vector<uint16_t> k1h = rows(dk, 3.0f, 1), v1h = rows(dv, 0.5f, 2),
+                              k2h = rows(dk, 9.0f, 3), v2h = rows(dv, 2.0f, 4);
   ASSERT_TRUE(k1.Upload(k1h.data(), k1h.size() * 2) && v1.Upload(v1h.data(), v1h.size() * 2) &&
               k2.Upload(k2h.data(), k2h.size() * 2) && v2.Upload(v2h.data(), v2h.size() * 2));
-  auto view = [&](testing::Buffer& b, int dim) {
-    return b.View(DType::kBF16, {kRows, hk, dim});
+  auto calibrate = [&](testing::Buffer& k, testing::Buffer& v) {
+    return cache.CalibrateGlobalScales(0, k.View(DType::kBF16, {kRows, hk, dk}),
+                                       v.View(DType::kBF16, {kRows, hk, dv}), *cal, stream_,
+                                       StoredTokens::kReencode);
   };
-  // A first re-encoding calibration with nothing in flight loads the
-  // calibration and re-encode kernels (a lazy first load waits for the whole
-  // device and would hide a missing wait below).
-  ASSERT_TRUE(cache.CalibrateGlobalScales(0, view(k1, o.geometry.head_dim_k),
-                                          view(v1, o.geometry.head_dim_v), *cal, stream_,
-                                          StoredTokens::kReencode)
-                  .ok());
+  ASSERT_TRUE(calibrate(k1, v1).ok());
   Sync();
-  const SequenceId y = cache.ForkSequence(x).value();
-  ASSERT_TRUE(cache.SwapOut(x, stream_).ok());
-  const SequenceId z = m.Create();
-  ASSERT_TRUE(m.Step({{z, 1}}).ok());
-  ASSERT_TRUE(m.Step({{z, 1}}).ok());
-  ASSERT_TRUE(cache.SynchronizeSwaps().ok());
-  ASSERT_EQ(cache.Stats().swaps_in_flight, 0);
-  const int64_t bytes = cache.ExportedBytes(y).value();
-  std::vector<uint64_t> before(static_cast<size_t>(bytes / 8 + 2)), img_x(before.size()),
-      img_y(before.size());
-  ASSERT_TRUE(cache.ExportSequence(y, before.data(), bytes, stream_).ok());
-  Sync();
-  const int64_t swapped_in = cache.Stats().bytes_swapped_in;
-  {
-    const testing::ScopedPageCopyDelay delay(device_.is_cuda() ? 20000 : 0);
-    ASSERT_TRUE(cache.SwapIn(x, stream_).ok());
-  }
-  ASSERT_GT(cache.Stats().bytes_swapped_in, swapped_in) << "the SwapIn copied nothing";
-  ASSERT_TRUE(cache.CalibrateGlobalScales(0, view(k2, o.geometry.head_dim_k),
-                                          view(v2, o.geometry.head_dim_v), *cal, stream_,
-                                          StoredTokens::kReencode)
-                  .ok());
-  ASSERT_TRUE(cache.SynchronizeSwaps().ok());
-  Sync();
-  ASSERT_EQ(cache.ExportedBytes(x).value(), bytes);
-  ASSERT_TRUE(cache.ExportSequence(x, img_x.data(), bytes, stream_).ok());
-  ASSERT_TRUE(cache.ExportSequence(y, img_y.data(), bytes, stream_).ok());
-  Sync();
-  EXPECT_FALSE(img_y == before) << "the calibration re-encoded nothing";
-  EXPECT_TRUE(img_x == img_y) << "the swapped-in pages were not re-encoded after their copy";
-  EXPECT_TRUE(cache.CheckInvariants().ok()) << cache.CheckInvariants();
+  ExpectScaleChangeAfterSwapInWaitsForItsCopy(
+      cache, m, x, [&] { return calibrate(k2, v2); }, device_, stream_, [&] { Sync(); });
 }
 
 TEST_P(SwapTest, FuzzSwapsInterleavedWithSteps) { RunSwapFuzz(1); }
