@@ -3,7 +3,7 @@
 # scripts/gpu_check.sh output folder (run.json, test logs and gtest JSON,
 # bench JSON and logs, summary.txt) into bench/runs/<id>/, <id> being the
 # run id of its run.json (<date>-<gpu>-<commit>). A second part of the same
-# run (another device call on the same machine and commit: tests in one,
+# run (another gpu_check.sh on the same machine and commit: tests in one,
 # benches in the other) is merged into the folder; its header is kept in
 # run.json under "parts", its summary appended to summary.txt, its tests.json
 # merged, and any other file the folder already has kept as NAME.partN.EXT.
