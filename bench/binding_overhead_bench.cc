@@ -9,6 +9,15 @@
 // from the Python timings is the cost of the binding (argument parsing,
 // DLPack import of each tensor, the exception check, the GIL release).
 // Eager calls, median of the repetitions.
+//
+//   BM_CppAttentionRunCuda/<q_len>: host time of one bound CacheAttention::Run
+//     on a CUDA cache (bf16, 32 qo / 8 KV heads, head_dim 128, page size 16, 8
+//     sequences of 512 tokens; q_len 1: decode rows, 64: the prefill path):
+//     the checks, the parameter fill and the kernel launches it enqueues (two
+//     for decode, three with the prefill kernel). The stream is synchronized
+//     every 64 calls outside the timing, so the launch queue never fills.
+#include <cuda_runtime_api.h>
+
 #include <cstdint>
 #include <vector>
 
@@ -80,6 +89,92 @@ void BM_CppAttentionRun(benchmark::State& state) {
   }
 }
 BENCHMARK(BM_CppAttentionRun)->Repetitions(15)->ReportAggregatesOnly(true);
+
+bool HaveGpu() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+}
+
+void BM_CppAttentionRunCuda(benchmark::State& state) {
+  if (!HaveGpu()) {
+    state.SkipWithError("no CUDA GPU");
+    return;
+  }
+  constexpr int kSeqs = 8, kLen = 512, kQo = 32, kKv = 8, kD = 128;
+  const int q_len = static_cast<int>(state.range(0));
+  fp4kv::KVCacheOptions o;
+  o.num_layers = 2;
+  o.geometry.num_kv_heads = kKv;
+  o.geometry.head_dim_k = o.geometry.head_dim_v = kD;
+  o.geometry.page_size = 16;
+  o.geometry.num_pages = 1024;
+  o.k_global_scales = {0.01f, 0.01f};
+  o.v_global_scales = {0.01f, 0.01f};
+  o.max_seqs_per_step = kSeqs;
+  o.max_tokens_per_step = kSeqs * 64;
+  o.device = fp4kv::Device::Cuda(0);
+  absl::StatusOr<fp4kv::KVCache> cache = fp4kv::KVCache::Create(o);
+  if (!cache.ok()) {
+    state.SkipWithError(cache.status().ToString().c_str());
+    return;
+  }
+  std::vector<fp4kv::StepEntry> entries;
+  for (int i = 0; i < kSeqs; ++i) entries.push_back({*cache->CreateSequence(), kLen - q_len});
+  (void)*cache->PrepareStep(entries);
+  for (fp4kv::StepEntry& e : entries) e.num_new_tokens = q_len;
+  (void)*cache->PrepareStep(entries);
+  fp4kv::CacheAttentionOptions a;
+  a.num_qo_heads = kQo;
+  a.dtype = fp4kv::DType::kBF16;
+  a.max_q_len = q_len;
+  absl::StatusOr<fp4kv::CacheAttention> attend = cache->attention(a);
+  if (!attend.ok()) {
+    state.SkipWithError(attend.status().ToString().c_str());
+    return;
+  }
+  const int64_t rows = int64_t{kSeqs} * q_len;
+  void *q = nullptr, *out = nullptr, *ws = nullptr;
+  const int64_t ws_bytes = attend->WorkspaceBytes();
+  if (cudaMalloc(&q, rows * kQo * kD * 2) != cudaSuccess ||
+      cudaMalloc(&out, rows * kQo * kD * 2) != cudaSuccess ||
+      cudaMalloc(&ws, ws_bytes > 0 ? ws_bytes : 256) != cudaSuccess ||
+      cudaMemset(q, 0, rows * kQo * kD * 2) != cudaSuccess) {
+    state.SkipWithError("cudaMalloc failed");
+    return;
+  }
+  const fp4kv::Device dev = fp4kv::Device::Cuda(0);
+  const fp4kv::TensorView qv =
+      fp4kv::TensorView::Contiguous(q, fp4kv::DType::kBF16, {rows, kQo, kD}, dev);
+  const fp4kv::TensorView ov =
+      fp4kv::TensorView::Contiguous(out, fp4kv::DType::kBF16, {rows, kQo, kD}, dev);
+  cudaStream_t stream = nullptr;
+  (void)cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+  int64_t calls = 0;
+  for (auto _ : state) {
+    absl::Status st = attend->Run(static_cast<int>(calls & 1), qv, ov, ws, ws_bytes, stream);
+    if (!st.ok()) {
+      state.SkipWithError(st.ToString().c_str());
+      break;
+    }
+    if (++calls % 64 == 0) {
+      state.PauseTiming();
+      (void)cudaStreamSynchronize(stream);
+      state.ResumeTiming();
+    }
+  }
+  (void)cudaStreamSynchronize(stream);
+  (void)cudaStreamDestroy(stream);
+  (void)cudaFree(q);
+  (void)cudaFree(out);
+  (void)cudaFree(ws);
+}
+BENCHMARK(BM_CppAttentionRunCuda)
+    ->ArgName("q_len")
+    ->Arg(1)
+    ->Arg(64)
+    ->Repetitions(15)
+    ->ReportAggregatesOnly(true)
+    ->UseRealTime();
 
 }  // namespace
 
