@@ -99,15 +99,19 @@ inline T Take(absl::StatusOr<T>&& r) {
   return *std::move(r);
 }
 
-// Runs `f` (a C++ call that touches no Python object) without the GIL. Only
-// the functional ops do (they touch caller memory only, and may run
-// concurrently, ops.h); calls on a KVCache and its bound ops keep the GIL, so
-// Python threads cannot break the cache's rule that its calls are
-// serialized.
+// Runs `f` (a C++ call that touches no Python object and returns a Status)
+// without the GIL, then raises its non-OK Status. Only the functional ops do
+// (they touch caller memory only, and may run concurrently, ops.h); calls on a
+// KVCache and its bound ops keep the GIL, so Python threads cannot break the
+// cache's rule that its calls are serialized.
 template <typename F>
-inline absl::Status NoGil(F&& f) {
-  nb::gil_scoped_release release;
-  return f();
+inline void RunWithoutGil(F&& f) {
+  absl::Status s;
+  {
+    nb::gil_scoped_release release;
+    s = f();
+  }
+  Check(s);
 }
 
 // ------------------------------------------------------------ tensors

@@ -49,7 +49,7 @@ void RegisterOps(nb::module_& m) {
               a.scale_events = static_cast<uint64_t*>(e.data);
             }
             const PagedCache& c = WritableCache(cache);
-            Check(NoGil([&] { return op.Run(a, c, StreamOf(stream)); }));
+            RunWithoutGil([&] { return op.Run(a, c, StreamOf(stream)); });
           },
           "cache"_a, "key"_a, "value"_a, nb::kw_only(), "slot_mapping"_a = nb::none(),
           "batch_indices"_a = nb::none(), "positions"_a = nb::none(), "kv_indices"_a = nb::none(),
@@ -83,7 +83,8 @@ void RegisterOps(nb::module_& m) {
             a.v_out = Out(v_out, "v_out");
             a.k_scale = ScaleOf(k_scale, "k_scale");
             a.v_scale = ScaleOf(v_scale, "v_scale");
-            Check(NoGil([&] { return op.Run(a, cache.cache, StreamOf(stream)); }));
+            RunWithoutGil(
+                [&] { return op.Run(a, cache.cache, StreamOf(stream)); });
           },
           "cache"_a, "block_tables"_a, "seq_lens"_a, "k_out"_a, "v_out"_a, nb::kw_only(),
           "k_scale"_a = 1.0f, "v_scale"_a = 1.0f, "stream"_a = 0);
@@ -118,7 +119,8 @@ void RegisterOps(nb::module_& m) {
             a.v_scale = ScaleOf(v_scale, "v_scale");
             a.k_fp8_scale = ScaleOf(k_fp8_scale, "k_fp8_scale");
             a.v_fp8_scale = ScaleOf(v_fp8_scale, "v_fp8_scale");
-            Check(NoGil([&] { return op.Run(a, cache.cache, StreamOf(stream)); }));
+            RunWithoutGil(
+                [&] { return op.Run(a, cache.cache, StreamOf(stream)); });
           },
           "cache"_a, "block_tables"_a, "seq_lens"_a, "kv_page_indptr"_a, "out"_a,
           "fp8_block_tables"_a, nb::kw_only(), "k_scale"_a, "v_scale"_a, "k_fp8_scale"_a,
@@ -143,7 +145,8 @@ void RegisterOps(nb::module_& m) {
             const TensorView i = In(input, "input"), p = Out(packed, "packed"),
                              s = Out(scales, "scales");
             const GlobalScale g = ScaleOf(global_scale, "global_scale");
-            Check(NoGil([&] { return op.Quantize(i, p, s, g, StreamOf(stream)); }));
+            RunWithoutGil(
+                [&] { return op.Quantize(i, p, s, g, StreamOf(stream)); });
           },
           "input"_a, "packed"_a, "scales"_a, "global_scale"_a, "stream"_a = 0)
       .def(
@@ -153,7 +156,8 @@ void RegisterOps(nb::module_& m) {
             const TensorView p = In(packed, "packed"), s = In(scales, "scales"),
                              o = Out(output, "output");
             const GlobalScale g = ScaleOf(global_scale, "global_scale");
-            Check(NoGil([&] { return op.Dequantize(p, s, o, g, StreamOf(stream)); }));
+            RunWithoutGil(
+                [&] { return op.Dequantize(p, s, o, g, StreamOf(stream)); });
           },
           "packed"_a, "scales"_a, "output"_a, "global_scale"_a, "stream"_a = 0);
 
@@ -194,7 +198,7 @@ void RegisterOps(nb::module_& m) {
             a.k_scale_out = FloatOut(k_scale_out, "k_scale_out");
             a.v_scale_out = FloatOut(v_scale_out, "v_scale_out");
             const PagedCache& c = WritableCache(cache);
-            Check(NoGil([&] { return op.Run(a, c, StreamOf(stream)); }));
+            RunWithoutGil([&] { return op.Run(a, c, StreamOf(stream)); });
           },
           "source"_a, "cache"_a, nb::kw_only(), "src_pages"_a = nb::none(),
           "dst_pages"_a = nb::none(), "num_tokens"_a = -1, "k_scale"_a = 1.0f, "v_scale"_a = 1.0f,
@@ -246,7 +250,9 @@ void RegisterOps(nb::module_& m) {
             a.k_scale = ScaleOf(k_scale, "k_scale");
             a.v_scale = ScaleOf(v_scale, "v_scale");
             const Bytes w = OutBytes(workspace, "workspace");
-            Check(NoGil([&] { return op.Run(a, cache.cache, w.data, w.size, StreamOf(stream)); }));
+            RunWithoutGil([&] {
+              return op.Run(a, cache.cache, w.data, w.size, StreamOf(stream));
+            });
           },
           "cache"_a, "q"_a, "block_tables"_a, "seq_lens"_a, "out"_a, nb::kw_only(),
           "q_indptr"_a = nb::none(), "lse"_a = nb::none(), "sinks"_a = nb::none(),
@@ -274,10 +280,10 @@ void RegisterOps(nb::module_& m) {
             float* g = FloatOut(global_scale, "global_scale");
             float* a = FloatOut(amax, "amax");
             float* f = FloatOut(fp8_scale, "fp8_scale");
-            Check(NoGil([&] {
+            RunWithoutGil([&] {
               return fp8_key ? c.RunFp8Key(i, a, g, StreamOf(stream), f)
                              : c.Run(i, a, g, StreamOf(stream), f);
-            }));
+            });
           },
           "input"_a, "global_scale"_a, nb::kw_only(), "amax"_a = nb::none(),
           "fp8_scale"_a = nb::none(), "fp8_key"_a = false, "stream"_a = 0,
@@ -296,9 +302,9 @@ void RegisterOps(nb::module_& m) {
                          kl = In(kv_last_page_len, "kv_last_page_len");
         const GlobalScale ks = ScaleOf(k_scale, "k_scale"), vs = ScaleOf(v_scale, "v_scale");
         const PagedCache& c = WritableCache(cache);
-        Check(NoGil([&] {
+        RunWithoutGil([&] {
           return QuantizeAppendPaged(k, v, b, p, c, ki, kp, kl, ks, vs, recipe, StreamOf(stream));
-        }));
+        });
       },
       "key"_a, "value"_a, "batch_indices"_a, "positions"_a, "cache"_a, "kv_indices"_a,
       "kv_indptr"_a, "kv_last_page_len"_a, "k_scale"_a, "v_scale"_a, "recipe"_a = Recipe(),
@@ -311,8 +317,10 @@ void RegisterOps(nb::module_& m) {
                          s = In(slot_mapping, "slot_mapping");
         const GlobalScale ks = ScaleOf(k_scale, "k_scale"), vs = ScaleOf(v_scale, "v_scale");
         const PagedCache& c = WritableCache(cache);
-        Check(NoGil(
-            [&] { return QuantizeAppendBySlot(k, v, s, c, ks, vs, recipe, StreamOf(stream)); }));
+        RunWithoutGil([&] {
+          return QuantizeAppendBySlot(k, v, s, c, ks, vs, recipe,
+                                      StreamOf(stream));
+        });
       },
       "key"_a, "value"_a, "slot_mapping"_a, "cache"_a, "k_scale"_a, "v_scale"_a,
       "recipe"_a = Recipe(), "stream"_a = 0);
@@ -323,8 +331,10 @@ void RegisterOps(nb::module_& m) {
         const TensorView b = In(block_tables, "block_tables"), s = In(seq_lens, "seq_lens"),
                          ko = Out(k_out, "k_out"), vo = Out(v_out, "v_out");
         const GlobalScale ks = ScaleOf(k_scale, "k_scale"), vs = ScaleOf(v_scale, "v_scale");
-        Check(NoGil(
-            [&] { return DequantizePaged(cache.cache, b, s, ko, vo, ks, vs, StreamOf(stream)); }));
+        RunWithoutGil([&] {
+          return DequantizePaged(cache.cache, b, s, ko, vo, ks, vs,
+                                 StreamOf(stream));
+        });
       },
       "cache"_a, "block_tables"_a, "seq_lens"_a, "k_out"_a, "v_out"_a, "k_scale"_a, "v_scale"_a,
       "stream"_a = 0);
@@ -339,9 +349,9 @@ void RegisterOps(nb::module_& m) {
         const GlobalScale ks = ScaleOf(k_scale, "k_scale"), vs = ScaleOf(v_scale, "v_scale"),
                           kf = ScaleOf(k_fp8_scale, "k_fp8_scale"),
                           vf = ScaleOf(v_fp8_scale, "v_fp8_scale");
-        Check(NoGil([&] {
+        RunWithoutGil([&] {
           return MaterializeFp8(cache.cache, b, s, ip, o, f, ks, vs, kf, vf, StreamOf(stream));
-        }));
+        });
       },
       "cache"_a, "block_tables"_a, "seq_lens"_a, "kv_page_indptr"_a, "out"_a, "fp8_block_tables"_a,
       "k_scale"_a, "v_scale"_a, "k_fp8_scale"_a, "v_fp8_scale"_a, "stream"_a = 0);
@@ -354,9 +364,9 @@ void RegisterOps(nb::module_& m) {
         float* ko = FloatOut(k_scale_out, "k_scale_out");
         float* vo = FloatOut(v_scale_out, "v_scale_out");
         const PagedCache& c = WritableCache(cache);
-        Check(NoGil([&] {
+        RunWithoutGil([&] {
           return QuantizePagedCache(source.cache, c, ks, vs, ko, vo, recipe, StreamOf(stream));
-        }));
+        });
       },
       "source"_a, "cache"_a, "k_scale"_a = 1.0f, "v_scale"_a = 1.0f, "k_scale_out"_a = nb::none(),
       "v_scale_out"_a = nb::none(), "recipe"_a = Recipe(), "stream"_a = 0);
@@ -367,7 +377,9 @@ void RegisterOps(nb::module_& m) {
         const TensorView i = In(input, "input"), p = Out(packed, "packed"),
                          s = Out(scales, "scales");
         const GlobalScale g = ScaleOf(global_scale, "global_scale");
-        Check(NoGil([&] { return QuantizeLinear(i, p, s, g, recipe, StreamOf(stream)); }));
+        RunWithoutGil([&] {
+          return QuantizeLinear(i, p, s, g, recipe, StreamOf(stream));
+        });
       },
       "input"_a, "packed"_a, "scales"_a, "global_scale"_a, "recipe"_a = Recipe(), "stream"_a = 0);
   m.def(
@@ -377,7 +389,8 @@ void RegisterOps(nb::module_& m) {
         const TensorView p = In(packed, "packed"), s = In(scales, "scales"),
                          o = Out(output, "output");
         const GlobalScale g = ScaleOf(global_scale, "global_scale");
-        Check(NoGil([&] { return DequantizeLinear(p, s, o, g, StreamOf(stream)); }));
+        RunWithoutGil(
+            [&] { return DequantizeLinear(p, s, o, g, StreamOf(stream)); });
       },
       "packed"_a, "scales"_a, "output"_a, "global_scale"_a, "stream"_a = 0);
 
