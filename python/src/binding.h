@@ -396,12 +396,40 @@ inline std::vector<T> ToVector(absl::Span<const T> s) {
 
 inline KVCache& Self(nb::handle h) { return nb::cast<KVCache&>(h); }
 
+// ------------------------------------------------------------ the binding pattern
+// An op object's options come from keyword arguments, one a field; each
+// binding then names only its fields, arguments and defaults.
+
+template <class C, class T>
+T FieldTypeOf(T C::*);
+template <class C, class T>
+C FieldClassOf(T C::*);
+// The type of the data member `Field` points to.
+template <auto Field>
+using FieldType = decltype(FieldTypeOf(Field));
+
+// An options struct with fields `First, Rest...` set from the values, in
+// order, and the others left at their defaults.
+template <auto First, auto... Rest>
+decltype(FieldClassOf(First)) OptionsOf(FieldType<First> first, FieldType<Rest>... rest) {
+  decltype(FieldClassOf(First)) o;
+  o.*First = std::move(first);
+  ((o.*Rest = std::move(rest)), ...);
+  return o;
+}
 
 // nanobind's __init__ of an op object: Create() validates the options once and
 // a bad Status becomes the matching exception; `p` is the object's storage.
 template <class Op>
 void CreateInto(Op* p, const typename Op::Options& o) {
   new (p) Op(Take(Op::Create(o)));
+}
+
+// An __init__ whose arguments are the fields of Op::Options, in order:
+//   .def("__init__", &CreateFrom<Op, &Op::Options::a, &Op::Options::b>, "a"_a, "b"_a = ...)
+template <class Op, auto... Fields>
+void CreateFrom(Op* p, FieldType<Fields>... values) {
+  CreateInto(p, OptionsOf<Fields...>(std::move(values)...));
 }
 
 // Registration of each concept (module.cc calls them in this order).

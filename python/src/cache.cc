@@ -4,7 +4,19 @@
 namespace fp4kv {
 namespace python {
 
+namespace {
+
+// KVCache.attention: its arguments are the fields of CacheAttentionOptions, in order.
+template <auto... Fields>
+CacheAttention AttentionFrom(const KVCache& c, FieldType<Fields>... values) {
+  return Take(c.attention(OptionsOf<Fields...>(std::move(values)...)));
+}
+
+}  // namespace
+
 void RegisterCache(nb::module_& m) {
+  using AtO = CacheAttentionOptions;
+
   // ---- KVCache option and result structs
   nb::class_<PrefixCacheOptions>(m, "PrefixCacheOptions")
       .def(nb::init<>())
@@ -412,24 +424,13 @@ void RegisterCache(nb::module_& m) {
       .def(
           "dequantizer", [](const KVCache& c, DType d) { return Take(c.dequantizer(d)); },
           "output_dtype"_a = DType::kBF16, nb::keep_alive<0, 1>())
-      .def(
-          "attention",
-          [](const KVCache& c, int num_qo_heads, DType dtype, int max_q_len, float sm_scale,
-             float logits_soft_cap, int window_left, bool has_sinks, bool write_lse) {
-            CacheAttentionOptions o;
-            o.num_qo_heads = num_qo_heads;
-            o.dtype = dtype;
-            o.max_q_len = max_q_len;
-            o.sm_scale = sm_scale;
-            o.logits_soft_cap = logits_soft_cap;
-            o.window_left = window_left;
-            o.has_sinks = has_sinks;
-            o.write_lse = write_lse;
-            return Take(c.attention(o));
-          },
-          "num_qo_heads"_a, "dtype"_a = DType::kBF16, "max_q_len"_a = 1, "sm_scale"_a = 0.0f,
-          "logits_soft_cap"_a = 0.0f, "window_left"_a = -1, "has_sinks"_a = false,
-          "write_lse"_a = false, nb::keep_alive<0, 1>())
+      .def("attention",
+           &AttentionFrom<&AtO::num_qo_heads, &AtO::dtype, &AtO::max_q_len, &AtO::sm_scale,
+                          &AtO::logits_soft_cap, &AtO::window_left, &AtO::has_sinks,
+                          &AtO::write_lse>,
+           "num_qo_heads"_a, "dtype"_a = DType::kBF16, "max_q_len"_a = 1, "sm_scale"_a = 0.0f,
+           "logits_soft_cap"_a = 0.0f, "window_left"_a = -1, "has_sinks"_a = false,
+           "write_lse"_a = false, nb::keep_alive<0, 1>())
       .def("fp8_workspace_pages_at_capacity", &KVCache::Fp8WorkspacePagesAtCapacity)
       .def("fp8_workspace_shape", &KVCache::Fp8WorkspaceShape, "pages"_a)
       // prefix cache
