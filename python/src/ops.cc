@@ -5,6 +5,43 @@
 namespace fp4kv {
 namespace python {
 
+namespace {
+
+// The arguments that Dequantizer.run and dequantize_paged share, converted in
+// this order (the first bad one is the one reported).
+DequantArgs DequantArgsOf(nb::handle block_tables, nb::handle seq_lens, nb::handle k_out,
+                          nb::handle v_out, nb::handle k_scale, nb::handle v_scale) {
+  DequantArgs a;
+  a.block_tables = In(block_tables, "block_tables");
+  a.seq_lens = In(seq_lens, "seq_lens");
+  a.k_out = Out(k_out, "k_out");
+  a.v_out = Out(v_out, "v_out");
+  a.k_scale = ScaleOf(k_scale, "k_scale");
+  a.v_scale = ScaleOf(v_scale, "v_scale");
+  return a;
+}
+
+// Likewise for Materializer.run and materialize_fp8.
+MaterializeArgs MaterializeArgsOf(nb::handle block_tables, nb::handle seq_lens,
+                                  nb::handle kv_page_indptr, nb::handle out,
+                                  nb::handle fp8_block_tables, nb::handle k_scale,
+                                  nb::handle v_scale, nb::handle k_fp8_scale,
+                                  nb::handle v_fp8_scale) {
+  MaterializeArgs a;
+  a.block_tables = In(block_tables, "block_tables");
+  a.seq_lens = In(seq_lens, "seq_lens");
+  a.kv_page_indptr = In(kv_page_indptr, "kv_page_indptr");
+  a.out = Out(out, "out");
+  a.fp8_block_tables = Out(fp8_block_tables, "fp8_block_tables");
+  a.k_scale = ScaleOf(k_scale, "k_scale");
+  a.v_scale = ScaleOf(v_scale, "v_scale");
+  a.k_fp8_scale = ScaleOf(k_fp8_scale, "k_fp8_scale");
+  a.v_fp8_scale = ScaleOf(v_fp8_scale, "v_fp8_scale");
+  return a;
+}
+
+}  // namespace
+
 void RegisterOps(nb::module_& m) {
   using AO = Appender::Options;
   using DO = Dequantizer::Options;
@@ -66,13 +103,8 @@ void RegisterOps(nb::module_& m) {
           [](const Dequantizer& op, const PyPagedCache& cache, nb::handle block_tables,
              nb::handle seq_lens, nb::handle k_out, nb::handle v_out, nb::handle k_scale,
              nb::handle v_scale, uintptr_t stream) {
-            DequantArgs a;
-            a.block_tables = In(block_tables, "block_tables");
-            a.seq_lens = In(seq_lens, "seq_lens");
-            a.k_out = Out(k_out, "k_out");
-            a.v_out = Out(v_out, "v_out");
-            a.k_scale = ScaleOf(k_scale, "k_scale");
-            a.v_scale = ScaleOf(v_scale, "v_scale");
+            const DequantArgs a =
+                DequantArgsOf(block_tables, seq_lens, k_out, v_out, k_scale, v_scale);
             RunWithoutGil([&] { return op.Run(a, cache.cache, StreamOf(stream)); });
           },
           "cache"_a, "block_tables"_a, "seq_lens"_a, "k_out"_a, "v_out"_a, nb::kw_only(),
@@ -90,16 +122,9 @@ void RegisterOps(nb::module_& m) {
              nb::handle seq_lens, nb::handle kv_page_indptr, nb::handle out,
              nb::handle fp8_block_tables, nb::handle k_scale, nb::handle v_scale,
              nb::handle k_fp8_scale, nb::handle v_fp8_scale, uintptr_t stream) {
-            MaterializeArgs a;
-            a.block_tables = In(block_tables, "block_tables");
-            a.seq_lens = In(seq_lens, "seq_lens");
-            a.kv_page_indptr = In(kv_page_indptr, "kv_page_indptr");
-            a.out = Out(out, "out");
-            a.fp8_block_tables = Out(fp8_block_tables, "fp8_block_tables");
-            a.k_scale = ScaleOf(k_scale, "k_scale");
-            a.v_scale = ScaleOf(v_scale, "v_scale");
-            a.k_fp8_scale = ScaleOf(k_fp8_scale, "k_fp8_scale");
-            a.v_fp8_scale = ScaleOf(v_fp8_scale, "v_fp8_scale");
+            const MaterializeArgs a =
+                MaterializeArgsOf(block_tables, seq_lens, kv_page_indptr, out, fp8_block_tables,
+                                  k_scale, v_scale, k_fp8_scale, v_fp8_scale);
             RunWithoutGil([&] { return op.Run(a, cache.cache, StreamOf(stream)); });
           },
           "cache"_a, "block_tables"_a, "seq_lens"_a, "kv_page_indptr"_a, "out"_a,
@@ -247,7 +272,8 @@ void RegisterOps(nb::module_& m) {
                          s = In(slot_mapping, "slot_mapping");
         const GlobalScale ks = ScaleOf(k_scale, "k_scale"), vs = ScaleOf(v_scale, "v_scale");
         const PagedCache& c = WritableCache(cache);
-        RunWithoutGil([&] { return QuantizeAppendBySlot(k, v, s, c, ks, vs, recipe, StreamOf(stream)); });
+        RunWithoutGil(
+            [&] { return QuantizeAppendBySlot(k, v, s, c, ks, vs, recipe, StreamOf(stream)); });
       },
       "key"_a, "value"_a, "slot_mapping"_a, "cache"_a, "k_scale"_a, "v_scale"_a,
       "recipe"_a = Recipe(), "stream"_a = 0);
@@ -255,10 +281,11 @@ void RegisterOps(nb::module_& m) {
       "dequantize_paged",
       [](const PyPagedCache& cache, nb::handle block_tables, nb::handle seq_lens, nb::handle k_out,
          nb::handle v_out, nb::handle k_scale, nb::handle v_scale, uintptr_t stream) {
-        const TensorView b = In(block_tables, "block_tables"), s = In(seq_lens, "seq_lens"),
-                         ko = Out(k_out, "k_out"), vo = Out(v_out, "v_out");
-        const GlobalScale ks = ScaleOf(k_scale, "k_scale"), vs = ScaleOf(v_scale, "v_scale");
-        RunWithoutGil([&] { return DequantizePaged(cache.cache, b, s, ko, vo, ks, vs, StreamOf(stream)); });
+        const DequantArgs a = DequantArgsOf(block_tables, seq_lens, k_out, v_out, k_scale, v_scale);
+        RunWithoutGil([&] {
+          return DequantizePaged(cache.cache, a.block_tables, a.seq_lens, a.k_out, a.v_out,
+                                 a.k_scale, a.v_scale, StreamOf(stream));
+        });
       },
       "cache"_a, "block_tables"_a, "seq_lens"_a, "k_out"_a, "v_out"_a, "k_scale"_a, "v_scale"_a,
       "stream"_a = 0);
@@ -267,14 +294,13 @@ void RegisterOps(nb::module_& m) {
       [](const PyPagedCache& cache, nb::handle block_tables, nb::handle seq_lens,
          nb::handle kv_page_indptr, nb::handle out, nb::handle fp8_block_tables, nb::handle k_scale,
          nb::handle v_scale, nb::handle k_fp8_scale, nb::handle v_fp8_scale, uintptr_t stream) {
-        const TensorView b = In(block_tables, "block_tables"), s = In(seq_lens, "seq_lens"),
-                         ip = In(kv_page_indptr, "kv_page_indptr"), o = Out(out, "out"),
-                         f = Out(fp8_block_tables, "fp8_block_tables");
-        const GlobalScale ks = ScaleOf(k_scale, "k_scale"), vs = ScaleOf(v_scale, "v_scale"),
-                          kf = ScaleOf(k_fp8_scale, "k_fp8_scale"),
-                          vf = ScaleOf(v_fp8_scale, "v_fp8_scale");
+        const MaterializeArgs a =
+            MaterializeArgsOf(block_tables, seq_lens, kv_page_indptr, out, fp8_block_tables,
+                              k_scale, v_scale, k_fp8_scale, v_fp8_scale);
         RunWithoutGil([&] {
-          return MaterializeFp8(cache.cache, b, s, ip, o, f, ks, vs, kf, vf, StreamOf(stream));
+          return MaterializeFp8(cache.cache, a.block_tables, a.seq_lens, a.kv_page_indptr, a.out,
+                                a.fp8_block_tables, a.k_scale, a.v_scale, a.k_fp8_scale,
+                                a.v_fp8_scale, StreamOf(stream));
         });
       },
       "cache"_a, "block_tables"_a, "seq_lens"_a, "kv_page_indptr"_a, "out"_a, "fp8_block_tables"_a,
