@@ -397,8 +397,10 @@ inline std::vector<T> ToVector(absl::Span<const T> s) {
 inline KVCache& Self(nb::handle h) { return nb::cast<KVCache&>(h); }
 
 // ------------------------------------------------------------ the binding pattern
-// An op object's options come from keyword arguments, one a field; each
-// binding then names only its fields, arguments and defaults.
+// An op object's options come from keyword arguments, one a field; a C++ call
+// that returns a Status or StatusOr raises instead; a stream is passed as its
+// address (an int, 0 the default stream). Each binding then names only its
+// fields, arguments and defaults.
 
 template <class C, class T>
 T FieldTypeOf(T C::*);
@@ -431,6 +433,50 @@ template <class Op, auto... Fields>
 void CreateFrom(Op* p, FieldType<Fields>... values) {
   CreateInto(p, OptionsOf<Fields...>(std::move(values)...));
 }
+
+// A C++ parameter as Python passes it: the same, but a Stream is its address.
+template <class T>
+struct PyArg {
+  using type = T;
+  static T From(T v) { return v; }
+};
+template <>
+struct PyArg<Stream> {
+  using type = uintptr_t;
+  static Stream From(uintptr_t s) { return StreamOf(s); }
+};
+
+// A call's result on its way to Python: a Status raises, a StatusOr raises or
+// gives its value.
+inline void Unwrap(const absl::Status& s) { Check(s); }
+template <typename T>
+T Unwrap(absl::StatusOr<T>&& r) {
+  return Take(std::move(r));
+}
+
+template <auto Fn, class = decltype(Fn)>
+struct CheckedCall;
+template <auto Fn, class R, class... A>
+struct CheckedCall<Fn, R (*)(A...)> {
+  static auto Call(typename PyArg<A>::type... a) { return Unwrap(Fn(PyArg<A>::From(a)...)); }
+};
+template <auto Fn, class R, class C, class... A>
+struct CheckedCall<Fn, R (C::*)(A...)> {
+  static auto Call(C& self, typename PyArg<A>::type... a) {
+    return Unwrap((self.*Fn)(PyArg<A>::From(a)...));
+  }
+};
+template <auto Fn, class R, class C, class... A>
+struct CheckedCall<Fn, R (C::*)(A...) const> {
+  static auto Call(const C& self, typename PyArg<A>::type... a) {
+    return Unwrap((self.*Fn)(PyArg<A>::From(a)...));
+  }
+};
+// A function or method (not overloaded) that returns a Status or StatusOr,
+// bound with the same parameters, streams as ints, and raising on error:
+//   .def("truncate", Checked<&KVCache::Truncate>, "seq"_a, "new_len"_a)
+template <auto Fn>
+inline constexpr auto Checked = &CheckedCall<Fn>::Call;
 
 // Registration of each concept (module.cc calls them in this order).
 void RegisterErrors(nb::module_& m);
