@@ -1,8 +1,9 @@
 // Shared pieces of the fp4kv Python extension (fp4kv._core): Status errors as
 // Python exceptions, tensors in and out (DLPack, the buffer protocol), caller
-// caches, and the KVCache helpers. Each binding file (errors.cc, types.cc,
-// tensors.cc, ops.cc, cache.cc) registers one concept; module.cc calls them in
-// order.
+// caches, the KVCache helpers, and the binding pattern (options from
+// arguments, calls whose Status raises). Each binding file (errors.cc,
+// types.cc, tensors.cc, ops.cc, cache.cc) registers one concept; module.cc
+// calls them in order.
 #ifndef FP4KV_PYTHON_SRC_BINDING_H_
 #define FP4KV_PYTHON_SRC_BINDING_H_
 
