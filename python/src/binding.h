@@ -1,8 +1,9 @@
 // Shared pieces of the fp4kv Python extension (fp4kv._core): Status errors as
 // Python exceptions, tensors in and out (DLPack, the buffer protocol), caller
-// caches, and the KVCache helpers. Each binding file (errors.cc, types.cc,
-// tensors.cc, ops.cc, cache.cc) registers one concept; module.cc calls them in
-// order.
+// caches, the KVCache helpers, and the binding pattern (options from
+// arguments, calls whose Status raises). Each binding file (errors.cc,
+// types.cc, tensors.cc, ops.cc, cache.cc) registers one concept; module.cc
+// calls them in order.
 #ifndef FP4KV_PYTHON_SRC_BINDING_H_
 #define FP4KV_PYTHON_SRC_BINDING_H_
 
@@ -99,15 +100,19 @@ inline T Take(absl::StatusOr<T>&& r) {
   return *std::move(r);
 }
 
-// Runs `f` (a C++ call that touches no Python object) without the GIL. Only
-// the functional ops do (they touch caller memory only, and may run
-// concurrently, ops.h); calls on a KVCache and its bound ops keep the GIL, so
-// Python threads cannot break the cache's rule that its calls are
-// serialized.
+// Runs `f` (a C++ call that touches no Python object and returns a Status)
+// without the GIL, then raises its non-OK Status. Only the functional ops do
+// (they touch caller memory only, and may run concurrently, ops.h); calls on a
+// KVCache and its bound ops keep the GIL, so Python threads cannot break the
+// cache's rule that its calls are serialized.
 template <typename F>
-inline absl::Status NoGil(F&& f) {
-  nb::gil_scoped_release release;
-  return f();
+inline void RunWithoutGil(F&& f) {
+  absl::Status s;
+  {
+    nb::gil_scoped_release release;
+    s = f();
+  }
+  Check(s);
 }
 
 // ------------------------------------------------------------ tensors
@@ -392,6 +397,29 @@ inline std::vector<T> ToVector(absl::Span<const T> s) {
 
 inline KVCache& Self(nb::handle h) { return nb::cast<KVCache&>(h); }
 
+// ------------------------------------------------------------ the binding pattern
+// An op object's options come from keyword arguments, one a field; a C++ call
+// that returns a Status or StatusOr raises instead; a stream is passed as its
+// address (an int, 0 the default stream). Each binding then names only its
+// fields, arguments and defaults.
+
+template <class C, class T>
+T FieldTypeOf(T C::*);
+template <class C, class T>
+C FieldClassOf(T C::*);
+// The type of the data member `Field` points to.
+template <auto Field>
+using FieldType = decltype(FieldTypeOf(Field));
+
+// An options struct with fields `First, Rest...` set from the values, in
+// order, and the others left at their defaults.
+template <auto First, auto... Rest>
+decltype(FieldClassOf(First)) OptionsOf(FieldType<First> first, FieldType<Rest>... rest) {
+  decltype(FieldClassOf(First)) o;
+  o.*First = std::move(first);
+  ((o.*Rest = std::move(rest)), ...);
+  return o;
+}
 
 // nanobind's __init__ of an op object: Create() validates the options once and
 // a bad Status becomes the matching exception; `p` is the object's storage.
@@ -399,6 +427,57 @@ template <class Op>
 void CreateInto(Op* p, const typename Op::Options& o) {
   new (p) Op(Take(Op::Create(o)));
 }
+
+// An __init__ whose arguments are the fields of Op::Options, in order:
+//   .def("__init__", &CreateFrom<Op, &Op::Options::a, &Op::Options::b>, "a"_a, "b"_a = ...)
+template <class Op, auto... Fields>
+void CreateFrom(Op* p, FieldType<Fields>... values) {
+  CreateInto(p, OptionsOf<Fields...>(std::move(values)...));
+}
+
+// A C++ parameter as Python passes it: the same, but a Stream is its address.
+template <class T>
+struct PyArg {
+  using type = T;
+  static T From(T v) { return v; }
+};
+template <>
+struct PyArg<Stream> {
+  using type = uintptr_t;
+  static Stream From(uintptr_t s) { return StreamOf(s); }
+};
+
+// A call's result on its way to Python: a Status raises, a StatusOr raises or
+// gives its value.
+inline void Unwrap(const absl::Status& s) { Check(s); }
+template <typename T>
+T Unwrap(absl::StatusOr<T>&& r) {
+  return Take(std::move(r));
+}
+
+template <auto Fn, class = decltype(Fn)>
+struct CheckedCall;
+template <auto Fn, class R, class... A>
+struct CheckedCall<Fn, R (*)(A...)> {
+  static auto Call(typename PyArg<A>::type... a) { return Unwrap(Fn(PyArg<A>::From(a)...)); }
+};
+template <auto Fn, class R, class C, class... A>
+struct CheckedCall<Fn, R (C::*)(A...)> {
+  static auto Call(C& self, typename PyArg<A>::type... a) {
+    return Unwrap((self.*Fn)(PyArg<A>::From(a)...));
+  }
+};
+template <auto Fn, class R, class C, class... A>
+struct CheckedCall<Fn, R (C::*)(A...) const> {
+  static auto Call(const C& self, typename PyArg<A>::type... a) {
+    return Unwrap((self.*Fn)(PyArg<A>::From(a)...));
+  }
+};
+// A function or method (not overloaded) that returns a Status or StatusOr,
+// bound with the same parameters, streams as ints, and raising on error:
+//   .def("truncate", Checked<&KVCache::Truncate>, "seq"_a, "new_len"_a)
+template <auto Fn>
+inline constexpr auto Checked = &CheckedCall<Fn>::Call;
 
 // Registration of each concept (module.cc calls them in this order).
 void RegisterErrors(nb::module_& m);

@@ -4,7 +4,19 @@
 namespace fp4kv {
 namespace python {
 
+namespace {
+
+// KVCache.attention: its arguments are the fields of CacheAttentionOptions, in order.
+template <auto... Fields>
+CacheAttention AttentionFrom(const KVCache& c, FieldType<Fields>... values) {
+  return Take(c.attention(OptionsOf<Fields...>(std::move(values)...)));
+}
+
+}  // namespace
+
 void RegisterCache(nb::module_& m) {
+  using AtO = CacheAttentionOptions;
+
   // ---- KVCache option and result structs
   nb::class_<PrefixCacheOptions>(m, "PrefixCacheOptions")
       .def(nb::init<>())
@@ -186,9 +198,7 @@ void RegisterCache(nb::module_& m) {
           },
           "layer"_a, "key"_a, "value"_a, "stream"_a = 0,
           "Quantizes the step's new rows key [R, H, Dk], value [R, H, Dv] into layer `layer`.")
-      .def(
-          "for_slot", [](const CacheAppender& op, int slot) { return Take(op.ForSlot(slot)); },
-          "slot"_a, nb::keep_alive<0, 1>())
+      .def("for_slot", Checked<&CacheAppender::ForSlot>, "slot"_a, nb::keep_alive<0, 1>())
       .def_prop_ro("slot", &CacheAppender::slot);
   nb::class_<CacheMaterializer>(m, "CacheMaterializer",
                                 "The materializer of a KVCache (keeps it alive).")
@@ -199,9 +209,7 @@ void RegisterCache(nb::module_& m) {
             Check(op.Run(layer, o, StreamOf(stream)));
           },
           "layer"_a, "out"_a, "stream"_a = 0)
-      .def(
-          "for_slot", [](const CacheMaterializer& op, int slot) { return Take(op.ForSlot(slot)); },
-          "slot"_a, nb::keep_alive<0, 1>())
+      .def("for_slot", Checked<&CacheMaterializer::ForSlot>, "slot"_a, nb::keep_alive<0, 1>())
       .def_prop_ro("slot", &CacheMaterializer::slot);
   nb::class_<CacheDequantizer>(m, "CacheDequantizer",
                                "The dequantizer of a KVCache (keeps it alive).")
@@ -213,9 +221,7 @@ void RegisterCache(nb::module_& m) {
             Check(op.Run(layer, k, v, StreamOf(stream)));
           },
           "layer"_a, "k_out"_a, "v_out"_a, "stream"_a = 0)
-      .def(
-          "for_slot", [](const CacheDequantizer& op, int slot) { return Take(op.ForSlot(slot)); },
-          "slot"_a, nb::keep_alive<0, 1>())
+      .def("for_slot", Checked<&CacheDequantizer::ForSlot>, "slot"_a, nb::keep_alive<0, 1>())
       .def_prop_ro("slot", &CacheDequantizer::slot);
   nb::class_<CacheAttention>(m, "CacheAttention",
                              "Attention over a KVCache's step (keeps it alive).")
@@ -232,9 +238,7 @@ void RegisterCache(nb::module_& m) {
           "lse"_a = nb::none(), "sinks"_a = nb::none(),
           "Attention of the step's query rows q [R, Hq, Dk] into out [R, Hq, Dv].")
       .def_prop_ro("workspace_bytes", &CacheAttention::WorkspaceBytes)
-      .def(
-          "for_slot", [](const CacheAttention& op, int slot) { return Take(op.ForSlot(slot)); },
-          "slot"_a, nb::keep_alive<0, 1>())
+      .def("for_slot", Checked<&CacheAttention::ForSlot>, "slot"_a, nb::keep_alive<0, 1>())
       .def_prop_ro("slot", &CacheAttention::slot);
 
   // ---- KVCache
@@ -248,7 +252,7 @@ void RegisterCache(nb::module_& m) {
           },
           "options"_a)
       // sequences
-      .def("create_sequence", [](KVCache& c) { return Take(c.CreateSequence()); })
+      .def("create_sequence", Checked<&KVCache::CreateSequence>)
       .def(
           "create_sequence_from_prefix",
           [](KVCache& c, nb::handle prompt, const std::string& extra_key) {
@@ -265,15 +269,9 @@ void RegisterCache(nb::module_& m) {
             return c.MatchPrefix(ids.span, extra_key);
           },
           "prompt"_a, "extra_key"_a = "")
-      .def(
-          "fork_sequence", [](KVCache& c, SequenceId p) { return Take(c.ForkSequence(p)); },
-          "parent"_a)
-      .def(
-          "truncate", [](KVCache& c, SequenceId s, int64_t n) { Check(c.Truncate(s, n)); }, "seq"_a,
-          "new_len"_a)
-      .def(
-          "release_sequence", [](KVCache& c, SequenceId s) { Check(c.ReleaseSequence(s)); },
-          "seq"_a)
+      .def("fork_sequence", Checked<&KVCache::ForkSequence>, "parent"_a)
+      .def("truncate", Checked<&KVCache::Truncate>, "seq"_a, "new_len"_a)
+      .def("release_sequence", Checked<&KVCache::ReleaseSequence>, "seq"_a)
       .def(
           "import_half_pages",
           [](KVCache& c, const std::vector<const PyHalfPagedCache*>& layers, nb::handle src_pages,
@@ -288,20 +286,13 @@ void RegisterCache(nb::module_& m) {
             return Take(c.ImportHalfPages(l, ids.span, length, StreamOf(stream)));
           },
           "layers"_a, "src_pages"_a, "length"_a, "stream"_a = 0)
-      .def(
-          "sequence_length",
-          [](const KVCache& c, SequenceId s) { return Take(c.SequenceLength(s)); }, "seq"_a)
+      .def("sequence_length", Checked<&KVCache::SequenceLength>, "seq"_a)
       .def(
           "sequence_pages",
           [](const KVCache& c, SequenceId s) { return ToVector(Take(c.SequencePages(s))); },
           "seq"_a)
-      .def(
-          "page_ref_count", [](const KVCache& c, int64_t p) { return Take(c.PageRefCount(p)); },
-          "page"_a)
-      .def(
-          "set_retention_priority",
-          [](KVCache& c, SequenceId s, int p) { Check(c.SetRetentionPriority(s, p)); }, "seq"_a,
-          "priority"_a)
+      .def("page_ref_count", Checked<&KVCache::PageRefCount>, "page"_a)
+      .def("set_retention_priority", Checked<&KVCache::SetRetentionPriority>, "seq"_a, "priority"_a)
       .def(
           "read_sequence",
           [](const KVCache& c, int layer, SequenceId seq, nb::handle k_out, nb::handle v_out,
@@ -311,9 +302,7 @@ void RegisterCache(nb::module_& m) {
           },
           "layer"_a, "seq"_a, "k_out"_a, "v_out"_a, "stream"_a = 0)
       // export / import
-      .def(
-          "exported_bytes", [](const KVCache& c, SequenceId s) { return Take(c.ExportedBytes(s)); },
-          "seq"_a)
+      .def("exported_bytes", Checked<&KVCache::ExportedBytes>, "seq"_a)
       .def(
           "export_sequence",
           [](const KVCache& c, SequenceId s, nb::handle dst, uintptr_t stream) {
@@ -321,10 +310,7 @@ void RegisterCache(nb::module_& m) {
             Check(c.ExportSequence(s, b.data, b.size, StreamOf(stream)));
           },
           "seq"_a, "dst"_a, "stream"_a = 0)
-      .def(
-          "reserve_import",
-          [](KVCache& c, const SequenceImageHeader& h) { return Take(c.ReserveImport(h)); },
-          "header"_a)
+      .def("reserve_import", Checked<&KVCache::ReserveImport>, "header"_a)
       .def(
           "commit_import",
           [](KVCache& c, ImportReservation& r, nb::handle image, StoredTokens on_mismatch,
@@ -349,18 +335,10 @@ void RegisterCache(nb::module_& m) {
           },
           "image"_a, "on_scale_mismatch"_a = StoredTokens::kRefuse, "stream"_a = 0)
       // host tier
-      .def(
-          "swap_out",
-          [](KVCache& c, SequenceId s, uintptr_t st) { Check(c.SwapOut(s, StreamOf(st))); },
-          "seq"_a, "stream"_a = 0)
-      .def(
-          "swap_in",
-          [](KVCache& c, SequenceId s, uintptr_t st) { Check(c.SwapIn(s, StreamOf(st))); }, "seq"_a,
-          "stream"_a = 0)
-      .def(
-          "is_swapped_out", [](const KVCache& c, SequenceId s) { return Take(c.IsSwappedOut(s)); },
-          "seq"_a)
-      .def("synchronize_swaps", [](KVCache& c) { Check(c.SynchronizeSwaps()); })
+      .def("swap_out", Checked<&KVCache::SwapOut>, "seq"_a, "stream"_a = 0)
+      .def("swap_in", Checked<&KVCache::SwapIn>, "seq"_a, "stream"_a = 0)
+      .def("is_swapped_out", Checked<&KVCache::IsSwappedOut>, "seq"_a)
+      .def("synchronize_swaps", Checked<&KVCache::SynchronizeSwaps>)
       // steps
       .def(
           "prepare_step",
@@ -403,33 +381,18 @@ void RegisterCache(nb::module_& m) {
           "host_block_table",
           [](const KVCache& c, int row) { return ToVector(c.host_block_table(row)); }, "row"_a)
       // ops
-      .def(
-          "appender", [](const KVCache& c, DType d) { return Take(c.appender(d)); },
-          "input_dtype"_a = DType::kBF16, nb::keep_alive<0, 1>())
-      .def(
-          "materializer", [](const KVCache& c) { return Take(c.materializer()); },
-          nb::keep_alive<0, 1>())
-      .def(
-          "dequantizer", [](const KVCache& c, DType d) { return Take(c.dequantizer(d)); },
-          "output_dtype"_a = DType::kBF16, nb::keep_alive<0, 1>())
-      .def(
-          "attention",
-          [](const KVCache& c, int num_qo_heads, DType dtype, int max_q_len, float sm_scale,
-             float logits_soft_cap, int window_left, bool has_sinks, bool write_lse) {
-            CacheAttentionOptions o;
-            o.num_qo_heads = num_qo_heads;
-            o.dtype = dtype;
-            o.max_q_len = max_q_len;
-            o.sm_scale = sm_scale;
-            o.logits_soft_cap = logits_soft_cap;
-            o.window_left = window_left;
-            o.has_sinks = has_sinks;
-            o.write_lse = write_lse;
-            return Take(c.attention(o));
-          },
-          "num_qo_heads"_a, "dtype"_a = DType::kBF16, "max_q_len"_a = 1, "sm_scale"_a = 0.0f,
-          "logits_soft_cap"_a = 0.0f, "window_left"_a = -1, "has_sinks"_a = false,
-          "write_lse"_a = false, nb::keep_alive<0, 1>())
+      .def("appender", Checked<&KVCache::appender>, "input_dtype"_a = DType::kBF16,
+           nb::keep_alive<0, 1>())
+      .def("materializer", Checked<&KVCache::materializer>, nb::keep_alive<0, 1>())
+      .def("dequantizer", Checked<&KVCache::dequantizer>, "output_dtype"_a = DType::kBF16,
+           nb::keep_alive<0, 1>())
+      .def("attention",
+           &AttentionFrom<&AtO::num_qo_heads, &AtO::dtype, &AtO::max_q_len, &AtO::sm_scale,
+                          &AtO::logits_soft_cap, &AtO::window_left, &AtO::has_sinks,
+                          &AtO::write_lse>,
+           "num_qo_heads"_a, "dtype"_a = DType::kBF16, "max_q_len"_a = 1, "sm_scale"_a = 0.0f,
+           "logits_soft_cap"_a = 0.0f, "window_left"_a = -1, "has_sinks"_a = false,
+           "write_lse"_a = false, nb::keep_alive<0, 1>())
       .def("fp8_workspace_pages_at_capacity", &KVCache::Fp8WorkspacePagesAtCapacity)
       .def("fp8_workspace_shape", &KVCache::Fp8WorkspaceShape, "pages"_a)
       // prefix cache
@@ -453,7 +416,7 @@ void RegisterCache(nb::module_& m) {
           "`stream`).")
       .def("take_events", &KVCache::TakeEvents)
       .def("reset_prefix_cache", &KVCache::ResetPrefixCache)
-      .def("check_invariants", [](const KVCache& c) { Check(c.CheckInvariants()); })
+      .def("check_invariants", Checked<&KVCache::CheckInvariants>)
       // scales
       .def(
           "update_global_scales",
@@ -475,24 +438,10 @@ void RegisterCache(nb::module_& m) {
           },
           "layer"_a, "k"_a, "v"_a, "calibrator"_a, "stream"_a = 0,
           "stored"_a = StoredTokens::kRefuse)
-      .def(
-          "read_scales",
-          [](const KVCache& c, int layer, uintptr_t s) {
-            return Take(c.ReadScales(layer, StreamOf(s)));
-          },
-          "layer"_a, "stream"_a = 0)
-      .def(
-          "layer_tokens", [](const KVCache& c, int layer) { return Take(c.LayerTokens(layer)); },
-          "layer"_a)
-      .def(
-          "read_scale_events",
-          [](const KVCache& c, int layer, uintptr_t s) {
-            return Take(c.ReadScaleEvents(layer, StreamOf(s)));
-          },
-          "layer"_a, "stream"_a = 0)
-      .def(
-          "reset_scale_events",
-          [](KVCache& c, uintptr_t s) { Check(c.ResetScaleEvents(StreamOf(s))); }, "stream"_a = 0)
+      .def("read_scales", Checked<&KVCache::ReadScales>, "layer"_a, "stream"_a = 0)
+      .def("layer_tokens", Checked<&KVCache::LayerTokens>, "layer"_a)
+      .def("read_scale_events", Checked<&KVCache::ReadScaleEvents>, "layer"_a, "stream"_a = 0)
+      .def("reset_scale_events", Checked<&KVCache::ResetScaleEvents>, "stream"_a = 0)
       .def(
           "global_scale_ptr",
           [](const KVCache& c, int layer, int kv) {

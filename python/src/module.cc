@@ -7,7 +7,7 @@
 // the class that matches its code, carrying the Status message.
 //
 // One file a concept: binding.h (the shared helpers: errors, tensors in and
-// out, caller caches, KVCache helpers), errors.cc, types.cc, tensors.cc,
+// out, caller caches, KVCache helpers, the binding pattern), errors.cc, types.cc, tensors.cc,
 // ops.cc, cache.cc; this file only names the module and registers them in
 // order (a type is registered before the bindings that take or return it).
 #include "binding.h"

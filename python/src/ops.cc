@@ -5,24 +5,59 @@
 namespace fp4kv {
 namespace python {
 
+namespace {
+
+// The arguments that Dequantizer.run and dequantize_paged share, converted in
+// this order (the first bad one is the one reported).
+DequantArgs DequantArgsOf(nb::handle block_tables, nb::handle seq_lens, nb::handle k_out,
+                          nb::handle v_out, nb::handle k_scale, nb::handle v_scale) {
+  DequantArgs a;
+  a.block_tables = In(block_tables, "block_tables");
+  a.seq_lens = In(seq_lens, "seq_lens");
+  a.k_out = Out(k_out, "k_out");
+  a.v_out = Out(v_out, "v_out");
+  a.k_scale = ScaleOf(k_scale, "k_scale");
+  a.v_scale = ScaleOf(v_scale, "v_scale");
+  return a;
+}
+
+// Likewise for Materializer.run and materialize_fp8.
+MaterializeArgs MaterializeArgsOf(nb::handle block_tables, nb::handle seq_lens,
+                                  nb::handle kv_page_indptr, nb::handle out,
+                                  nb::handle fp8_block_tables, nb::handle k_scale,
+                                  nb::handle v_scale, nb::handle k_fp8_scale,
+                                  nb::handle v_fp8_scale) {
+  MaterializeArgs a;
+  a.block_tables = In(block_tables, "block_tables");
+  a.seq_lens = In(seq_lens, "seq_lens");
+  a.kv_page_indptr = In(kv_page_indptr, "kv_page_indptr");
+  a.out = Out(out, "out");
+  a.fp8_block_tables = Out(fp8_block_tables, "fp8_block_tables");
+  a.k_scale = ScaleOf(k_scale, "k_scale");
+  a.v_scale = ScaleOf(v_scale, "v_scale");
+  a.k_fp8_scale = ScaleOf(k_fp8_scale, "k_fp8_scale");
+  a.v_fp8_scale = ScaleOf(v_fp8_scale, "v_fp8_scale");
+  return a;
+}
+
+}  // namespace
+
 void RegisterOps(nb::module_& m) {
+  using AO = Appender::Options;
+  using DO = Dequantizer::Options;
+  using MO = Materializer::Options;
+  using LO = LinearQuantizer::Options;
+  using QO = PagedCacheQuantizer::Options;
+  using AtO = DecodeAttention::Options;
+  using CO = Calibrator::Options;
+
   // ---- functional op objects
   nb::class_<Appender>(m, "Appender", "Quantize f16/bf16 rows and scatter them into a paged cache.")
-      .def(
-          "__init__",
-          [](Appender* a, const CacheGeometry& geometry, DType input_dtype, AppendIndexing indexing,
-             const Recipe& recipe, const Device& device, bool count_scale_events) {
-            Appender::Options o;
-            o.geometry = geometry;
-            o.input_dtype = input_dtype;
-            o.indexing = indexing;
-            o.recipe = recipe;
-            o.device = device;
-            o.count_scale_events = count_scale_events;
-            CreateInto(a, o);
-          },
-          "geometry"_a, "input_dtype"_a = DType::kBF16, "indexing"_a = AppendIndexing::kPaged,
-          "recipe"_a = Recipe(), "device"_a = Device::Cpu(), "count_scale_events"_a = false)
+      .def("__init__",
+           &CreateFrom<Appender, &AO::geometry, &AO::input_dtype, &AO::indexing, &AO::recipe,
+                       &AO::device, &AO::count_scale_events>,
+           "geometry"_a, "input_dtype"_a = DType::kBF16, "indexing"_a = AppendIndexing::kPaged,
+           "recipe"_a = Recipe(), "device"_a = Device::Cpu(), "count_scale_events"_a = false)
       .def(
           "run",
           [](const Appender& op, const PyPagedCache& cache, nb::handle key, nb::handle value,
@@ -49,7 +84,7 @@ void RegisterOps(nb::module_& m) {
               a.scale_events = static_cast<uint64_t*>(e.data);
             }
             const PagedCache& c = WritableCache(cache);
-            Check(NoGil([&] { return op.Run(a, c, StreamOf(stream)); }));
+            RunWithoutGil([&] { return op.Run(a, c, StreamOf(stream)); });
           },
           "cache"_a, "key"_a, "value"_a, nb::kw_only(), "slot_mapping"_a = nb::none(),
           "batch_indices"_a = nb::none(), "positions"_a = nb::none(), "kv_indices"_a = nb::none(),
@@ -60,15 +95,7 @@ void RegisterOps(nb::module_& m) {
                           "Gather a paged cache into contiguous [B, T, H, D] f16/bf16.")
       .def(
           "__init__",
-          [](Dequantizer* d, const CacheGeometry& geometry, DType output_dtype, DType table_dtype,
-             const Device& device) {
-            Dequantizer::Options o;
-            o.geometry = geometry;
-            o.output_dtype = output_dtype;
-            o.table_dtype = table_dtype;
-            o.device = device;
-            CreateInto(d, o);
-          },
+          &CreateFrom<Dequantizer, &DO::geometry, &DO::output_dtype, &DO::table_dtype, &DO::device>,
           "geometry"_a, "output_dtype"_a = DType::kBF16, "table_dtype"_a = DType::kI32,
           "device"_a = Device::Cpu())
       .def(
@@ -76,49 +103,29 @@ void RegisterOps(nb::module_& m) {
           [](const Dequantizer& op, const PyPagedCache& cache, nb::handle block_tables,
              nb::handle seq_lens, nb::handle k_out, nb::handle v_out, nb::handle k_scale,
              nb::handle v_scale, uintptr_t stream) {
-            DequantArgs a;
-            a.block_tables = In(block_tables, "block_tables");
-            a.seq_lens = In(seq_lens, "seq_lens");
-            a.k_out = Out(k_out, "k_out");
-            a.v_out = Out(v_out, "v_out");
-            a.k_scale = ScaleOf(k_scale, "k_scale");
-            a.v_scale = ScaleOf(v_scale, "v_scale");
-            Check(NoGil([&] { return op.Run(a, cache.cache, StreamOf(stream)); }));
+            const DequantArgs a =
+                DequantArgsOf(block_tables, seq_lens, k_out, v_out, k_scale, v_scale);
+            RunWithoutGil([&] { return op.Run(a, cache.cache, StreamOf(stream)); });
           },
           "cache"_a, "block_tables"_a, "seq_lens"_a, "k_out"_a, "v_out"_a, nb::kw_only(),
           "k_scale"_a = 1.0f, "v_scale"_a = 1.0f, "stream"_a = 0);
 
   nb::class_<Materializer>(m, "Materializer", "Write the active pages as FP8 E4M3 pages.")
-      .def(
-          "__init__",
-          [](Materializer* p, const CacheGeometry& geometry, DType table_dtype,
-             bool separate_kv_tables, const Device& device) {
-            Materializer::Options o;
-            o.geometry = geometry;
-            o.table_dtype = table_dtype;
-            o.separate_kv_tables = separate_kv_tables;
-            o.device = device;
-            CreateInto(p, o);
-          },
-          "geometry"_a, "table_dtype"_a = DType::kI32, "separate_kv_tables"_a = false,
-          "device"_a = Device::Cpu())
+      .def("__init__",
+           &CreateFrom<Materializer, &MO::geometry, &MO::table_dtype, &MO::separate_kv_tables,
+                       &MO::device>,
+           "geometry"_a, "table_dtype"_a = DType::kI32, "separate_kv_tables"_a = false,
+           "device"_a = Device::Cpu())
       .def(
           "run",
           [](const Materializer& op, const PyPagedCache& cache, nb::handle block_tables,
              nb::handle seq_lens, nb::handle kv_page_indptr, nb::handle out,
              nb::handle fp8_block_tables, nb::handle k_scale, nb::handle v_scale,
              nb::handle k_fp8_scale, nb::handle v_fp8_scale, uintptr_t stream) {
-            MaterializeArgs a;
-            a.block_tables = In(block_tables, "block_tables");
-            a.seq_lens = In(seq_lens, "seq_lens");
-            a.kv_page_indptr = In(kv_page_indptr, "kv_page_indptr");
-            a.out = Out(out, "out");
-            a.fp8_block_tables = Out(fp8_block_tables, "fp8_block_tables");
-            a.k_scale = ScaleOf(k_scale, "k_scale");
-            a.v_scale = ScaleOf(v_scale, "v_scale");
-            a.k_fp8_scale = ScaleOf(k_fp8_scale, "k_fp8_scale");
-            a.v_fp8_scale = ScaleOf(v_fp8_scale, "v_fp8_scale");
-            Check(NoGil([&] { return op.Run(a, cache.cache, StreamOf(stream)); }));
+            const MaterializeArgs a =
+                MaterializeArgsOf(block_tables, seq_lens, kv_page_indptr, out, fp8_block_tables,
+                                  k_scale, v_scale, k_fp8_scale, v_fp8_scale);
+            RunWithoutGil([&] { return op.Run(a, cache.cache, StreamOf(stream)); });
           },
           "cache"_a, "block_tables"_a, "seq_lens"_a, "kv_page_indptr"_a, "out"_a,
           "fp8_block_tables"_a, nb::kw_only(), "k_scale"_a, "v_scale"_a, "k_fp8_scale"_a,
@@ -126,16 +133,8 @@ void RegisterOps(nb::module_& m) {
 
   nb::class_<LinearQuantizer>(m, "LinearQuantizer",
                               "[M, K] f16/bf16 <-> packed [M, K/2] u8 + scales [M, K/16] e4m3.")
-      .def(
-          "__init__",
-          [](LinearQuantizer* p, DType dtype, const Recipe& recipe, const Device& device) {
-            LinearQuantizer::Options o;
-            o.dtype = dtype;
-            o.recipe = recipe;
-            o.device = device;
-            CreateInto(p, o);
-          },
-          "dtype"_a = DType::kBF16, "recipe"_a = Recipe(), "device"_a = Device::Cpu())
+      .def("__init__", &CreateFrom<LinearQuantizer, &LO::dtype, &LO::recipe, &LO::device>,
+           "dtype"_a = DType::kBF16, "recipe"_a = Recipe(), "device"_a = Device::Cpu())
       .def(
           "quantize",
           [](const LinearQuantizer& op, nb::handle input, nb::handle packed, nb::handle scales,
@@ -143,7 +142,7 @@ void RegisterOps(nb::module_& m) {
             const TensorView i = In(input, "input"), p = Out(packed, "packed"),
                              s = Out(scales, "scales");
             const GlobalScale g = ScaleOf(global_scale, "global_scale");
-            Check(NoGil([&] { return op.Quantize(i, p, s, g, StreamOf(stream)); }));
+            RunWithoutGil([&] { return op.Quantize(i, p, s, g, StreamOf(stream)); });
           },
           "input"_a, "packed"_a, "scales"_a, "global_scale"_a, "stream"_a = 0)
       .def(
@@ -153,31 +152,19 @@ void RegisterOps(nb::module_& m) {
             const TensorView p = In(packed, "packed"), s = In(scales, "scales"),
                              o = Out(output, "output");
             const GlobalScale g = ScaleOf(global_scale, "global_scale");
-            Check(NoGil([&] { return op.Dequantize(p, s, o, g, StreamOf(stream)); }));
+            RunWithoutGil([&] { return op.Dequantize(p, s, o, g, StreamOf(stream)); });
           },
           "packed"_a, "scales"_a, "output"_a, "global_scale"_a, "stream"_a = 0);
 
   nb::class_<PagedCacheQuantizer>(
       m, "PagedCacheQuantizer",
       "Quantize a whole f16/bf16 paged cache (or listed pages) into NVFP4 pages.")
-      .def(
-          "__init__",
-          [](PagedCacheQuantizer* p, const CacheGeometry& geometry, Layout source_layout,
-             DType input_dtype, const Recipe& recipe, const Device& device, bool compute_scales,
-             float headroom) {
-            PagedCacheQuantizer::Options o;
-            o.geometry = geometry;
-            o.source_layout = source_layout;
-            o.input_dtype = input_dtype;
-            o.recipe = recipe;
-            o.device = device;
-            o.compute_scales = compute_scales;
-            o.headroom = headroom;
-            CreateInto(p, o);
-          },
-          "geometry"_a, "source_layout"_a = Layout::kNHD, "input_dtype"_a = DType::kBF16,
-          "recipe"_a = Recipe(), "device"_a = Device::Cpu(), "compute_scales"_a = false,
-          "headroom"_a = 1.0f)
+      .def("__init__",
+           &CreateFrom<PagedCacheQuantizer, &QO::geometry, &QO::source_layout, &QO::input_dtype,
+                       &QO::recipe, &QO::device, &QO::compute_scales, &QO::headroom>,
+           "geometry"_a, "source_layout"_a = Layout::kNHD, "input_dtype"_a = DType::kBF16,
+           "recipe"_a = Recipe(), "device"_a = Device::Cpu(), "compute_scales"_a = false,
+           "headroom"_a = 1.0f)
       .def(
           "run",
           [](const PagedCacheQuantizer& op, const PyHalfPagedCache& source,
@@ -194,7 +181,7 @@ void RegisterOps(nb::module_& m) {
             a.k_scale_out = FloatOut(k_scale_out, "k_scale_out");
             a.v_scale_out = FloatOut(v_scale_out, "v_scale_out");
             const PagedCache& c = WritableCache(cache);
-            Check(NoGil([&] { return op.Run(a, c, StreamOf(stream)); }));
+            RunWithoutGil([&] { return op.Run(a, c, StreamOf(stream)); });
           },
           "source"_a, "cache"_a, nb::kw_only(), "src_pages"_a = nb::none(),
           "dst_pages"_a = nb::none(), "num_tokens"_a = -1, "k_scale"_a = 1.0f, "v_scale"_a = 1.0f,
@@ -202,32 +189,15 @@ void RegisterOps(nb::module_& m) {
 
   nb::class_<DecodeAttention>(
       m, "DecodeAttention", "Attention straight from NVFP4 pages (decode rows and prefill chunks).")
-      .def(
-          "__init__",
-          [](DecodeAttention* p, const CacheGeometry& geometry, int num_qo_heads, DType dtype,
-             DType table_dtype, int max_batch, int max_pages_per_seq, int max_q_len, float sm_scale,
-             float logits_soft_cap, int window_left, bool has_sinks, bool write_lse,
-             const Device& device) {
-            DecodeAttention::Options o;
-            o.geometry = geometry;
-            o.num_qo_heads = num_qo_heads;
-            o.dtype = dtype;
-            o.table_dtype = table_dtype;
-            o.max_batch = max_batch;
-            o.max_pages_per_seq = max_pages_per_seq;
-            o.max_q_len = max_q_len;
-            o.sm_scale = sm_scale;
-            o.logits_soft_cap = logits_soft_cap;
-            o.window_left = window_left;
-            o.has_sinks = has_sinks;
-            o.write_lse = write_lse;
-            o.device = device;
-            CreateInto(p, o);
-          },
-          "geometry"_a, "num_qo_heads"_a, "dtype"_a = DType::kBF16, "table_dtype"_a = DType::kI32,
-          "max_batch"_a, "max_pages_per_seq"_a, "max_q_len"_a = 1, "sm_scale"_a = 0.0f,
-          "logits_soft_cap"_a = 0.0f, "window_left"_a = -1, "has_sinks"_a = false,
-          "write_lse"_a = false, "device"_a = Device::Cpu())
+      .def("__init__",
+           &CreateFrom<DecodeAttention, &AtO::geometry, &AtO::num_qo_heads, &AtO::dtype,
+                       &AtO::table_dtype, &AtO::max_batch, &AtO::max_pages_per_seq, &AtO::max_q_len,
+                       &AtO::sm_scale, &AtO::logits_soft_cap, &AtO::window_left, &AtO::has_sinks,
+                       &AtO::write_lse, &AtO::device>,
+           "geometry"_a, "num_qo_heads"_a, "dtype"_a = DType::kBF16, "table_dtype"_a = DType::kI32,
+           "max_batch"_a, "max_pages_per_seq"_a, "max_q_len"_a = 1, "sm_scale"_a = 0.0f,
+           "logits_soft_cap"_a = 0.0f, "window_left"_a = -1, "has_sinks"_a = false,
+           "write_lse"_a = false, "device"_a = Device::Cpu())
       .def_prop_ro("workspace_bytes", &DecodeAttention::WorkspaceBytes)
       .def(
           "run",
@@ -246,26 +216,17 @@ void RegisterOps(nb::module_& m) {
             a.k_scale = ScaleOf(k_scale, "k_scale");
             a.v_scale = ScaleOf(v_scale, "v_scale");
             const Bytes w = OutBytes(workspace, "workspace");
-            Check(NoGil([&] { return op.Run(a, cache.cache, w.data, w.size, StreamOf(stream)); }));
+            RunWithoutGil([&] { return op.Run(a, cache.cache, w.data, w.size, StreamOf(stream)); });
           },
           "cache"_a, "q"_a, "block_tables"_a, "seq_lens"_a, "out"_a, nb::kw_only(),
           "q_indptr"_a = nb::none(), "lse"_a = nb::none(), "sinks"_a = nb::none(),
           "k_scale"_a = 1.0f, "v_scale"_a = 1.0f, "workspace"_a = nb::none(), "stream"_a = 0);
 
   nb::class_<Calibrator>(m, "Calibrator", "Device amax reduction and global scale, no host sync.")
-      .def(
-          "__init__",
-          [](Calibrator* p, int64_t max_elements, DType dtype, const Device& device,
-             const Recipe& recipe) {
-            Calibrator::Options o;
-            o.max_elements = max_elements;
-            o.dtype = dtype;
-            o.device = device;
-            o.recipe = recipe;
-            CreateInto(p, o);
-          },
-          "max_elements"_a, "dtype"_a = DType::kBF16, "device"_a = Device::Cpu(),
-          "recipe"_a = Recipe())
+      .def("__init__",
+           &CreateFrom<Calibrator, &CO::max_elements, &CO::dtype, &CO::device, &CO::recipe>,
+           "max_elements"_a, "dtype"_a = DType::kBF16, "device"_a = Device::Cpu(),
+           "recipe"_a = Recipe())
       .def(
           "run",
           [](Calibrator& c, nb::handle input, nb::handle global_scale, nb::handle amax,
@@ -274,10 +235,10 @@ void RegisterOps(nb::module_& m) {
             float* g = FloatOut(global_scale, "global_scale");
             float* a = FloatOut(amax, "amax");
             float* f = FloatOut(fp8_scale, "fp8_scale");
-            Check(NoGil([&] {
+            RunWithoutGil([&] {
               return fp8_key ? c.RunFp8Key(i, a, g, StreamOf(stream), f)
                              : c.Run(i, a, g, StreamOf(stream), f);
-            }));
+            });
           },
           "input"_a, "global_scale"_a, nb::kw_only(), "amax"_a = nb::none(),
           "fp8_scale"_a = nb::none(), "fp8_key"_a = false, "stream"_a = 0,
@@ -296,9 +257,9 @@ void RegisterOps(nb::module_& m) {
                          kl = In(kv_last_page_len, "kv_last_page_len");
         const GlobalScale ks = ScaleOf(k_scale, "k_scale"), vs = ScaleOf(v_scale, "v_scale");
         const PagedCache& c = WritableCache(cache);
-        Check(NoGil([&] {
+        RunWithoutGil([&] {
           return QuantizeAppendPaged(k, v, b, p, c, ki, kp, kl, ks, vs, recipe, StreamOf(stream));
-        }));
+        });
       },
       "key"_a, "value"_a, "batch_indices"_a, "positions"_a, "cache"_a, "kv_indices"_a,
       "kv_indptr"_a, "kv_last_page_len"_a, "k_scale"_a, "v_scale"_a, "recipe"_a = Recipe(),
@@ -311,8 +272,8 @@ void RegisterOps(nb::module_& m) {
                          s = In(slot_mapping, "slot_mapping");
         const GlobalScale ks = ScaleOf(k_scale, "k_scale"), vs = ScaleOf(v_scale, "v_scale");
         const PagedCache& c = WritableCache(cache);
-        Check(NoGil(
-            [&] { return QuantizeAppendBySlot(k, v, s, c, ks, vs, recipe, StreamOf(stream)); }));
+        RunWithoutGil(
+            [&] { return QuantizeAppendBySlot(k, v, s, c, ks, vs, recipe, StreamOf(stream)); });
       },
       "key"_a, "value"_a, "slot_mapping"_a, "cache"_a, "k_scale"_a, "v_scale"_a,
       "recipe"_a = Recipe(), "stream"_a = 0);
@@ -320,11 +281,11 @@ void RegisterOps(nb::module_& m) {
       "dequantize_paged",
       [](const PyPagedCache& cache, nb::handle block_tables, nb::handle seq_lens, nb::handle k_out,
          nb::handle v_out, nb::handle k_scale, nb::handle v_scale, uintptr_t stream) {
-        const TensorView b = In(block_tables, "block_tables"), s = In(seq_lens, "seq_lens"),
-                         ko = Out(k_out, "k_out"), vo = Out(v_out, "v_out");
-        const GlobalScale ks = ScaleOf(k_scale, "k_scale"), vs = ScaleOf(v_scale, "v_scale");
-        Check(NoGil(
-            [&] { return DequantizePaged(cache.cache, b, s, ko, vo, ks, vs, StreamOf(stream)); }));
+        const DequantArgs a = DequantArgsOf(block_tables, seq_lens, k_out, v_out, k_scale, v_scale);
+        RunWithoutGil([&] {
+          return DequantizePaged(cache.cache, a.block_tables, a.seq_lens, a.k_out, a.v_out,
+                                 a.k_scale, a.v_scale, StreamOf(stream));
+        });
       },
       "cache"_a, "block_tables"_a, "seq_lens"_a, "k_out"_a, "v_out"_a, "k_scale"_a, "v_scale"_a,
       "stream"_a = 0);
@@ -333,15 +294,14 @@ void RegisterOps(nb::module_& m) {
       [](const PyPagedCache& cache, nb::handle block_tables, nb::handle seq_lens,
          nb::handle kv_page_indptr, nb::handle out, nb::handle fp8_block_tables, nb::handle k_scale,
          nb::handle v_scale, nb::handle k_fp8_scale, nb::handle v_fp8_scale, uintptr_t stream) {
-        const TensorView b = In(block_tables, "block_tables"), s = In(seq_lens, "seq_lens"),
-                         ip = In(kv_page_indptr, "kv_page_indptr"), o = Out(out, "out"),
-                         f = Out(fp8_block_tables, "fp8_block_tables");
-        const GlobalScale ks = ScaleOf(k_scale, "k_scale"), vs = ScaleOf(v_scale, "v_scale"),
-                          kf = ScaleOf(k_fp8_scale, "k_fp8_scale"),
-                          vf = ScaleOf(v_fp8_scale, "v_fp8_scale");
-        Check(NoGil([&] {
-          return MaterializeFp8(cache.cache, b, s, ip, o, f, ks, vs, kf, vf, StreamOf(stream));
-        }));
+        const MaterializeArgs a =
+            MaterializeArgsOf(block_tables, seq_lens, kv_page_indptr, out, fp8_block_tables,
+                              k_scale, v_scale, k_fp8_scale, v_fp8_scale);
+        RunWithoutGil([&] {
+          return MaterializeFp8(cache.cache, a.block_tables, a.seq_lens, a.kv_page_indptr, a.out,
+                                a.fp8_block_tables, a.k_scale, a.v_scale, a.k_fp8_scale,
+                                a.v_fp8_scale, StreamOf(stream));
+        });
       },
       "cache"_a, "block_tables"_a, "seq_lens"_a, "kv_page_indptr"_a, "out"_a, "fp8_block_tables"_a,
       "k_scale"_a, "v_scale"_a, "k_fp8_scale"_a, "v_fp8_scale"_a, "stream"_a = 0);
@@ -354,9 +314,9 @@ void RegisterOps(nb::module_& m) {
         float* ko = FloatOut(k_scale_out, "k_scale_out");
         float* vo = FloatOut(v_scale_out, "v_scale_out");
         const PagedCache& c = WritableCache(cache);
-        Check(NoGil([&] {
+        RunWithoutGil([&] {
           return QuantizePagedCache(source.cache, c, ks, vs, ko, vo, recipe, StreamOf(stream));
-        }));
+        });
       },
       "source"_a, "cache"_a, "k_scale"_a = 1.0f, "v_scale"_a = 1.0f, "k_scale_out"_a = nb::none(),
       "v_scale_out"_a = nb::none(), "recipe"_a = Recipe(), "stream"_a = 0);
@@ -367,7 +327,7 @@ void RegisterOps(nb::module_& m) {
         const TensorView i = In(input, "input"), p = Out(packed, "packed"),
                          s = Out(scales, "scales");
         const GlobalScale g = ScaleOf(global_scale, "global_scale");
-        Check(NoGil([&] { return QuantizeLinear(i, p, s, g, recipe, StreamOf(stream)); }));
+        RunWithoutGil([&] { return QuantizeLinear(i, p, s, g, recipe, StreamOf(stream)); });
       },
       "input"_a, "packed"_a, "scales"_a, "global_scale"_a, "recipe"_a = Recipe(), "stream"_a = 0);
   m.def(
@@ -377,7 +337,7 @@ void RegisterOps(nb::module_& m) {
         const TensorView p = In(packed, "packed"), s = In(scales, "scales"),
                          o = Out(output, "output");
         const GlobalScale g = ScaleOf(global_scale, "global_scale");
-        Check(NoGil([&] { return DequantizeLinear(p, s, o, g, StreamOf(stream)); }));
+        RunWithoutGil([&] { return DequantizeLinear(p, s, o, g, StreamOf(stream)); });
       },
       "packed"_a, "scales"_a, "output"_a, "global_scale"_a, "stream"_a = 0);
 

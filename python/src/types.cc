@@ -89,9 +89,8 @@ void RegisterTypes(nb::module_& m) {
       .def_rw("metric", &Recipe::metric)
       .def_rw("fast_math", &Recipe::fast_math)
       .def_prop_ro("name", [](const Recipe& r) { return RecipeName(r); })
-      .def_prop_ro("code", [](const Recipe& r) { return Take(RecipeToCode(r)); })
-      .def_static(
-          "from_code", [](int64_t c) { return Take(RecipeFromCode(c)); }, "code"_a)
+      .def_prop_ro("code", Checked<&RecipeToCode>)
+      .def_static("from_code", Checked<&RecipeFromCode>, "code"_a)
       .def("__eq__", [](const Recipe& a, const Recipe& b) { return a == b; })
       .def("__repr__", [](const Recipe& r) { return "Recipe('" + RecipeName(r) + "')"; });
   m.def(
@@ -101,8 +100,7 @@ void RegisterTypes(nb::module_& m) {
         return std::vector<Recipe>(a.begin(), a.end());
       },
       "Every valid recipe, standard first.");
-  m.def(
-      "validate_recipe", [](const Recipe& r) { Check(ValidateRecipe(r)); }, "recipe"_a);
+  m.def("validate_recipe", Checked<&ValidateRecipe>, "recipe"_a);
 
   // ---- format helpers
   m.def(
@@ -111,9 +109,8 @@ void RegisterTypes(nb::module_& m) {
   m.def("max_global_scale", [] { return MaxGlobalScale(); });
   m.def(
       "is_valid_global_scale", [](float g) { return IsValidGlobalScale(g); }, "g"_a);
-  m.def(
-      "min_fp8_scale", [](float g) { return Take(MinFp8Scale(g)); }, "global_scale"_a,
-      "The smallest FP8 decode scale under which a cache with global scale g never saturates.");
+  m.def("min_fp8_scale", Checked<&MinFp8Scale>, "global_scale"_a,
+        "The smallest FP8 decode scale under which a cache with global scale g never saturates.");
   m.def(
       "make_fp8_key_scale", [](float amax) { return MakeFp8KeyScale(amax); }, "amax"_a);
   m.attr("BLOCK_SIZE") = kBlockSize;
@@ -147,7 +144,7 @@ void RegisterTypes(nb::module_& m) {
       .def_rw("num_pages", &CacheGeometry::num_pages)
       .def_rw("layout", &CacheGeometry::layout)
       .def_rw("key_format", &CacheGeometry::key_format)
-      .def("validate", [](const CacheGeometry& g) { Check(g.Validate()); })
+      .def("validate", Checked<&CacheGeometry::Validate>)
       .def("data_row_bytes", &CacheGeometry::DataRowBytes, "is_v"_a)
       .def("scale_row_bytes", &CacheGeometry::ScaleRowBytes, "is_v"_a)
       .def("page_bytes", &CacheGeometry::PageBytes)
