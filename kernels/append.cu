@@ -88,6 +88,14 @@ absl::Status LaunchAppend(const AppendParams& p, Stream stream) {
   return CudaStatus(cudaGetLastError(), "QuantizeAppendKernel launch");
 }
 
+absl::Status LoadAppendKernels(DType input_dtype, const Recipe& recipe, bool count_events) {
+  const RecipeVariant v = kernels::VariantOf(recipe);
+  const bool bf16 = input_dtype == DType::kBF16;
+  FP4KV_RETURN_IF_ERROR(
+      LoadKernel(PickAppendKernelFor<true>(bf16, count_events, v), "QuantizeAppendKernel"));
+  return LoadKernel(PickAppendKernelFor<false>(bf16, count_events, v), "QuantizeAppendKernel");
+}
+
 absl::Status AppendOverlapsLaunch(bool* out) {
   cudaFuncAttributes fa;
   FP4KV_CUDA_RETURN_IF_ERROR(

@@ -3,6 +3,7 @@
 #include "kernels/dequantize.cuh"
 #include "src/cuda_util.h"
 #include "src/params.h"
+#include "src/status_macros.h"
 
 namespace fp4kv {
 namespace internal {
@@ -17,6 +18,12 @@ __global__ void __launch_bounds__(kernels::kMaxTileThreads)
 }
 
 }  // namespace
+
+absl::Status LoadDequantizeKernels(DType output_dtype) {
+  return output_dtype == DType::kBF16
+             ? LoadKernel(DequantizePagedKernel<true>, "DequantizePagedKernel")
+             : LoadKernel(DequantizePagedKernel<false>, "DequantizePagedKernel");
+}
 
 absl::Status LaunchDequantize(const DequantParams& p, Stream stream) {
   const bool bf16 = p.output_dtype == DType::kBF16;

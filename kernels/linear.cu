@@ -3,6 +3,7 @@
 #include "kernels/linear.cuh"
 #include "src/cuda_util.h"
 #include "src/params.h"
+#include "src/status_macros.h"
 
 namespace fp4kv {
 namespace internal {
@@ -47,6 +48,15 @@ absl::Status TooWide() {
 }
 
 }  // namespace
+
+absl::Status LoadLinearKernels(DType dtype, const Recipe& recipe) {
+  const RecipeVariant v = kernels::VariantOf(recipe);
+  const bool bf16 = dtype == DType::kBF16;
+  FP4KV_RETURN_IF_ERROR(LoadKernel(bf16 ? PickQuantKernel<true>(v) : PickQuantKernel<false>(v),
+                                   "QuantizeLinearKernel"));
+  return bf16 ? LoadKernel(DequantizeLinearKernel<true>, "DequantizeLinearKernel")
+              : LoadKernel(DequantizeLinearKernel<false>, "DequantizeLinearKernel");
+}
 
 absl::Status LaunchQuantizeLinear(const LinearQuantParams& p, Stream stream) {
   const RecipeVariant v = kernels::VariantOf(p.recipe);

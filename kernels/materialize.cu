@@ -3,6 +3,7 @@
 #include "kernels/materialize.cuh"
 #include "src/cuda_util.h"
 #include "src/params.h"
+#include "src/status_macros.h"
 
 namespace fp4kv {
 namespace internal {
@@ -27,6 +28,17 @@ void LaunchOne(const MaterializeLaunch& a, cudaStream_t stream) {
 }
 
 }  // namespace
+
+absl::Status LoadMaterializeKernels(bool fp8_keys) {
+  // Both index widths: a launch takes the wide one when its tables need it.
+  const auto load = [](auto k64, auto k32) -> absl::Status {
+    FP4KV_RETURN_IF_ERROR(LoadKernel(k64, "MaterializeFp8Kernel"));
+    return LoadKernel(k32, "MaterializeFp8Kernel");
+  };
+  return fp8_keys ? load(MaterializeFp8Kernel<int64_t, true>, MaterializeFp8Kernel<uint32_t, true>)
+                  : load(MaterializeFp8Kernel<int64_t, false>,
+                         MaterializeFp8Kernel<uint32_t, false>);
+}
 
 absl::Status LaunchMaterialize(const MaterializeParams& p, Stream stream) {
   const bool ok = kernels::ForEachMaterializeLaunch(p, [&](const MaterializeLaunch& a) {

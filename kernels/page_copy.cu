@@ -182,6 +182,14 @@ __global__ void AdoptScalesKernel(const AdoptScalesParams p) {
 
 }  // namespace
 
+absl::Status LoadPageCopyKernels() {
+  FP4KV_RETURN_IF_ERROR(LoadKernel(PageCopyVecKernel, "PageCopyVecKernel"));
+  FP4KV_RETURN_IF_ERROR(LoadKernel(PageCopyKernel, "PageCopyKernel"));
+  FP4KV_RETURN_IF_ERROR(LoadKernel(HoldStreamKernel, "HoldStreamKernel"));
+  FP4KV_RETURN_IF_ERROR(LoadKernel(RequantizePagesKernel, "RequantizePagesKernel"));
+  return LoadKernel(AdoptScalesKernel, "AdoptScalesKernel");
+}
+
 absl::Status LaunchAdoptScales(const AdoptScalesParams& p, Stream stream) {
   if (p.num_layers <= 0) return absl::OkStatus();
   const int threads = 128;

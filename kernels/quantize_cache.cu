@@ -3,6 +3,7 @@
 #include "kernels/quantize_cache.cuh"
 #include "src/cuda_util.h"
 #include "src/params.h"
+#include "src/status_macros.h"
 
 namespace fp4kv {
 namespace internal {
@@ -67,6 +68,21 @@ QuantizeCacheFn PickQuantizeCacheKernel(RecipeVariant v) {
 // Rows per CTA: a whole cache has many rows, so each thread keeps its block
 // for 32 rows and its setup (block, pointers, scale) is paid less often.
 uint32_t QuantizeCacheRowsPerCta(int64_t rows) { return rows >= (1 << 17) ? 32 : 0; }
+
+absl::Status LoadQuantizeCacheKernels(DType input_dtype, const Recipe& recipe) {
+  const RecipeVariant v = kernels::VariantOf(recipe);
+  const bool bf16 = input_dtype == DType::kBF16;
+  FP4KV_RETURN_IF_ERROR(LoadKernel(CacheAmaxZeroKernel, "CacheAmaxZeroKernel"));
+  FP4KV_RETURN_IF_ERROR(LoadKernel(CacheScalesFinishKernel, "CacheScalesFinishKernel"));
+  FP4KV_RETURN_IF_ERROR(
+      LoadKernel(bf16 ? CacheAmaxKernel<true> : CacheAmaxKernel<false>, "CacheAmaxKernel"));
+  FP4KV_RETURN_IF_ERROR(LoadKernel(
+      bf16 ? PickQuantizeCacheKernel<true, true>(v) : PickQuantizeCacheKernel<false, true>(v),
+      "QuantizeCacheKernel"));
+  return LoadKernel(
+      bf16 ? PickQuantizeCacheKernel<true, false>(v) : PickQuantizeCacheKernel<false, false>(v),
+      "QuantizeCacheKernel");
+}
 
 absl::Status LaunchQuantizeCache(const QuantizeCacheParams& p, Stream stream) {
   const bool bf16 = p.dtype == DType::kBF16;

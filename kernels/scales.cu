@@ -11,6 +11,7 @@
 #include "fp4kv/recipe.h"
 #include "src/cuda_util.h"
 #include "src/params.h"
+#include "src/status_macros.h"
 
 namespace fp4kv {
 namespace internal {
@@ -131,6 +132,12 @@ __global__ void __launch_bounds__(kReencodeThreads) ReencodeKernel(const Reencod
 }
 
 }  // namespace
+
+absl::Status LoadScaleKernels() {
+  FP4KV_RETURN_IF_ERROR(LoadKernel(CalibrateRowsKernel<true>, "CalibrateRowsKernel"));
+  FP4KV_RETURN_IF_ERROR(LoadKernel(CalibrateRowsKernel<false>, "CalibrateRowsKernel"));
+  return LoadKernel(ReencodeKernel, "ReencodeKernel");
+}
 
 absl::Status LaunchCalibrateRows(const RowCalibrationParams& p, Stream stream) {
   if (p.rows <= 0) return absl::OkStatus();

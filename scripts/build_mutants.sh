@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Builds "mutant" copies of libfp4kv: each with one cross-stream wait taken
-# out, so that a GPU run can show that the test written for that wait fails
-# without it (a timing-only test would pass). For each mutant below:
+# Builds "mutant" copies of libfp4kv: each with one cross-stream wait (or the
+# kernel load at KVCache::Create) taken out, so that a GPU run can show that
+# the test written for it fails without it (a timing-only test would pass). For each mutant below:
 #   1. the one source line is deleted from a copy of its file (the line must
 #      occur exactly once),
 #   2. libfp4kv is rebuilt in build-gpu (only that file recompiles),
@@ -21,6 +21,7 @@ BUILD=build-gpu
 MUTANTS=(
   "reencode_no_copy_wait|src/kv_cache/scales.cc|    FP4KV_RETURN_IF_ERROR(s.OrderAfterCopies(stream));|kv_cache_swap_test|Gpu/SwapTest.ReencodeAfterSwapInWaitsForItsCopy/*"
   "calibrate_no_copy_wait|src/kv_cache/scales.cc|  if (reencode) FP4KV_RETURN_IF_ERROR(s.OrderAfterCopies(stream));|kv_cache_swap_test|Gpu/SwapTest.CalibrateAfterSwapInWaitsForItsCopy/*"
+  "cache_kernels_not_loaded|src/kv_cache/cache.cc|  if (s->cuda) FP4KV_RETURN_IF_ERROR(internal::LoadCacheKernels(o.recipe));|kv_cache_lazy_load_test|KVCacheLazyLoadTest.*"
 )
 
 backup=$(mktemp)

@@ -57,5 +57,11 @@ absl::Status Sm90aKernelsRun(int ordinal, bool* yes) {
   return absl::OkStatus();
 }
 
+absl::Status LoadKernel(const void* fn, const char* what) {
+  cudaFuncAttributes attributes;
+  const cudaError_t err = cudaFuncGetAttributes(&attributes, fn);
+  return CudaStatus(err, what);
+}
+
 }  // namespace internal
 }  // namespace fp4kv

@@ -58,6 +58,16 @@ absl::Status CheckCommonOptions(const CacheGeometry& g, const Device& device) {
   return internal::CheckDeviceAvailable(device);
 }
 
+// Runs load (a Load*Kernels of src/params.h) on `device` when it is a CUDA
+// device; the caller's current device is restored.
+template <class Load>
+absl::Status LoadOn(const Device& device, Load&& load) {
+  if (!device.is_cuda()) return absl::OkStatus();
+  internal::ScopedDevice scoped;
+  FP4KV_RETURN_IF_ERROR(scoped.Set(device));
+  return load();
+}
+
 absl::Status CheckTableDType(DType t, const char* name) {
   if (t != DType::kI32 && t != DType::kI64) {
     return absl::InvalidArgumentError(
@@ -77,17 +87,14 @@ absl::StatusOr<Appender> Appender::Create(const Options& o) {
   }
   FP4KV_RETURN_IF_ERROR(ValidateRecipe(o.recipe));
   FP4KV_RETURN_IF_ERROR(CheckCommonOptions(o.geometry, o.device));
+  // The kernels it may launch are loaded on the op's device, where the
+  // code's PTX version says whether a launch may overlap its predecessor.
   bool overlap = false;
-  if (o.device.is_cuda()) {
-    // The code loaded on the op's device (the caller's current device is
-    // restored).
-    int current = 0;
-    FP4KV_CUDA_RETURN_IF_ERROR(cudaGetDevice(&current));
-    if (current != o.device.ordinal) FP4KV_CUDA_RETURN_IF_ERROR(cudaSetDevice(o.device.ordinal));
-    const absl::Status st = internal::AppendOverlapsLaunch(&overlap);
-    if (current != o.device.ordinal) FP4KV_CUDA_RETURN_IF_ERROR(cudaSetDevice(current));
-    FP4KV_RETURN_IF_ERROR(st);
-  }
+  FP4KV_RETURN_IF_ERROR(LoadOn(o.device, [&]() -> absl::Status {
+    FP4KV_RETURN_IF_ERROR(
+        internal::LoadAppendKernels(o.input_dtype, o.recipe, o.count_scale_events));
+    return internal::AppendOverlapsLaunch(&overlap);
+  }));
   return internal::AppendAccess::Make(o, overlap);
 }
 
@@ -204,6 +211,8 @@ absl::StatusOr<Dequantizer> Dequantizer::Create(const Options& o) {
   FP4KV_RETURN_IF_ERROR(internal::CheckFloatDType(o.output_dtype, "options.output_dtype"));
   FP4KV_RETURN_IF_ERROR(CheckTableDType(o.table_dtype, "options.table_dtype"));
   FP4KV_RETURN_IF_ERROR(CheckCommonOptions(o.geometry, o.device));
+  FP4KV_RETURN_IF_ERROR(
+      LoadOn(o.device, [&] { return internal::LoadDequantizeKernels(o.output_dtype); }));
   return Dequantizer(o);
 }
 
@@ -310,6 +319,8 @@ absl::StatusOr<Materializer> Materializer::Create(const Options& o) {
                      o.geometry.page_size));
   }
   FP4KV_RETURN_IF_ERROR(internal::CheckDeviceAvailable(o.device));
+  FP4KV_RETURN_IF_ERROR(LoadOn(
+      o.device, [&] { return internal::LoadMaterializeKernels(o.geometry.fp8_keys()); }));
   return Materializer(o);
 }
 
@@ -429,6 +440,8 @@ absl::StatusOr<LinearQuantizer> LinearQuantizer::Create(const Options& o) {
   FP4KV_RETURN_IF_ERROR(internal::CheckFloatDType(o.dtype, "options.dtype"));
   FP4KV_RETURN_IF_ERROR(ValidateRecipe(o.recipe));
   FP4KV_RETURN_IF_ERROR(internal::CheckDeviceAvailable(o.device));
+  FP4KV_RETURN_IF_ERROR(
+      LoadOn(o.device, [&] { return internal::LoadLinearKernels(o.dtype, o.recipe); }));
   return LinearQuantizer(o);
 }
 
@@ -538,6 +551,8 @@ absl::StatusOr<PagedCacheQuantizer> PagedCacheQuantizer::Create(const Options& o
   }
   FP4KV_RETURN_IF_ERROR(ValidateRecipe(o.recipe));
   FP4KV_RETURN_IF_ERROR(CheckCommonOptions(o.geometry, o.device));
+  FP4KV_RETURN_IF_ERROR(LoadOn(
+      o.device, [&] { return internal::LoadQuantizeCacheKernels(o.input_dtype, o.recipe); }));
   return PagedCacheQuantizer(o);
 }
 

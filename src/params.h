@@ -441,6 +441,20 @@ void ReferenceQuantizeCache(const QuantizeCacheParams& p);
 
 // CUDA launchers (kernels/). Enqueue on `stream`, allocate nothing, never
 // synchronize; return the launch status (cudaGetLastError) as a Status.
+//
+// Each Load*Kernels loads, on the current device, every kernel its launcher
+// may launch for the given fixed options (LoadKernel, src/cuda_util.h): an
+// op's Create() calls it, so that no Run() pays a lazy module load.
+absl::Status LoadAppendKernels(DType input_dtype, const Recipe& recipe, bool count_events);
+absl::Status LoadDequantizeKernels(DType output_dtype);
+absl::Status LoadMaterializeKernels(bool fp8_keys);
+absl::Status LoadLinearKernels(DType dtype, const Recipe& recipe);
+absl::Status LoadQuantizeCacheKernels(DType input_dtype, const Recipe& recipe);
+// The kernels a KVCache launches itself: row calibration (both dtypes) and
+// re-encode (kernels/scales.cu); page copies, the import's scale adoption and
+// requantization (kernels/page_copy.cu).
+absl::Status LoadScaleKernels();
+absl::Status LoadPageCopyKernels();
 absl::Status LaunchAppend(const AppendParams& p, Stream stream);
 // Whether the append kernels' code loaded on the current device waits in
 // griddepcontrol.wait (PTX 9.0+), so that AppendParams::overlap_launch is safe.

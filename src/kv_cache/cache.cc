@@ -43,6 +43,18 @@ KVCacheState::~KVCacheState() {
   }
 }
 
+// Every kernel the cache launches itself (its appender, attention and other
+// bound ops load theirs when bound), on the current device: under CUDA's
+// lazy module loading a first launch that loads its kernel can wait on the
+// host for the device's other streams (a held copy, a long step).
+absl::Status LoadCacheKernels(const Recipe& recipe) {
+  FP4KV_RETURN_IF_ERROR(LoadScaleKernels());
+  FP4KV_RETURN_IF_ERROR(LoadPageCopyKernels());
+  // ImportHalfPages quantizes f16 or bf16 pages.
+  FP4KV_RETURN_IF_ERROR(LoadQuantizeCacheKernels(DType::kF16, recipe));
+  return LoadQuantizeCacheKernels(DType::kBF16, recipe);
+}
+
 absl::Status MovedFrom() {
   return absl::FailedPreconditionError(
       "KVCache: expected a live cache, got one that was moved from");
@@ -479,6 +491,7 @@ absl::StatusOr<KVCache> KVCache::Create(const KVCacheOptions& o) {
   FP4KV_RETURN_IF_ERROR(internal::ReserveHost(&s->step.cow_src, S, kCall, "the step's copies"));
   FP4KV_RETURN_IF_ERROR(internal::ReserveHost(&s->step.cow_entry, S, kCall, "the step's copies"));
   FP4KV_RETURN_IF_ERROR(internal::ReserveHost(&s->step.cow_dst, S, kCall, "the step's copies"));
+  if (s->cuda) FP4KV_RETURN_IF_ERROR(internal::LoadCacheKernels(o.recipe));
   return KVCache(std::move(s));
 }
 

@@ -215,31 +215,6 @@ class Memory {
   size_t mapped_ = 0;     // kHost: bytes of an mmap (0: calloc)
 };
 
-// Makes `device` current for a scope (CUDA only) and restores the previous
-// device at exit.
-class ScopedDevice {
- public:
-  ScopedDevice() = default;
-  absl::Status Set(const Device& device) {
-    if (!device.is_cuda()) return absl::OkStatus();
-    FP4KV_CUDA_RETURN_IF_ERROR(cudaGetDevice(&previous_));
-    if (previous_ != device.ordinal) {
-      FP4KV_CUDA_RETURN_IF_ERROR(cudaSetDevice(device.ordinal));
-      changed_ = true;
-    }
-    return absl::OkStatus();
-  }
-  ~ScopedDevice() {
-    if (changed_) (void)cudaSetDevice(previous_);
-  }
-  ScopedDevice(const ScopedDevice&) = delete;
-  ScopedDevice& operator=(const ScopedDevice&) = delete;
-
- private:
-  int previous_ = 0;
-  bool changed_ = false;
-};
-
 // The most pages (at most INT32_MAX; 0 if not even one) of geometry g whose
 // pools for num_layers layers fit in budget bytes, with their layout.
 int64_t MostPagesWithin(const CacheGeometry& g, int num_layers, int64_t budget,
