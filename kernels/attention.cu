@@ -156,17 +156,8 @@ absl::Status LaunchDecodeAttention(const AttentionParams& p, Stream stream) {
   if (p.batch_size > p.max_batch) {
     return absl::InvalidArgumentError("DecodeAttention: batch larger than max_batch");
   }
-  DecodeAttention::Options o;
-  o.geometry.num_kv_heads = p.num_kv_heads;
-  o.geometry.head_dim_k = p.k.head_dim;
-  o.geometry.head_dim_v = p.v.head_dim;
-  o.num_qo_heads = p.num_qo_heads;
-  o.max_q_len = p.max_q_len;
-  const int64_t need = AttentionWorkspaceBytes(o, p.num_sms);
-  if (p.workspace_bytes < need || (need > 0 && p.workspace == nullptr)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("DecodeAttention: workspace of ", p.workspace_bytes, " bytes, needs ", need));
-  }
+  // The workspace was checked against the size Create() computed
+  // (MakeAttentionParams).
   if (p.max_q_len > kDecodeRowsQLen) {
     // Long requests on the prefill kernel, then the rest on the decode
     // kernels (each skips the other's requests), in stream order.

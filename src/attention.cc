@@ -162,13 +162,15 @@ absl::StatusOr<AttentionParams> MakeAttentionParams(const DecodeAttention::Optio
                                                     const DecodeAttentionArgs& a,
                                                     const CachePools& pools, void* workspace,
                                                     int64_t workspace_bytes, int num_sms) {
-  const CacheGeometry& g = o.geometry;
-  const Device& dev = o.device;
-  const int hq = o.num_qo_heads;
-  AttentionParams p;
-  p.k = pools.k;
-  p.v = pools.v;
+  AttentionTables t;
+  FP4KV_RETURN_IF_ERROR(CheckAttentionTables(o, a, &t));
+  const int64_t need = o.device.is_cuda() ? AttentionWorkspaceBytes(o, num_sms) : 0;
+  return MakeAttentionParams(o, a, pools, t, workspace, workspace_bytes, num_sms, need);
+}
 
+absl::Status CheckAttentionTables(const DecodeAttention::Options& o, const DecodeAttentionArgs& a,
+                                  AttentionTables* t) {
+  const Device& dev = o.device;
   // Requests: seq_lens decides B, the block tables follow it.
   FP4KV_RETURN_IF_ERROR(CheckTensor(a.seq_lens, "seq_lens", DType::kI32, {kAny}, dev));
   const int64_t batch = a.seq_lens.shape[0];
@@ -185,15 +187,38 @@ absl::StatusOr<AttentionParams> MakeAttentionParams(const DecodeAttention::Optio
         absl::StrCat("block_tables: expected 1 .. options.max_pages_per_seq (", o.max_pages_per_seq,
                      ") pages per request, got shape ", a.block_tables.ShapeString()));
   }
+  const bool has_indptr = o.max_q_len > 1 || !a.q_indptr.empty();
+  if (has_indptr) {
+    FP4KV_RETURN_IF_ERROR(CheckTensor(a.q_indptr, "q_indptr", DType::kI32, {batch + 1}, dev));
+  }
+  t->block_tables = a.block_tables.data;
+  t->table_row_stride = a.block_tables.strides[0];
+  t->max_pages = static_cast<int>(max_pages);
+  t->seq_lens = a.seq_lens.ptr<const int32_t>();
+  t->q_indptr = has_indptr ? a.q_indptr.ptr<const int32_t>() : nullptr;
+  t->batch = static_cast<int>(batch);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<AttentionParams> MakeAttentionParams(const DecodeAttention::Options& o,
+                                                    const DecodeAttentionArgs& a,
+                                                    const CachePools& pools,
+                                                    const AttentionTables& t, void* workspace,
+                                                    int64_t workspace_bytes, int num_sms,
+                                                    int64_t need) {
+  const CacheGeometry& g = o.geometry;
+  const Device& dev = o.device;
+  const int hq = o.num_qo_heads;
+  AttentionParams p;
+  p.k = pools.k;
+  p.v = pools.v;
+  const int64_t batch = t.batch;
 
   // Queries.
   FP4KV_RETURN_IF_ERROR(CheckTensor(a.q, "q", o.dtype, {kAny, hq, g.head_dim_k}, dev));
   FP4KV_RETURN_IF_ERROR(CheckAligned(a.q, "q", 16));
   const int64_t total_q = a.q.shape[0];
-  const bool has_indptr = o.max_q_len > 1 || !a.q_indptr.empty();
-  if (has_indptr) {
-    FP4KV_RETURN_IF_ERROR(CheckTensor(a.q_indptr, "q_indptr", DType::kI32, {batch + 1}, dev));
-  } else if (total_q != batch) {
+  if (t.q_indptr == nullptr && total_q != batch) {
     // Without q_indptr, request b is q row b.
     return absl::InvalidArgumentError(absl::StrCat("q: expected one row per request (", batch,
                                                    ", as seq_lens) without q_indptr, got shape ",
@@ -219,7 +244,6 @@ absl::StatusOr<AttentionParams> MakeAttentionParams(const DecodeAttention::Optio
   FP4KV_RETURN_IF_ERROR(CheckGlobalScale(a.v_scale, "v_scale"));
 
   // Workspace: the kernel's split-KV scratch (none on the CPU).
-  const int64_t need = dev.is_cuda() ? AttentionWorkspaceBytes(o, num_sms) : 0;
   if (workspace_bytes < need) {
     return absl::InvalidArgumentError(absl::StrCat(
         "workspace_bytes: expected at least WorkspaceBytes() = ", need, ", got ", workspace_bytes));
@@ -247,14 +271,14 @@ absl::StatusOr<AttentionParams> MakeAttentionParams(const DecodeAttention::Optio
   p.q_row_stride = a.q.strides[0];
   p.q_head_stride = a.q.strides[1];
   p.total_q = total_q;
-  p.q_indptr = has_indptr ? a.q_indptr.ptr<const int32_t>() : nullptr;
+  p.q_indptr = t.q_indptr;
   p.max_q_len = o.max_q_len;
-  p.block_tables = a.block_tables.data;
+  p.block_tables = t.block_tables;
   p.tables_i64 = o.table_dtype == DType::kI64;
-  p.table_row_stride = a.block_tables.strides[0];
-  p.max_pages = static_cast<int>(max_pages);
-  p.seq_lens = a.seq_lens.ptr<const int32_t>();
-  p.batch_size = static_cast<int>(batch);
+  p.table_row_stride = t.table_row_stride;
+  p.max_pages = t.max_pages;
+  p.seq_lens = t.seq_lens;
+  p.batch_size = t.batch;
   p.out = a.out.data;
   p.out_row_stride = a.out.strides[0];
   p.out_head_stride = a.out.strides[1];
@@ -278,8 +302,17 @@ absl::StatusOr<AttentionParams> MakeAttentionParams(const DecodeAttention::Optio
 absl::Status DecodeAttentionRunner::Run(const DecodeAttention& op, const DecodeAttentionArgs& a,
                                         const CachePools& pools, void* workspace,
                                         int64_t workspace_bytes, Stream stream) {
-  absl::StatusOr<AttentionParams> p =
-      MakeAttentionParams(op.options_, a, pools, workspace, workspace_bytes, op.num_sms_);
+  AttentionTables t;
+  FP4KV_RETURN_IF_ERROR(CheckAttentionTables(op.options_, a, &t));
+  return Run(op, a, pools, t, workspace, workspace_bytes, stream);
+}
+
+absl::Status DecodeAttentionRunner::Run(const DecodeAttention& op, const DecodeAttentionArgs& a,
+                                        const CachePools& pools, const AttentionTables& t,
+                                        void* workspace, int64_t workspace_bytes, Stream stream) {
+  // Create() sized the workspace (AttentionWorkspaceBytes) once.
+  absl::StatusOr<AttentionParams> p = MakeAttentionParams(
+      op.options_, a, pools, t, workspace, workspace_bytes, op.num_sms_, op.workspace_bytes_);
   if (!p.ok()) return p.status();
   if (p->total_q == 0) return absl::OkStatus();
   p->merge_overlaps = op.merge_overlaps_;

@@ -172,14 +172,46 @@ absl::StatusOr<AttentionParams> MakeAttentionParams(const DecodeAttention::Optio
                                                     const CachePools& pools, void* workspace,
                                                     int64_t workspace_bytes, int num_sms = 0);
 
+// The request tables of a Run (seq_lens, block_tables, q_indptr) as the
+// kernels read them: checked on every call of the functional op and of
+// DecodeAttention::Run, once at bind time for a KVCache's bound attention
+// (its step buffers are its own and never move).
+struct AttentionTables {
+  const void* block_tables = nullptr;
+  int64_t table_row_stride = 0;  // elements
+  int max_pages = 0;
+  const int32_t* seq_lens = nullptr;
+  const int32_t* q_indptr = nullptr;  // null: request b is q row b
+  int batch = 0;
+};
+
+// Checks a's seq_lens, block_tables and q_indptr against the options and
+// fills *t. InvalidArgument naming the argument.
+absl::Status CheckAttentionTables(const DecodeAttention::Options& o, const DecodeAttentionArgs& a,
+                                  AttentionTables* t);
+
+// The params of a call whose tables were checked (t) and whose workspace
+// need is known (`need`, 0 on the CPU): checks only the call's q, out, lse,
+// sinks, scales and workspace.
+absl::StatusOr<AttentionParams> MakeAttentionParams(const DecodeAttention::Options& o,
+                                                    const DecodeAttentionArgs& a,
+                                                    const CachePools& pools,
+                                                    const AttentionTables& t, void* workspace,
+                                                    int64_t workspace_bytes, int num_sms,
+                                                    int64_t need);
+
 // DecodeAttention::Run on a cache whose views were checked once already (a
-// KVCache's bound attention): checks the call's views, fills the params and
-// dispatches them to the CPU reference or the CUDA launcher. A friend of
-// DecodeAttention: it reads the launch shape Create() settled.
+// KVCache's bound attention): checks the call's views (with `t`: all but the
+// tables), fills the params and dispatches them to the CPU reference or the
+// CUDA launcher. A friend of DecodeAttention: it reads the launch shape and
+// workspace size Create() settled.
 struct DecodeAttentionRunner {
   static absl::Status Run(const DecodeAttention& op, const DecodeAttentionArgs& a,
                           const CachePools& pools, void* workspace, int64_t workspace_bytes,
                           Stream stream);
+  static absl::Status Run(const DecodeAttention& op, const DecodeAttentionArgs& a,
+                          const CachePools& pools, const AttentionTables& t, void* workspace,
+                          int64_t workspace_bytes, Stream stream);
 };
 
 // Scratch bytes of the CUDA kernel for these options (kernels/attention.cu).

@@ -71,6 +71,21 @@ absl::Status CheckSlot(const std::weak_ptr<const KVCacheState>& state, bool boun
   return absl::OkStatus();
 }
 
+// The step slot's tables for `batch` requests as attention args (q_indptr
+// when max_q_len > 1).
+DecodeAttentionArgs StepTablesArgs(const internal::StepSlot& st, int64_t batch, int max_q_len) {
+  DecodeAttentionArgs a;
+  a.block_tables = st.views.block_tables;
+  a.block_tables.shape[0] = batch;
+  a.seq_lens = st.views.seq_lens;
+  a.seq_lens.shape[0] = batch;
+  if (max_q_len > 1) {
+    a.q_indptr = st.views.token_indptr;
+    a.q_indptr.shape[0] = batch + 1;
+  }
+  return a;
+}
+
 bool SamePools(const internal::PoolPtrs& a, const internal::PoolPtrs& b) {
   return a.data == b.data && a.scales == b.scales && a.data_page == b.data_page &&
          a.data_entry == b.data_entry && a.data_head == b.data_head &&
@@ -154,6 +169,18 @@ absl::StatusOr<CacheAttention> KVCache::attention(const CacheAttentionOptions& c
   absl::StatusOr<DecodeAttention> op = DecodeAttention::Create(o);
   if (!op.ok()) return op.status();
   FP4KV_RETURN_IF_ERROR(CheckLayerPools(s, op->options().geometry, op->options().device));
+  // The step tables of every slot, at their widest (max_seqs_per_step
+  // requests), checked once: Run() hands them to the op unchecked.
+  for (const internal::StepSlot& slot : s.step.slots) {
+    internal::AttentionTables unused;
+    const absl::Status st =
+        internal::CheckAttentionTables(op->options(), StepTablesArgs(slot, o.max_batch, o.max_q_len),
+                                       &unused);
+    if (!st.ok()) {
+      return absl::InternalError(
+          absl::StrCat("KVCache::attention: the step tables disagree with the op: ", st.message()));
+    }
+  }
   return CacheAttention(state_, *std::move(op));
 }
 
@@ -342,16 +369,19 @@ absl::Status CacheAttention::Run(int layer, const TensorView& q, const TensorVie
             " for entry ", i, " (prefill chunks need a prefill attention)"));
       }
     }
-    a.q_indptr = st.views.token_indptr;
   }
-  a.block_tables = st.views.block_tables;
-  a.block_tables.shape[0] = batch;
-  a.seq_lens = st.views.seq_lens;
-  a.seq_lens.shape[0] = batch;
-  if (max_q_len > 1) a.q_indptr.shape[0] = batch + 1;
+  // The step's tables were checked at bind time (KVCache::attention); the
+  // first `batch` rows of them are this call's.
+  internal::AttentionTables t;
+  t.block_tables = st.views.block_tables.data;
+  t.table_row_stride = st.views.block_tables.strides[0];
+  t.max_pages = static_cast<int>(st.views.block_tables.shape[1]);
+  t.seq_lens = st.views.seq_lens.ptr<const int32_t>();
+  t.q_indptr = max_q_len > 1 ? st.views.token_indptr.ptr<const int32_t>() : nullptr;
+  t.batch = static_cast<int>(batch);
   a.k_scale = GlobalScale::Pointer(s.scales.d_scales + 4 * layer + 0);
   a.v_scale = GlobalScale::Pointer(s.scales.d_scales + 4 * layer + 1);
-  return internal::DecodeAttentionRunner::Run(op_, a, LayerPools(s, layer), workspace,
+  return internal::DecodeAttentionRunner::Run(op_, a, LayerPools(s, layer), t, workspace,
                                               workspace_bytes, stream);
 }
 
