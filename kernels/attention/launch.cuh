@@ -17,6 +17,7 @@
 #include "kernels/attention/merge.cuh"
 #include "kernels/attention/rows_in_m.cuh"
 #include "kernels/attention/schedule.cuh"
+#include "kernels/attention/stage_layout.cuh"
 #include "kernels/attention/tma.cuh"
 #include "kernels/attention/tokens_in_m.cuh"
 #include "src/attention_params.h"
