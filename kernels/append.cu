@@ -2,6 +2,7 @@
 #include "absl/status/status.h"
 #include "kernels/append.cuh"
 #include "kernels/attention/ptx.cuh"
+#include "kernels/launch_util.cuh"
 #include "src/cuda_util.h"
 #include "src/params.h"
 #include "src/status_macros.h"
@@ -68,16 +69,8 @@ absl::Status LaunchAppend(const AppendParams& p, Stream stream) {
       fn<<<dim3(a.shape.grid_x, a.shape.grid_y), a.shape.threads, 0, stream>>>(a);
       return;
     }
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(a.shape.grid_x, a.shape.grid_y);
-    cfg.blockDim = dim3(a.shape.threads);
-    cfg.stream = stream;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    const cudaError_t e = cudaLaunchKernelEx(&cfg, fn, a);
+    const cudaError_t e = kernels::LaunchMaybeProgrammatic(
+        fn, dim3(a.shape.grid_x, a.shape.grid_y), dim3(a.shape.threads), 0, stream, true, a);
     if (err == cudaSuccess) err = e;
   });
   if (!ok) {

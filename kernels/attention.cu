@@ -13,6 +13,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "kernels/attention/schedule.cuh"
+#include "kernels/attention/stage_layout.cuh"
 #include "src/attention_params.h"
 #include "src/cuda_util.h"
 #include "src/status_macros.h"

@@ -24,11 +24,14 @@
 //                    (the default wherever it takes the shape: items of at
 //                    most 8 query rows, group * q_len <= 8);
 //   rows_in_m.cuh    query rows in M, tokens in N (more rows per item).
-// Shared by both: schedule.cuh (the work schedule above), tile_copy.cuh
-// (the per-warp cp.async ring of K/V tiles), merge.cuh (the CTA combine of
+// Shared by both: schedule.cuh (the work schedule above), stage_layout.cuh
+// (the shared-memory layout of K/V tiles), tile_copy.cuh (the per-warp
+// cp.async ring of K/V tiles), q_stage.cuh (queries into f16), row_state.cuh
+// (a row's (m, l, O), its merge and its end), merge.cuh (the CTA combine of
 // an item and the split merge), ptx.cuh (PTX wrappers), launch.cuh (launch
 // and Create()-time setup, instantiated per head dim by
-// kernels/attention_d<D>.cu). A further family (e.g. one built for a newer
+// kernels/attention_d<D>.cu). The prefill families (prefill.cuh,
+// prefill_sm90.cuh) share schedule.cuh, q_stage.cuh and row_state.cuh. A further family (e.g. one built for a newer
 // architecture only) goes beside them as its own header, selected in
 // launch.cuh's SelectAttentionKernel and AttentionFamily.
 #ifndef FP4KV_KERNELS_ATTENTION_CUH_
@@ -36,8 +39,11 @@
 
 #include "kernels/attention/merge.cuh"
 #include "kernels/attention/ptx.cuh"
+#include "kernels/attention/q_stage.cuh"
+#include "kernels/attention/row_state.cuh"
 #include "kernels/attention/rows_in_m.cuh"
 #include "kernels/attention/schedule.cuh"
+#include "kernels/attention/stage_layout.cuh"
 #include "kernels/attention/tile_copy.cuh"
 #include "kernels/attention/tokens_in_m.cuh"
 

@@ -13,9 +13,11 @@
 #include <cudaTypedefs.h>
 
 #include "absl/status/status.h"
+#include "kernels/launch_util.cuh"
 #include "kernels/attention/merge.cuh"
 #include "kernels/attention/rows_in_m.cuh"
 #include "kernels/attention/schedule.cuh"
+#include "kernels/attention/stage_layout.cuh"
 #include "kernels/attention/tma.cuh"
 #include "kernels/attention/tokens_in_m.cuh"
 #include "src/attention_params.h"
@@ -190,17 +192,8 @@ absl::Status LaunchFor(const AttentionParams& p, Stream stream) {
     // A programmatic dependent of the prefill kernel just enqueued: its CTAs
     // take the SMs that kernel's last items leave idle (the prefill kernel
     // lets dependents launch at its start; this one waits for it at its end).
-    cudaLaunchAttribute pdl[1];
-    pdl[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    pdl[0].val.programmaticStreamSerializationAllowed = 1;
-    cudaLaunchConfig_t lc = {};
-    lc.gridDim = dim3(grid);
-    lc.blockDim = dim3(kernels::kAttnThreads);
-    lc.dynamicSmemBytes = smem;
-    lc.stream = stream;
-    lc.attrs = pdl;
-    lc.numAttrs = 1;
-    FP4KV_CUDA_RETURN_IF_ERROR(cudaLaunchKernelEx(&lc, kernel.fn, a));
+    FP4KV_CUDA_RETURN_IF_ERROR(kernels::LaunchMaybeProgrammatic(
+        kernel.fn, dim3(grid), dim3(kernels::kAttnThreads), smem, stream, true, a));
   } else {
     kernel.fn<<<grid, kernels::kAttnThreads, smem, stream>>>(a);
   }
@@ -208,18 +201,11 @@ absl::Status LaunchFor(const AttentionParams& p, Stream stream) {
   // The merge kernel may launch while the attention kernel runs (it derives
   // its schedule, then waits in griddepcontrol.wait): only when its loaded
   // code was built for sm_90+, where that wait exists (found at Create()).
-  auto* merge = &kernels::MergeAttentionKernel<D, kBf16>;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(grid);
-  cfg.blockDim = dim3(kernels::kAttnThreads);
-  cfg.dynamicSmemBytes = sched_bytes;
-  cfg.stream = stream;
-  cfg.attrs = attr;
-  cfg.numAttrs = p.merge_overlaps ? 1 : 0;
-  return CudaStatus(cudaLaunchKernelEx(&cfg, merge, a), "MergeAttentionKernel launch");
+  return CudaStatus(
+      kernels::LaunchMaybeProgrammatic(&kernels::MergeAttentionKernel<D, kBf16>, dim3(grid),
+                                       dim3(kernels::kAttnThreads), sched_bytes, stream,
+                                       p.merge_overlaps, a),
+      "MergeAttentionKernel launch");
 }
 
 // Create()-time setup of one decode kernel instance (family, rows per

@@ -1,5 +1,6 @@
-// Internal: the end of a row (FinishRow: normalization, sinks, LSE) and the
-// merge of split chunks (MergeAttentionKernel), shared by every family.
+// Internal: the end of a decode item (StoreItemRows: the combine of the
+// CTA's warps) and the merge of split chunks (MergeAttentionKernel), shared
+// by both decode families; the row state they merge is row_state.cuh's.
 #ifndef FP4KV_KERNELS_ATTENTION_MERGE_CUH_
 #define FP4KV_KERNELS_ATTENTION_MERGE_CUH_
 
@@ -9,35 +10,12 @@
 
 #include "fp4kv/device/page_reader.cuh"
 #include "kernels/attention/ptx.cuh"
+#include "kernels/attention/row_state.cuh"
 #include "kernels/attention/schedule.cuh"
 #include "src/attention_params.h"
 
 namespace fp4kv {
 namespace kernels {
-
-// Final normalization of one row: out scale and lse from (m, l) in log2
-// units and the optional sink logit. Returns false for a row that attended
-// nothing (out 0, lse -inf).
-__device__ __forceinline__ bool FinishRow(float m, float l, const float* sinks, int qo_head,
-                                          float* inv, float* lse) {
-  if (!(l > 0.0f)) {
-    *inv = 0.0f;
-    *lse = -INFINITY;
-    return false;
-  }
-  float big = m, z = l;
-  if (sinks != nullptr) {
-    const float sk = sinks[qo_head] * kLog2e;
-    big = m > sk ? m : sk;
-    const float f = Ex2(m - big);
-    z = l * f + Ex2(sk - big);
-    *inv = f / z;
-  } else {
-    *inv = 1.0f / l;
-  }
-  *lse = (big + __log2f(z)) * kLn2;
-  return true;
-}
 
 // The end of an item: combines the kAttnWarps warps' (O, max, sum) of each
 // of the 16 query rows and writes the output row (unsplit item) or the
@@ -53,16 +31,11 @@ __device__ __forceinline__ void StoreItemRows(const AttnLaunch& a, const AttnIte
   const internal::AttentionParams& p = a.p;
   const float gv = p.v_scale.Get();
   const int row = threadIdx.x >> 3, part = threadIdx.x & 7;
-  float mx = -INFINITY;
-#pragma unroll
-  for (int w = 0; w < kAttnWarps; ++w) mx = fmaxf(mx, ml_sm[w][row].x);
-  const float m_use = mx == -INFINITY ? 0.0f : mx;
-  float l = 0.0f;
-#pragma unroll
-  for (int w = 0; w < kAttnWarps; ++w) {
-    const float2 ml = ml_sm[w][row];
-    l += ml.y * Ex2(ml.x - m_use);
-  }
+  // The warps' O are rescaled to the CTA's max already: only l merges.
+  const auto ml = [&](int w) { return ml_sm[w][row]; };
+  const float mx = PartialsMax<kAttnWarps>(-INFINITY, ml);
+  const float m_use = MaxOffset(mx);
+  const float l = SumPartials<kAttnWarps>(0.0f, m_use, ml, [](int, float) {});
   const AttnRow rw = GetAttnRow(p, it, row);
   if (rw.stored) {
     float4 acc[D / 32];
@@ -90,20 +63,17 @@ __device__ __forceinline__ void StoreItemRows(const AttnLaunch& a, const AttnIte
       }
       if (part == 0) *reinterpret_cast<float2*>(a.ws_ml + base * 2) = make_float2(mx, l);
     } else {
-      float inv, lse;
-      FinishRow(m_use, l, p.sinks, head, &inv, &lse);
-      const float f = inv * gv * device::kHalfTileScale;
+      const RowTail t = FinishRowTail(p, m_use, l, head, gv);
       const int64_t qrow = it.r.q_begin + rw.qi;
-      uint16_t* out = static_cast<uint16_t*>(p.out) + qrow * p.out_row_stride +
-                      static_cast<int64_t>(head) * p.out_head_stride;
+      uint16_t* out = OutRowPtr(p, qrow, head);
 #pragma unroll
       for (int j = 0; j < D / 32; ++j) {
         uint2 v;
-        v.x = PackOut2<kBf16>(acc[j].x * f, acc[j].y * f);
-        v.y = PackOut2<kBf16>(acc[j].z * f, acc[j].w * f);
+        v.x = PackOut2<kBf16>(acc[j].x * t.f, acc[j].y * t.f);
+        v.y = PackOut2<kBf16>(acc[j].z * t.f, acc[j].w * t.f);
         *reinterpret_cast<uint2*>(out + 4 * part + 32 * j) = v;
       }
-      if (part == 0 && p.lse != nullptr) p.lse[qrow * p.lse_row_stride + head] = lse;
+      if (part == 0) StoreRowLse(p, qrow, head, t.lse);
     }
   }
 }
@@ -162,59 +132,35 @@ __global__ void __launch_bounds__(kAttnThreads) MergeAttentionKernel(const AttnL
             v[u] = src[kk * step];
           }
         }
-        float mx = m_t;
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) mx = fmaxf(mx, mlv[u].x);
-        const float mu = mx == -INFINITY ? 0.0f : mx;
+        const float mx = PartialsMax<kUnroll>(m_t, [&](int u) { return mlv[u]; });
+        const float mu = MaxOffset(mx);
         const float sc = Ex2(m_t - mu);
         l_t *= sc;
         acc.x *= sc;
         acc.y *= sc;
         acc.z *= sc;
         acc.w *= sc;
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-          const float e = Ex2(mlv[u].x - mu);
-          l_t += e * mlv[u].y;
-          acc.x += e * v[u].x;
-          acc.y += e * v[u].y;
-          acc.z += e * v[u].z;
-          acc.w += e * v[u].w;
-        }
+        l_t = SumPartials<kUnroll>(l_t, mu, [&](int u) { return mlv[u]; },
+                                   [&](int u, float e) { AddScaled(&acc, e, v[u]); });
         m_t = mx;
       }
       red[tid] = acc;
       if (vec == 0) red_ml[sl] = make_float2(m_t, l_t);
       __syncthreads();
       if (sl == 0) {
-        float m = -INFINITY;
-#pragma unroll
-        for (int j = 0; j < kLanes; ++j) m = fmaxf(m, red_ml[j].x);
-        const float m_use = m == -INFINITY ? 0.0f : m;
-        float l = 0.0f;
+        const auto ml = [&](int j) { return red_ml[j]; };
+        const float m_use = MaxOffset(PartialsMax<kLanes>(-INFINITY, ml));
         acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll
-        for (int j = 0; j < kLanes; ++j) {
-          const float e = Ex2(red_ml[j].x - m_use);
-          const float4 v = red[j * kVecs + vec];
-          l += e * red_ml[j].y;
-          acc.x += e * v.x;
-          acc.y += e * v.y;
-          acc.z += e * v.z;
-          acc.w += e * v.w;
-        }
+        const float l = SumPartials<kLanes>(
+            0.0f, m_use, ml, [&](int j, float e) { AddScaled(&acc, e, red[j * kVecs + vec]); });
         const int head = it.head * p.group + row.gi;
-        float inv, lse;
-        FinishRow(m_use, l, p.sinks, head, &inv, &lse);
-        const float f = inv * gv * device::kHalfTileScale;
+        const RowTail t = FinishRowTail(p, m_use, l, head, gv);
         const int64_t qrow = it.r.q_begin + row.qi;
-        uint16_t* out = static_cast<uint16_t*>(p.out) + qrow * p.out_row_stride +
-                        static_cast<int64_t>(head) * p.out_head_stride;
         uint2 packed;
-        packed.x = PackOut2<kBf16>(acc.x * f, acc.y * f);
-        packed.y = PackOut2<kBf16>(acc.z * f, acc.w * f);
-        *reinterpret_cast<uint2*>(out + 4 * vec) = packed;
-        if (vec == 0 && p.lse != nullptr) p.lse[qrow * p.lse_row_stride + head] = lse;
+        packed.x = PackOut2<kBf16>(acc.x * t.f, acc.y * t.f);
+        packed.y = PackOut2<kBf16>(acc.z * t.f, acc.w * t.f);
+        *reinterpret_cast<uint2*>(OutRowPtr(p, qrow, head) + 4 * vec) = packed;
+        if (vec == 0) StoreRowLse(p, qrow, head, t.lse);
       }
       __syncthreads();
     }

@@ -48,8 +48,9 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "fp4kv/device/page_reader.cuh"
-#include "kernels/attention/merge.cuh"
 #include "kernels/attention/ptx.cuh"
+#include "kernels/attention/q_stage.cuh"
+#include "kernels/attention/row_state.cuh"
 #include "kernels/attention/schedule.cuh"
 #include "src/attention_params.h"
 #include "src/cuda_util.h"
@@ -81,99 +82,6 @@ struct PrefillConfig {
   static_assert(kBN % 16 == 0, "whole k-steps of P V");
   static_assert(kBytes % 16 == 0, "16-byte aligned schedule arrays");
 };
-
-// Position in shared memory of natural value x (0..7) of an 8-value group
-// in DecodeWordHalf2's order {0,2,4,6,1,3,5,7}, and the inverse.
-__device__ __forceinline__ int PermPos8(int x) { return (x & 1) * 4 + (x >> 1); }
-__device__ __forceinline__ int PermVal8(int pos) { return (pos & 3) * 2 + (pos >> 2); }
-
-__device__ __forceinline__ void LdMatrixX4Trans(uint32_t addr, uint32_t r[4]) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-
-__device__ __forceinline__ void StShared16(uint32_t addr, uint32_t a, uint32_t b, uint32_t c,
-                                           uint32_t d) {
-  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(a), "r"(b), "r"(c),
-               "r"(d));
-}
-
-// Items of request b: its 64-row tiles times the KV heads (0 when the
-// request is not this kernel's or attends nothing).
-__device__ __forceinline__ int PrefillItems(const internal::AttentionParams& p,
-                                            const AttnRequest& r, int rows) {
-  if (r.span <= 0) return 0;
-  const int tiles = static_cast<int>((static_cast<int64_t>(p.group) * r.q_len + rows - 1) / rows);
-  return tiles * p.num_kv_heads;
-}
-
-// Every CTA of a prefill kernel of kThreads threads computes the same
-// schedule: item_prefix[b] = first item of request b, item_prefix[B] = all
-// items. Ends with a CTA barrier.
-template <int kThreads>
-__device__ __forceinline__ int PrefillSchedule(const internal::AttentionParams& p, int rows,
-                                               int* item_prefix, int* scan_tmp) {
-  const int B = p.batch_size, tid = threadIdx.x;
-  const int per = (B + kThreads - 1) / kThreads;
-  const int b0 = tid * per, b1 = b0 + per < B ? b0 + per : B;
-  int mine = 0;
-  for (int b = b0; b < b1; ++b) {
-    const int n = PrefillItems(p, GetAttnRequest(p, b), rows);
-    item_prefix[b] = n;
-    mine += n;
-  }
-  int total;
-  int base = BlockExclusiveScan<kThreads / 32>(mine, scan_tmp, &total);
-  for (int b = b0; b < b1; ++b) {
-    const int n = item_prefix[b];
-    item_prefix[b] = base;
-    base += n;
-  }
-  if (tid == 0) item_prefix[B] = total;
-  __syncthreads();
-  return item_prefix[B];
-}
-
-// One item of a prefill kernel: request b's query rows [row0, row0 + rows)
-// (of n_rows = group * q_len) on KV head `head`, and the key range
-// [t_begin, t_end) they attend (the causal bound of the last query, the
-// window of the first). Within a request the row tiles nearest the end
-// (most keys under the causal mask) come first.
-struct PrefillItem {
-  AttnRequest r;
-  int b, head, row0, n_rows, pos_base, t_begin, t_end;
-};
-
-__device__ __forceinline__ PrefillItem ResolvePrefillItem(const internal::AttentionParams& p,
-                                                          const int* item_prefix, int item,
-                                                          int rows) {
-  PrefillItem it;
-  int lo = 0, hi = p.batch_size;
-  while (hi - lo > 1) {
-    const int mid = (lo + hi) >> 1;
-    if (item_prefix[mid] <= item) {
-      lo = mid;
-    } else {
-      hi = mid;
-    }
-  }
-  it.b = lo;
-  it.r = GetAttnRequest(p, it.b);
-  const int local = item - item_prefix[it.b];
-  it.n_rows = p.group * it.r.q_len;
-  const int tiles = (it.n_rows + rows - 1) / rows;
-  it.head = local % p.num_kv_heads;
-  it.row0 = (tiles - 1 - local / p.num_kv_heads) * rows;
-  it.pos_base = it.r.len - it.r.q_len;  // position of query 0
-  const int qi_first = it.row0 / p.group;
-  const int qi_last = min(it.r.q_len - 1, (it.row0 + rows - 1) / p.group);
-  it.t_end = min(it.r.len, it.pos_base + qi_last + 1);
-  int t_begin = it.r.lo;
-  if (p.window_left >= 0) t_begin = max(t_begin, it.pos_base + qi_first - p.window_left);
-  it.t_begin = max(t_begin, 0);
-  return it;
-}
 
 // The raw codes and scales of one thread's chunks (32 values of one token
 // row, K and V) of a K/V tile, kPasses tokens.
@@ -321,63 +229,18 @@ __global__ void __launch_bounds__(kAttnThreads, PrefillConfig<D>::kCtasPerSm)
     int kq[Cfg::kMT];
 #pragma unroll
     for (int mt = 0; mt < Cfg::kMT; ++mt) {
-      kq[mt] = 0;
       const int rl = 16 * mt + (lane >> 1), half = lane & 1;
       const int row = wrow0 + rl;
       const int qi = row / p.group, gi = row - qi * p.group;
-      const uint16_t* src = nullptr;
-      if (row < n_rows) {
-        src = static_cast<const uint16_t*>(p.q) + (r.q_begin + qi) * p.q_row_stride +
-              static_cast<int64_t>(head * p.group + gi) * p.q_head_stride + half * (D / 2);
-      }
-      float mul = 1.0f;
-      if constexpr (kBf16) {
-        uint32_t amax = 0;
-        if (src != nullptr) {
-#pragma unroll 4
-          for (int i = 0; i < D / 16; ++i) {
-            const uint4 v = *reinterpret_cast<const uint4*>(src + 8 * i);
-            const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-              const uint32_t lo = (w[j] << 16) & 0x7fff0000u, hi = w[j] & 0x7fff0000u;
-              amax = max(amax, max(lo, hi));
-            }
-          }
-        }
-        amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-        if (amax != 0 && amax < 0x7f800000u) {
-          const int e = static_cast<int>(amax >> 23) - 127;
-          int k = 14 - e;
-          k = k < -126 ? -126 : (k > 127 ? 127 : k);
-          kq[mt] = k;
-          mul = __uint_as_float(static_cast<uint32_t>(k + 127) << 23);
-        }
-      }
+      QHalfRow<D, kBf16> q;
+      q.Init(row < n_rows ? QRowPtr(p, r.q_begin + qi, head * p.group + gi) + half * (D / 2)
+                          : nullptr);
+      kq[mt] = q.scale.kq;
       uint16_t* dst = qs + (Cfg::kWarpRows * warp + rl) * Cfg::kStride + half * (D / 2);
-#pragma unroll 2
-      for (int i = 0; i < D / 16; ++i) {
-        uint4 v = make_uint4(0, 0, 0, 0);
-        if (src != nullptr) v = *reinterpret_cast<const uint4*>(src + 8 * i);
-        const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-        uint16_t h[8];
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          const uint32_t bits = (w[j / 2] >> (16 * (j % 2))) & 0xffffu;
-          if constexpr (kBf16) {
-            h[j] =
-                static_cast<uint16_t>(PackHalf2(__uint_as_float(bits << 16) * mul, 0.0f) & 0xffffu);
-          } else {
-            h[j] = static_cast<uint16_t>(bits);
-          }
-        }
-        uint16_t o8[8];
-#pragma unroll
-        for (int j = 0; j < 8; ++j) o8[kFp8K ? j : PermPos8(j)] = h[j];
-        *reinterpret_cast<uint4*>(dst + 8 * i) = make_uint4(
-            o8[0] | (static_cast<uint32_t>(o8[1]) << 16), o8[2] | (static_cast<uint32_t>(o8[3]) << 16),
-            o8[4] | (static_cast<uint32_t>(o8[5]) << 16), o8[6] | (static_cast<uint32_t>(o8[7]) << 16));
-      }
+      q.ForEachGroup([&](int i, const uint16_t(&h)[8]) {
+        *reinterpret_cast<uint4*>(dst + 8 * i) =
+            PackHalf8(h, [](int j) { return kFp8K ? j : PermPos8(j); });
+      });
     }
 
     // ---- This thread's rows g and g + 8 of each m-tile: logit factors and
@@ -391,10 +254,7 @@ __global__ void __launch_bounds__(kAttnThreads, PrefillConfig<D>::kCtasPerSm)
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
         const int k = __shfl_sync(0xffffffffu, kq[mt], 2 * (g + 8 * i));
-        const float tile_scale = kFp8K ? device::Fp8KeyHalfScale() : device::kHalfTileScale;
-        const float f =
-            p.sm_scale * gk * tile_scale * __uint_as_float(static_cast<uint32_t>(127 - k) << 23);
-        lf[mt][i] = kSoftCap ? f / p.soft_cap : f * kLog2e;
+        lf[mt][i] = QLogitFactor<kSoftCap, kFp8K>(p, gk, k);
         const int row = wrow0 + 16 * mt + g + 8 * i;
         const int pos = pos_base + row / p.group;
         const bool stored = row < n_rows && pos >= 0;
@@ -621,50 +481,18 @@ __global__ void __launch_bounds__(kAttnThreads, PrefillConfig<D>::kCtasPerSm)
     // stores.
     __syncwarp();
     uint16_t* ostage = qs + Cfg::kWarpRows * warp * Cfg::kStride;
+    const auto piece = [&](int rl, int n) { return ostage + rl * Cfg::kStride + 8 * n; };
 #pragma unroll
     for (int mt = 0; mt < Cfg::kMT; ++mt) {
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
-        float l = l_run[mt][i];
-        l += __shfl_xor_sync(0xffffffffu, l, 1);
-        l += __shfl_xor_sync(0xffffffffu, l, 2);
         const int rl = 16 * mt + g + 8 * i;
-        const int row = wrow0 + rl;
-        const int qi = row / p.group, gi = row - qi * p.group;
-        const int qo_head = head * p.group + gi;
-        const float m = m_run[mt][i] == -INFINITY ? m_run[mt][i] : m_run[mt][i] - kAttnPOffset;
-        float inv = 0.0f, lse = -INFINITY;
-        if (row < n_rows) FinishRow(m, l, p.sinks, qo_head, &inv, &lse);
-        const float f = inv * gv * device::kHalfTileScale;
-#pragma unroll
-        for (int n = 0; n < kNT; ++n) {
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int pos = 2 * c + e;  // within the 8 columns of n-tile n
-            ostage[rl * Cfg::kStride + 8 * n + PermVal8(pos)] =
-                PackOut1<kBf16>(o[mt][n][2 * i + e] * f);
-          }
-        }
-        if (c == 0 && p.lse != nullptr && row < n_rows && pos_base + qi >= 0) {
-          p.lse[(r.q_begin + qi) * p.lse_row_stride + qo_head] = lse;
-        }
+        FinishPrefillRow<D, kBf16>(p, it, wrow0 + rl, rl, m_run[mt][i], l_run[mt][i], o[mt], i, c,
+                                   gv, piece);
       }
     }
     __syncwarp();
-    {
-      constexpr int kVecs = D / 8;  // 16-byte pieces of a row
-      for (int idx = lane; idx < Cfg::kWarpRows * kVecs; idx += 32) {
-        const int rl = idx / kVecs, vi = idx - rl * kVecs;
-        const int row = wrow0 + rl;
-        const int qi = row / p.group, gi = row - qi * p.group;
-        if (row < n_rows && pos_base + qi >= 0) {
-          uint16_t* dst = static_cast<uint16_t*>(p.out) + (r.q_begin + qi) * p.out_row_stride +
-                          static_cast<int64_t>(head * p.group + gi) * p.out_head_stride + 8 * vi;
-          *reinterpret_cast<uint4*>(dst) =
-              *reinterpret_cast<const uint4*>(ostage + rl * Cfg::kStride + 8 * vi);
-        }
-      }
-    }
+    StorePrefillRows<D, Cfg::kWarpRows>(p, it, wrow0, 0, lane, piece);
     __syncthreads();  // Q / staging rows and the tile buffers are rewritten by the next item
   }
 }

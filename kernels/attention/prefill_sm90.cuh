@@ -36,8 +36,14 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "kernels/attention/prefill.cuh"
+#include "fp4kv/device/page_reader.cuh"
+#include "kernels/attention/ptx.cuh"
+#include "kernels/attention/q_stage.cuh"
+#include "kernels/attention/row_state.cuh"
+#include "kernels/attention/schedule.cuh"
+#include "kernels/attention/tma.cuh"
 #include "kernels/attention/wgmma.cuh"
+#include "src/attention_params.h"
 
 namespace fp4kv {
 namespace kernels {
@@ -305,60 +311,14 @@ __global__ void __launch_bounds__(PrefillSm90Config<D>::kThreads, 1)
       const int rq = wtid >> 1, half = lane & 1;
       const int row = wg_row0 + rq;
       const int qi = row / p.group, gi = row - qi * p.group;
-      const uint16_t* src = nullptr;
-      if (row < n_rows) {
-        src = static_cast<const uint16_t*>(p.q) + (r.q_begin + qi) * p.q_row_stride +
-              static_cast<int64_t>(head * p.group + gi) * p.q_head_stride + half * (D / 2);
-      }
-      float mul = 1.0f;
-      if constexpr (kBf16) {
-        uint32_t amax = 0;
-        if (src != nullptr) {
-#pragma unroll 4
-          for (int i = 0; i < D / 16; ++i) {
-            const uint4 v = *reinterpret_cast<const uint4*>(src + 8 * i);
-            const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-              const uint32_t lo = (w[j] << 16) & 0x7fff0000u, hi = w[j] & 0x7fff0000u;
-              amax = max(amax, max(lo, hi));
-            }
-          }
-        }
-        amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-        if (amax != 0 && amax < 0x7f800000u) {
-          const int e = static_cast<int>(amax >> 23) - 127;
-          int k = 14 - e;
-          k = k < -126 ? -126 : (k > 127 ? 127 : k);
-          kq = k;
-          mul = __uint_as_float(static_cast<uint32_t>(k + 127) << 23);
-        }
-      }
-#pragma unroll 2
-      for (int i = 0; i < D / 16; ++i) {
-        uint4 v = make_uint4(0, 0, 0, 0);
-        if (src != nullptr) v = *reinterpret_cast<const uint4*>(src + 8 * i);
-        const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-        uint16_t h[8];
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          const uint32_t bits = (w[j / 2] >> (16 * (j % 2))) & 0xffffu;
-          if constexpr (kBf16) {
-            h[j] =
-                static_cast<uint16_t>(PackHalf2(__uint_as_float(bits << 16) * mul, 0.0f) & 0xffffu);
-          } else {
-            h[j] = static_cast<uint16_t>(bits);
-          }
-        }
-        uint16_t o8[8];
-#pragma unroll
-        for (int j = 0; j < 8; ++j) o8[kFp8K ? j : PermPos8(j)] = h[j];
-        StShared16(q_sm + Sw128Offset(64, rq, half * (D / 16) + i),
-                   o8[0] | (static_cast<uint32_t>(o8[1]) << 16),
-                   o8[2] | (static_cast<uint32_t>(o8[3]) << 16),
-                   o8[4] | (static_cast<uint32_t>(o8[5]) << 16),
-                   o8[6] | (static_cast<uint32_t>(o8[7]) << 16));
-      }
+      QHalfRow<D, kBf16> q;
+      q.Init(row < n_rows ? QRowPtr(p, r.q_begin + qi, head * p.group + gi) + half * (D / 2)
+                          : nullptr);
+      kq = q.scale.kq;
+      q.ForEachGroup([&](int i, const uint16_t(&h)[8]) {
+        const uint4 v = PackHalf8(h, [](int j) { return kFp8K ? j : PermPos8(j); });
+        StShared16(q_sm + Sw128Offset(64, rq, half * (D / 16) + i), v.x, v.y, v.z, v.w);
+      });
     }
     FenceProxyAsyncShared();
     NamedBarrierSync(1 + wg, 128);
@@ -370,10 +330,7 @@ __global__ void __launch_bounds__(PrefillSm90Config<D>::kThreads, 1)
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       const int k = __shfl_sync(0xffffffffu, kq, 2 * (g + 8 * i));
-      const float tile_scale = kFp8K ? device::Fp8KeyHalfScale() : device::kHalfTileScale;
-      const float f =
-          p.sm_scale * gk * tile_scale * __uint_as_float(static_cast<uint32_t>(127 - k) << 23);
-      lf[i] = kSoftCap ? f / p.soft_cap : f * kLog2e;
+      lf[i] = QLogitFactor<kSoftCap, kFp8K>(p, gk, k);
       const int row = wrow0 + g + 8 * i;
       const int pos = pos_base + row / p.group;
       row_lo[i] = -(1 << 30);
@@ -564,47 +521,15 @@ __global__ void __launch_bounds__(PrefillSm90Config<D>::kThreads, 1)
     // natural dim order in the warp's own rows of the Q buffer (swizzled by
     // 16-byte pieces; every wgmma reading Q has completed), then 16-byte
     // stores.
+    // (rl: the row within the warpgroup)
+    const auto piece = [&](int rl, int n) { return qreg + Sw128Offset(64, rl, n); };
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-      float l = l_run[i];
-      l += __shfl_xor_sync(0xffffffffu, l, 1);
-      l += __shfl_xor_sync(0xffffffffu, l, 2);
-      const int rl = 16 * warp + g + 8 * i;  // row within the warpgroup
-      const int row = wg_row0 + rl;
-      const int qi = row / p.group, gi = row - qi * p.group;
-      const int qo_head = head * p.group + gi;
-      const float m = m_run[i] == -INFINITY ? m_run[i] : m_run[i] - kAttnPOffset;
-      float inv = 0.0f, lse = -INFINITY;
-      if (row < n_rows) FinishRow(m, l, p.sinks, qo_head, &inv, &lse);
-      const float f = inv * gv * device::kHalfTileScale;
-#pragma unroll
-      for (int n = 0; n < kNT; ++n) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int col = PermVal8(2 * c + e);  // within the 8 columns of n-tile n
-          *reinterpret_cast<uint16_t*>(qreg + Sw128Offset(64, rl, n) + 2 * col) =
-              PackOut1<kBf16>(o[n][2 * i + e] * f);
-        }
-      }
-      if (c == 0 && p.lse != nullptr && row < n_rows && pos_base + qi >= 0) {
-        p.lse[(r.q_begin + qi) * p.lse_row_stride + qo_head] = lse;
-      }
+      const int rl = 16 * warp + g + 8 * i;
+      FinishPrefillRow<D, kBf16>(p, it, wg_row0 + rl, rl, m_run[i], l_run[i], o, i, c, gv, piece);
     }
     __syncwarp();
-    {
-      constexpr int kVecs = D / 8;  // 16-byte pieces of a row
-      for (int idx = lane; idx < 16 * kVecs; idx += 32) {
-        const int rl = 16 * warp + idx / kVecs, vi = idx % kVecs;
-        const int row = wg_row0 + rl;
-        const int qi = row / p.group, gi = row - qi * p.group;
-        if (row < n_rows && pos_base + qi >= 0) {
-          uint16_t* dst = static_cast<uint16_t*>(p.out) + (r.q_begin + qi) * p.out_row_stride +
-                          static_cast<int64_t>(head * p.group + gi) * p.out_head_stride + 8 * vi;
-          *reinterpret_cast<uint4*>(dst) =
-              *reinterpret_cast<const uint4*>(qreg + Sw128Offset(64, rl, vi));
-        }
-      }
-    }
+    StorePrefillRows<D, 16>(p, it, wg_row0, 16 * warp, lane, piece);
     __syncwarp();  // the warp's rows are Q rows again for the next item
   }
 #else

@@ -1,5 +1,6 @@
-// Internal: small PTX wrappers of the decode attention kernels (cp.async,
-// ldmatrix, mma.sync, programmatic dependent launch, f16/bf16 packing).
+// Internal: small PTX wrappers of the attention kernels (cp.async,
+// ldmatrix, shared stores, mma.sync, programmatic dependent launch, f16/bf16
+// packing).
 #ifndef FP4KV_KERNELS_ATTENTION_PTX_CUH_
 #define FP4KV_KERNELS_ATTENTION_PTX_CUH_
 
@@ -38,6 +39,18 @@ __device__ __forceinline__ void LdMatrixX4(uint32_t addr, uint32_t r[4]) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(addr));
+}
+
+__device__ __forceinline__ void LdMatrixX4Trans(uint32_t addr, uint32_t r[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+__device__ __forceinline__ void StShared16(uint32_t addr, uint32_t a, uint32_t b, uint32_t c,
+                                           uint32_t d) {
+  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(a), "r"(b), "r"(c),
+               "r"(d));
 }
 
 __device__ __forceinline__ void Mma16816(float d[4], const uint32_t a[4], uint32_t b0,

@@ -27,7 +27,10 @@
 #include "fp4kv/device/page_reader.cuh"
 #include "kernels/attention/merge.cuh"
 #include "kernels/attention/ptx.cuh"
+#include "kernels/attention/q_stage.cuh"
+#include "kernels/attention/row_state.cuh"
 #include "kernels/attention/schedule.cuh"
+#include "kernels/attention/stage_layout.cuh"
 #include "kernels/attention/tile_copy.cuh"
 #include "src/attention_params.h"
 
@@ -98,53 +101,19 @@ __global__ void __launch_bounds__(kAttnThreads, AttnConfig<D, kFp8K>::kCtasPerSm
     {
       const int r = lane >> 1, half = lane & 1;
       const AttnRow row = GetAttnRow(p, it, r);
-      const uint16_t* src = nullptr;
-      if (row.valid) {
-        src = static_cast<const uint16_t*>(p.q) + (it.r.q_begin + row.qi) * p.q_row_stride +
-              static_cast<int64_t>(it.head * p.group + row.gi) * p.q_head_stride + half * (D / 2);
-      }
-      float mul = 1.0f;
-      if constexpr (kBf16) {
-        uint32_t amax = 0;
-        if (src != nullptr) {
-#pragma unroll 4
-          for (int i = 0; i < D / 16; ++i) {
-            const uint4 v = *reinterpret_cast<const uint4*>(src + 8 * i);
-            const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-              const uint32_t lo = (w[j] << 16) & 0x7fff0000u, hi = w[j] & 0x7fff0000u;
-              amax = max(amax, max(lo, hi));
-            }
-          }
-        }
-        amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-        if (amax != 0 && amax < 0x7f800000u) {
-          const int e = static_cast<int>(amax >> 23) - 127;
-          kq = 14 - e;
-          kq = kq < -126 ? -126 : (kq > 127 ? 127 : kq);
-          mul = __uint_as_float(static_cast<uint32_t>(kq + 127) << 23);
-        }
-      }
+      QHalfRow<D, kBf16> q;
+      q.Init(row.valid ? QRowPtr(p, it.r.q_begin + row.qi, it.head * p.group + row.gi) +
+                             half * (D / 2)
+                       : nullptr);
+      kq = q.scale.kq;
       uint16_t* dst = qs + r * Cfg::kQStride;
-#pragma unroll 2
-      for (int i = 0; i < D / 16; ++i) {
-        uint4 v = make_uint4(0, 0, 0, 0);
-        if (src != nullptr) v = *reinterpret_cast<const uint4*>(src + 8 * i);
-        const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+      q.ForEachGroup([&](int i, const uint16_t(&h)[8]) {
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
-          const uint32_t bits = (w[j / 2] >> (16 * (j % 2))) & 0xffffu;
-          uint16_t h;
-          if constexpr (kBf16) {
-            h = static_cast<uint16_t>(PackHalf2(__uint_as_float(bits << 16) * mul, 0.0f) & 0xffffu);
-          } else {
-            h = static_cast<uint16_t>(bits);
-          }
           const int d = half * (D / 2) + 8 * i + j;
-          dst[kFp8K ? QPermutedIndexFp8<D>(d) : QPermutedIndex<D>(d)] = h;
+          dst[kFp8K ? QPermutedIndexFp8<D>(d) : QPermutedIndex<D>(d)] = h[j];
         }
-      }
+      });
     }
 
     // ---- Per-thread rows g and g + 8.
@@ -164,11 +133,7 @@ __global__ void __launch_bounds__(kAttnThreads, AttnConfig<D, kFp8K>::kCtasPerSm
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       const int k = __shfl_sync(0xffffffffu, kq, 2 * (g + 8 * i));
-      // The K tile's own factor: 2^7 (NVFP4), 1 or 2^8 (FP8, by arch).
-      const float tile_scale = kFp8K ? device::Fp8KeyHalfScale() : device::kHalfTileScale;
-      const float f =
-          p.sm_scale * gk * tile_scale * __uint_as_float(static_cast<uint32_t>(127 - k) << 23);
-      lf[i] = kSoftCap ? f / p.soft_cap : f * kLog2e;
+      lf[i] = QLogitFactor<kSoftCap, kFp8K>(p, gk, k);
       int lo, hi;
       row_bounds(i, &lo, &hi);
       lo_max = max(lo_max, lo);
@@ -349,17 +314,12 @@ __global__ void __launch_bounds__(kAttnThreads, AttnConfig<D, kFp8K>::kCtasPerSm
     }
     CpAsyncWait<0>();
     __syncwarp();
-    // (m, l) as handed on: l carries the factor 2^kAttnPOffset.
+    // (m, l) as handed on (l carries the factor 2^kAttnPOffset), the row
+    // sums across the quad.
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      if (m_run[r] != -INFINITY) m_run[r] -= kAttnPOffset;
-    }
-
-    // ---- Row sums across the quad.
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 1);
-      l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 2);
+      m_run[r] = HandedOnMax(m_run[r]);
+      l_run[r] = RowLaneSum<1, 2>(l_run[r]);
     }
 
     // ---- Combine the warps: each stores its O rescaled to the CTA's row
@@ -375,10 +335,7 @@ __global__ void __launch_bounds__(kAttnThreads, AttnConfig<D, kFp8K>::kCtasPerSm
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int row = g + 8 * r;
-      float mx = -INFINITY;
-#pragma unroll
-      for (int w = 0; w < kAttnWarps; ++w) mx = fmaxf(mx, ml_sm[w][row].x);
-      const float f = Ex2(m_run[r] - (mx == -INFINITY ? 0.0f : mx));
+      const float f = ToCtaRowMax(ml_sm, row, m_run[r]);
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         float* seg = red + row * Cfg::kRedStride + (2 * c + half) * kNT;

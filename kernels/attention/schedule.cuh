@@ -1,7 +1,8 @@
-// Internal: the work schedule of decode attention (device code), shared by
-// every kernel family and the merge: launch constants, the per-request chunk
-// split, work items (request, KV head, 16-row query tile, chunk) and the
-// query rows of an item. kernels/attention.cuh describes the schedule.
+// Internal: the work schedule of attention (device code), shared by every
+// kernel family and the merge: launch constants, the per-request chunk
+// split, decode work items (request, KV head, 16-row query tile, chunk) and
+// the query rows of an item, and the prefill kernels' items (request, KV
+// head, query tile). kernels/attention.cuh describes the schedule.
 #ifndef FP4KV_KERNELS_ATTENTION_SCHEDULE_CUH_
 #define FP4KV_KERNELS_ATTENTION_SCHEDULE_CUH_
 
@@ -30,36 +31,6 @@ inline constexpr float kAttnRescaleSlack = 8.0f;
 // from such keys). The (max, sum) a warp hands on is (m - kAttnPOffset, l),
 // so the combine, the merge, the sinks and the LSE need no change.
 inline constexpr float kAttnPOffset = 7.0f;
-
-// kFp8K: FP8 E4M3 keys (D bytes per K row, no K block scales). Their K rows
-// are padded to D + 16 bytes at D = 128 (the 16-byte fragment loads of two
-// tokens then hit different banks), and D = 128 keeps two stages so that
-// four CTAs still fit an SM's shared memory.
-template <int D, bool kFp8K = false>
-struct AttnConfig {
-  static constexpr int kStages = D <= 128 ? (kFp8K && D == 128 ? 2 : 3) : 2;
-  static constexpr int kCtasPerSm = D == 64 ? 4 : (D == 128 ? 4 : 2);
-  static constexpr int kQStride = D + 8;                // halves per Q row in shared memory
-  static constexpr int kRowBytes = D / 2;               // V code row (and NVFP4 K)
-  static constexpr int kKRowBytes = kFp8K ? D : D / 2;  // K data bytes per token
-  static constexpr int kKRowStride = kFp8K && D == 128 ? D + 16 : kKRowBytes;
-  static constexpr int kScaleBytes = D / 16;
-  static constexpr int kKScaleBytes = kFp8K ? 0 : kScaleBytes;
-  static constexpr int kKcOff = 0;
-  static constexpr int kVcOff = kAttnTile * kKRowStride;
-  static constexpr int kKsOff = kVcOff + kAttnTile * kRowBytes;
-  static constexpr int kVsOff = kKsOff + kAttnTile * kKScaleBytes;
-  static constexpr int kMaskOff = kVsOff + kAttnTile * kScaleBytes;
-  static constexpr int kStageBytes = kMaskOff + 16;
-  static constexpr int kQBytes = kAttnTile * kQStride * 2;
-  static constexpr int kWarpBytes = kQBytes + kStages * kStageBytes;
-  static constexpr int kRedStride = D + 4;  // floats per row of the warp combine
-  // Position of 16-byte chunk k of K row t (FP8 rows; unswizzled here).
-  __host__ __device__ static constexpr int KChunk(int /*t*/, int k) { return k; }
-  static_assert(kAttnTile * kRedStride * 4 <= kWarpBytes, "combine fits a warp's shared memory");
-  static_assert(kWarpBytes % 16 == 0, "16-byte aligned warp regions");
-  static_assert(kStageBytes % 16 == 0 && kVsOff % 8 == 0, "aligned stage regions");
-};
 
 // Query rows kept per partial slot.
 inline int AttnRowsPerSlot(int group, int max_q_len) {
@@ -232,6 +203,21 @@ __device__ __forceinline__ int BuildAttnSchedule(const AttnLaunch& a, int* item_
   return chunk_bound;
 }
 
+// The request of work item `item`: the last b < batch_size with
+// item_prefix[b] <= item (a binary search: the prefix does not decrease).
+__device__ __forceinline__ int FindItemRequest(const int* item_prefix, int batch_size, int item) {
+  int lo = 0, hi = batch_size;
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) >> 1;
+    if (item_prefix[mid] <= item) {
+      lo = mid;
+    } else {
+      hi = mid;
+    }
+  }
+  return lo;
+}
+
 // One work item, resolved.
 struct AttnItem {
   int b, head, mt, t0, t1, splits, chunk_index;
@@ -244,15 +230,7 @@ __device__ __forceinline__ AttnItem ResolveAttnItem(const AttnLaunch& a, int ite
                                                     const int* item_prefix,
                                                     const int* slot_prefix) {
   const internal::AttentionParams& p = a.p;
-  int lo = 0, hi = p.batch_size;
-  while (hi - lo > 1) {
-    const int mid = (lo + hi) >> 1;
-    if (item_prefix[mid] <= item) {
-      lo = mid;
-    } else {
-      hi = mid;
-    }
-  }
+  const int lo = FindItemRequest(item_prefix, p.batch_size, item);
   AttnItem it;
   it.b = lo;
   it.r = GetAttnRequest(p, lo);
@@ -289,6 +267,79 @@ __device__ __forceinline__ AttnRow GetAttnRow(const internal::AttentionParams& p
   row.pos = it.r.len - it.r.q_len + row.qi;
   row.stored = row.valid && row.pos >= 0;
   return row;
+}
+
+// ---------------------------------------------------------------------------
+// The prefill kernels' schedule (prefill.cuh, prefill_sm90.cuh): the same
+// requests (GetAttnRequest, restricted by kernel_q_min / kernel_q_max to
+// the long ones), items of `rows` query rows of one KV head, no splits.
+// ---------------------------------------------------------------------------
+
+// Items of request b: its 64-row tiles times the KV heads (0 when the
+// request is not this kernel's or attends nothing).
+__device__ __forceinline__ int PrefillItems(const internal::AttentionParams& p,
+                                            const AttnRequest& r, int rows) {
+  if (r.span <= 0) return 0;
+  const int tiles = static_cast<int>((static_cast<int64_t>(p.group) * r.q_len + rows - 1) / rows);
+  return tiles * p.num_kv_heads;
+}
+
+// Every CTA of a prefill kernel of kThreads threads computes the same
+// schedule: item_prefix[b] = first item of request b, item_prefix[B] = all
+// items. Ends with a CTA barrier.
+template <int kThreads>
+__device__ __forceinline__ int PrefillSchedule(const internal::AttentionParams& p, int rows,
+                                               int* item_prefix, int* scan_tmp) {
+  const int B = p.batch_size, tid = threadIdx.x;
+  const int per = (B + kThreads - 1) / kThreads;
+  const int b0 = tid * per, b1 = b0 + per < B ? b0 + per : B;
+  int mine = 0;
+  for (int b = b0; b < b1; ++b) {
+    const int n = PrefillItems(p, GetAttnRequest(p, b), rows);
+    item_prefix[b] = n;
+    mine += n;
+  }
+  int total;
+  int base = BlockExclusiveScan<kThreads / 32>(mine, scan_tmp, &total);
+  for (int b = b0; b < b1; ++b) {
+    const int n = item_prefix[b];
+    item_prefix[b] = base;
+    base += n;
+  }
+  if (tid == 0) item_prefix[B] = total;
+  __syncthreads();
+  return item_prefix[B];
+}
+
+// One item of a prefill kernel: request b's query rows [row0, row0 + rows)
+// (of n_rows = group * q_len) on KV head `head`, and the key range
+// [t_begin, t_end) they attend (the causal bound of the last query, the
+// window of the first). Within a request the row tiles nearest the end
+// (most keys under the causal mask) come first.
+struct PrefillItem {
+  AttnRequest r;
+  int b, head, row0, n_rows, pos_base, t_begin, t_end;
+};
+
+__device__ __forceinline__ PrefillItem ResolvePrefillItem(const internal::AttentionParams& p,
+                                                          const int* item_prefix, int item,
+                                                          int rows) {
+  PrefillItem it;
+  it.b = FindItemRequest(item_prefix, p.batch_size, item);
+  it.r = GetAttnRequest(p, it.b);
+  const int local = item - item_prefix[it.b];
+  it.n_rows = p.group * it.r.q_len;
+  const int tiles = (it.n_rows + rows - 1) / rows;
+  it.head = local % p.num_kv_heads;
+  it.row0 = (tiles - 1 - local / p.num_kv_heads) * rows;
+  it.pos_base = it.r.len - it.r.q_len;  // position of query 0
+  const int qi_first = it.row0 / p.group;
+  const int qi_last = min(it.r.q_len - 1, (it.row0 + rows - 1) / p.group);
+  it.t_end = min(it.r.len, it.pos_base + qi_last + 1);
+  int t_begin = it.r.lo;
+  if (p.window_left >= 0) t_begin = max(t_begin, it.pos_base + qi_first - p.window_left);
+  it.t_begin = max(t_begin, 0);
+  return it;
 }
 
 }  // namespace kernels

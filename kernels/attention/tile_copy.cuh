@@ -13,10 +13,10 @@
 // kernel's). Each stage also holds the ballot of the lanes whose token was
 // valid (bit 2t: token t of the tile).
 //
-// Stage layout (AttnConfig): K codes [16][kKRowStride] token-major; V codes
-// [16][D/2] in VSlot order (tokens 2c, 2c+1, 2c+8, 2c+9 of a quad are
-// adjacent rows); K scales [16][D/16]; V scales [16][D/16] in VSlot order;
-// the 32-bit valid mask.
+// Stage layout (AttnStageLayout, stage_layout.cuh): K codes [16][kKRowStride]
+// token-major; V codes [16][D/2] in VSlot order (tokens 2c, 2c+1, 2c+8,
+// 2c+9 of a quad are adjacent rows); K scales [16][D/16]; V scales [16][D/16]
+// in VSlot order; the 32-bit valid mask.
 #ifndef FP4KV_KERNELS_ATTENTION_TILE_COPY_CUH_
 #define FP4KV_KERNELS_ATTENTION_TILE_COPY_CUH_
 
@@ -64,7 +64,7 @@ __device__ __forceinline__ AttnCopyBase LoadCopyBase(uint32_t addr) {
 }
 
 // The copy state of one lane for one warp's range [w_t0, w_t1) of an item.
-// Cfg: the stage layout (AttnConfig, or TokensInMConfig in tokens_in_m.cuh).
+// Cfg: a layout with AttnStageLayout's stages (AttnConfig, TokensInMConfig).
 template <int D, bool kFp8K, class Cfg>
 struct AttnTileCopier {
   // Few registers live across the caller's loop: everything else (lane

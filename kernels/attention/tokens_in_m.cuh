@@ -37,7 +37,10 @@
 #include "fp4kv/device/page_reader.cuh"
 #include "kernels/attention/merge.cuh"
 #include "kernels/attention/ptx.cuh"
+#include "kernels/attention/q_stage.cuh"
+#include "kernels/attention/row_state.cuh"
 #include "kernels/attention/schedule.cuh"
+#include "kernels/attention/stage_layout.cuh"
 #include "kernels/attention/tile_copy.cuh"
 #include "kernels/attention/tma.cuh"
 #include "src/attention_params.h"
@@ -53,31 +56,20 @@ namespace kernels {
 // launch.cuh never instantiates it.
 inline bool TokensInMTakes(int /*d*/, int rows) { return rows <= internal::kTokensInMMaxRows; }
 
-// The warp's shared memory: a ring of kStages 16-token stages laid out as
-// AttnConfig's (tile_copy.cuh), consumed two at a time (a pair: 32 tokens per
-// softmax step, while the next pair is in flight), and no Q region. FP8 key
-// rows are unpadded, their 16-byte chunks swizzled instead (chunk k of token
-// t at k ^ (t & 1)): the fragment loads of tokens g and g + 1 then hit
-// different banks.
+// The warp's shared memory: a ring of kStages 16-token stages
+// (AttnStageLayout, unpadded: tile_copy.cuh), consumed two at a time (a
+// pair: 32 tokens per softmax step, while the next pair is in flight), and
+// no Q region. FP8 key rows are unpadded, their 16-byte chunks swizzled
+// instead (chunk k of token t at k ^ (t & 1)): the fragment loads of tokens
+// g and g + 1 then hit different banks.
 template <int D, bool kFp8K>
-struct TokensInMConfig {
+struct TokensInMConfig : AttnStageLayout<D, kFp8K, false> {
+  using Stage = AttnStageLayout<D, kFp8K, false>;
   static constexpr int kStages = 4;
-  static constexpr int kRowBytes = D / 2;
-  static constexpr int kKRowBytes = kFp8K ? D : D / 2;
-  static constexpr int kKRowStride = kKRowBytes;
-  static constexpr int kScaleBytes = D / 16;
-  static constexpr int kKScaleBytes = kFp8K ? 0 : kScaleBytes;
-  static constexpr int kKcOff = 0;
-  static constexpr int kVcOff = kAttnTile * kKRowStride;
-  static constexpr int kKsOff = kVcOff + kAttnTile * kRowBytes;
-  static constexpr int kVsOff = kKsOff + kAttnTile * kKScaleBytes;
-  static constexpr int kMaskOff = kVsOff + kAttnTile * kScaleBytes;
-  static constexpr int kStageBytes = kMaskOff + 16;
-  static constexpr int kRedStride = D + 4;
-  static constexpr int kRingBytes = kStages * kStageBytes;
-  static constexpr int kRedBytes = kAttnTile * kRedStride * 4;
+  static constexpr int kRingBytes = kStages * Stage::kStageBytes;
+  static constexpr int kRedBytes = kAttnTile * Stage::kRedStride * 4;
   static constexpr int kWarpBytes = kRingBytes > kRedBytes ? kRingBytes : kRedBytes;
-  static_assert(kWarpBytes % 16 == 0 && kStageBytes % 16 == 0 && kVsOff % 8 == 0, "alignment");
+  static_assert(kWarpBytes % 16 == 0, "alignment");
   __host__ __device__ static constexpr int KChunk(int t, int k) { return kFp8K ? k ^ (t & 1) : k; }
 };
 
@@ -102,23 +94,20 @@ inline constexpr int kTokensInMCtasPerSm =
 // so that every code region starts on its swizzle repeat.
 // ---------------------------------------------------------------------------
 template <int D, bool kFp8K>
-struct TokensInMTmaConfig {
+struct TokensInMTmaConfig : AttnTileRows<D, kFp8K> {
+  using Rows = AttnTileRows<D, kFp8K>;
   static constexpr int kStages = 4;
-  static constexpr int kRowBytes = D / 2;
-  static constexpr int kKRowBytes = kFp8K ? D : D / 2;
-  static constexpr int kScaleBytes = D / 16;
-  static constexpr int kKSwizzle = TmaCodeSwizzle(kKRowBytes);
-  static constexpr int kVSwizzle = TmaCodeSwizzle(kRowBytes);
-  static constexpr int kKcBytes = kAttnTile * kKRowBytes;
-  static constexpr int kVcBytes = kAttnTile * kRowBytes;
-  static constexpr int kSBytes = kAttnTile * kScaleBytes;  // [16][D / 16], token-major
+  static constexpr int kKSwizzle = TmaCodeSwizzle(Rows::kKRowBytes);
+  static constexpr int kVSwizzle = TmaCodeSwizzle(Rows::kRowBytes);
+  static constexpr int kKcBytes = kAttnTile * Rows::kKRowBytes;
+  static constexpr int kVcBytes = kAttnTile * Rows::kRowBytes;
+  static constexpr int kSBytes = kAttnTile * Rows::kScaleBytes;  // [16][D / 16], token-major
   static constexpr int kKcOff = 0;
   static constexpr int kVcOff = kKcOff + kStages * kKcBytes;
   static constexpr int kKsOff = kVcOff + kStages * kVcBytes;
   static constexpr int kVsOff = kKsOff + (kFp8K ? 0 : kStages * kSBytes);
   static constexpr int kRingBytes = kVsOff + kStages * kSBytes;
-  static constexpr int kRedStride = D + 4;
-  static constexpr int kRedBytes = kAttnTile * kRedStride * 4;
+  static constexpr int kRedBytes = kAttnTile * Rows::kRedStride * 4;
   static constexpr int kAlign = kKSwizzle == 3 || kVSwizzle == 3
                                     ? 1024
                                     : (kKSwizzle == 2 || kVSwizzle == 2 ? 512 : 128);
@@ -127,8 +116,12 @@ struct TokensInMTmaConfig {
   static_assert(kKcBytes % kAlign == 0 && kVcBytes % kAlign == 0 && kVcOff % kAlign == 0,
                 "code regions on their swizzle repeat");
   static_assert(kKsOff % 128 == 0 && kVsOff % 128 == 0, "128-byte aligned TMA destinations");
-  __device__ static uint32_t KOff(int t, int x) { return TmaSwizzled<kKRowBytes, kKSwizzle>(t, x); }
-  __device__ static uint32_t VOff(int t, int x) { return TmaSwizzled<kRowBytes, kVSwizzle>(t, x); }
+  __device__ static uint32_t KOff(int t, int x) {
+    return TmaSwizzled<Rows::kKRowBytes, kKSwizzle>(t, x);
+  }
+  __device__ static uint32_t VOff(int t, int x) {
+    return TmaSwizzled<Rows::kRowBytes, kVSwizzle>(t, x);
+  }
 };
 
 // PRMT selectors for DecodeWordPairHalf2Sel of lane c's V words (the TMA
@@ -351,8 +344,7 @@ __global__ void __launch_bounds__(kAttnThreads, (kTokensInMCtasPerSm<D, kN, kFp8
       for (int i = 0; i < kQDims / 2; ++i) w[i] = 0;
       if (row.valid) {
         const uint16_t* src =
-            static_cast<const uint16_t*>(p.q) + (it.r.q_begin + row.qi) * p.q_row_stride +
-            static_cast<int64_t>(it.head * p.group + row.gi) * p.q_head_stride + c * kQDims;
+            QRowPtr(p, it.r.q_begin + row.qi, it.head * p.group + row.gi) + c * kQDims;
 #pragma unroll
         for (int i = 0; i < kQDims / 8; ++i) {
           const uint4 v = *reinterpret_cast<const uint4*>(src + 8 * i);
@@ -366,25 +358,13 @@ __global__ void __launch_bounds__(kAttnThreads, (kTokensInMCtasPerSm<D, kN, kFp8
       if constexpr (kBf16) {
         uint32_t amax = 0;
 #pragma unroll
-        for (int i = 0; i < kQDims / 2; ++i) {
-          const uint32_t lo = (w[i] << 16) & 0x7fff0000u, hi = w[i] & 0x7fff0000u;
-          amax = max(amax, max(lo, hi));
-        }
+        for (int i = 0; i < kQDims / 2; ++i) amax = Bf16PairAbsMax(amax, w[i]);
         amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
         amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
-        float mul = 1.0f;
-        if (amax != 0 && amax < 0x7f800000u) {
-          const int e = static_cast<int>(amax >> 23) - 127;
-          int k = 14 - e;
-          k = k < -126 ? -126 : (k > 127 ? 127 : k);
-          kq[nt] = k;
-          mul = __uint_as_float(static_cast<uint32_t>(k + 127) << 23);
-        }
+        const QScale scale = QScaleFor(amax);
+        kq[nt] = scale.kq;
 #pragma unroll
-        for (int i = 0; i < kQDims / 2; ++i) {
-          w[i] = PackHalf2(__uint_as_float(w[i] << 16) * mul,
-                           __uint_as_float(w[i] & 0xffff0000u) * mul);
-        }
+        for (int i = 0; i < kQDims / 2; ++i) w[i] = Bf16PairToHalf2(w[i], scale.mul);
       }
       if constexpr (kFp8K) {
         // k-step j: dims 4j, 4j+1 (k = 2c, 2c+1) and 4j+2, 4j+3 (2c+8, 2c+9).
@@ -425,11 +405,7 @@ __global__ void __launch_bounds__(kAttnThreads, (kTokensInMCtasPerSm<D, kN, kFp8
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
         const int k = __shfl_sync(0xffffffffu, kq[nt], 4 * (2 * c + i));
-        // The K tile's own factor: 2^7 (NVFP4), 1 or 2^8 (FP8, by arch).
-        const float tile_scale = kFp8K ? device::Fp8KeyHalfScale() : device::kHalfTileScale;
-        const float f =
-            p.sm_scale * gk * tile_scale * __uint_as_float(static_cast<uint32_t>(127 - k) << 23);
-        lf[nt][i] = kSoftCap ? f / p.soft_cap : f * kLog2e;
+        lf[nt][i] = QLogitFactor<kSoftCap, kFp8K>(p, gk, k);
         int lo, hi;
         row_bounds(nt, i, &lo, &hi);
         lo_max = max(lo_max, lo);
@@ -758,23 +734,14 @@ __global__ void __launch_bounds__(kAttnThreads, (kTokensInMCtasPerSm<D, kN, kFp8
       CpAsyncWait<0>();
     }
     __syncwarp();
-    // (m, l) as handed on: l carries the factor 2^kAttnPOffset.
+    // (m, l) as handed on (l carries the factor 2^kAttnPOffset), the row
+    // sums across the 8 lanes of a column.
 #pragma unroll
     for (int nt = 0; nt < kN; ++nt) {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        if (m_run[nt][r] != -INFINITY) m_run[nt][r] -= kAttnPOffset;
-      }
-    }
-
-    // ---- Row sums across the 8 lanes of a column.
-#pragma unroll
-    for (int nt = 0; nt < kN; ++nt) {
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        l_run[nt][r] += __shfl_xor_sync(0xffffffffu, l_run[nt][r], 4);
-        l_run[nt][r] += __shfl_xor_sync(0xffffffffu, l_run[nt][r], 8);
-        l_run[nt][r] += __shfl_xor_sync(0xffffffffu, l_run[nt][r], 16);
+        m_run[nt][r] = HandedOnMax(m_run[nt][r]);
+        l_run[nt][r] = RowLaneSum<4, 16>(l_run[nt][r]);
       }
     }
 
@@ -798,10 +765,7 @@ __global__ void __launch_bounds__(kAttnThreads, (kTokensInMCtasPerSm<D, kN, kFp8
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const int row = 8 * nt + 2 * c + r;
-        float mx = -INFINITY;
-#pragma unroll
-        for (int w = 0; w < kAttnWarps; ++w) mx = fmaxf(mx, ml_sm[w][row].x);
-        const float f = Ex2(m_run[nt][r] - (mx == -INFINITY ? 0.0f : mx));
+        const float f = ToCtaRowMax(ml_sm, row, m_run[nt][r]);
         float* seg = red + row * Cfg::kRedStride + g * kSeg;
         // Dims 8u + d (d < 4) are m-tile 4u + d's row g, dims 8u + 4 + d its
         // row g + 8.
