@@ -21,7 +21,7 @@ BUILD=build-gpu
 MUTANTS=(
   "reencode_no_copy_wait|src/kv_cache/scales.cc|    FP4KV_RETURN_IF_ERROR(s.OrderAfterCopies(stream));|kv_cache_swap_test|Gpu/SwapTest.ReencodeAfterSwapInWaitsForItsCopy/*"
   "calibrate_no_copy_wait|src/kv_cache/scales.cc|  if (reencode) FP4KV_RETURN_IF_ERROR(s.OrderAfterCopies(stream));|kv_cache_swap_test|Gpu/SwapTest.CalibrateAfterSwapInWaitsForItsCopy/*"
-  "cache_kernels_not_loaded|src/kv_cache/cache.cc|  if (s->cuda) FP4KV_RETURN_IF_ERROR(internal::LoadCacheKernels(o.recipe));|kv_cache_lazy_load_test|KVCacheLazyLoadTest.*"
+  "cache_kernels_not_loaded|src/kv_cache/create.cc|  if (s->cuda) FP4KV_RETURN_IF_ERROR(internal::LoadCacheKernels(o.recipe));|kv_cache_lazy_load_test|KVCacheLazyLoadTest.*"
 )
 
 backup=$(mktemp)

@@ -49,31 +49,15 @@ PageCopyParams KVCacheState::HostToPool(const int32_t* host, const int32_t* page
   return HostCopy(host, pages, n, false);
 }
 
-absl::Status KVCacheState::TakeEvent(int* out) {
-  if (host.free_events.empty()) {
-    cudaEvent_t e = nullptr;
-    FP4KV_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
-    host.swap_events.push_back(e);
-    host.event_refs.push_back(0);
-    host.event_order.push_back(0);
-    host.free_events.push_back(static_cast<int>(host.swap_events.size()) - 1);
-  }
-  *out = host.free_events.back();
-  host.free_events.pop_back();
-  return absl::OkStatus();
-}
-
 absl::Status KVCacheState::EnqueueSwapCopy(const std::vector<int32_t>& pages,
                                            const std::vector<int32_t>& host_ids, bool to_host,
                                            Stream stream, int* event, bool prefix_tier) {
   int e = -1;
-  if (event != nullptr) FP4KV_RETURN_IF_ERROR(TakeEvent(&e));
+  if (event != nullptr) FP4KV_RETURN_IF_ERROR(copy.Take(&e));
   absl::Status st = [&]() -> absl::Status {
     const int64_t n = static_cast<int64_t>(pages.size());
-    FP4KV_CUDA_RETURN_IF_ERROR(
-        cudaEventRecord(host.copy_ready, reinterpret_cast<cudaStream_t>(stream)));
-    FP4KV_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(host.copy_stream, host.copy_ready, 0));
-    const Stream side = reinterpret_cast<Stream>(host.copy_stream);
+    FP4KV_RETURN_IF_ERROR(copy.After(stream));
+    const Stream side = copy.stream();
     if (n <= PageCopyParams::kInlineIds) {
       // A short list travels in the launch: no upload ahead of the copy.
       PageCopyParams p = HostCopy(nullptr, nullptr, n, to_host, prefix_tier);
@@ -93,24 +77,20 @@ absl::Status KVCacheState::EnqueueSwapCopy(const std::vector<int32_t>& pages,
       std::copy(pages.begin(), pages.end(), ids.begin());
       std::copy(host_ids.begin(), host_ids.end(), ids.begin() + n);
       // From pageable memory: staged before the call returns.
-      FP4KV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(d_ids, ids.data(), ids.size() * sizeof(int32_t),
-                                                 cudaMemcpyHostToDevice, host.copy_stream));
+      FP4KV_RETURN_IF_ERROR(copy.Upload(d_ids, ids.data(), ids.size() * sizeof(int32_t)));
       FP4KV_RETURN_IF_ERROR(LaunchPageCopy(to_host
                                                ? HostCopy(d_ids, d_ids + n, n, true, prefix_tier)
                                                : HostCopy(d_ids + n, d_ids, n, false, prefix_tier),
                                            side));
     }
-    if (e >= 0) {
-      FP4KV_CUDA_RETURN_IF_ERROR(cudaEventRecord(host.swap_events[e], host.copy_stream));
-    }
+    if (e >= 0) FP4KV_RETURN_IF_ERROR(copy.Record(e));
     return absl::OkStatus();
   }();
   if (e < 0) return st;
   if (!st.ok()) {
-    host.free_events.push_back(e);
+    copy.Free(e);
     return st;
   }
-  host.event_order[e] = ++host.copies;
   *event = e;
   return absl::OkStatus();
 }
@@ -126,7 +106,7 @@ void KVCacheState::FinishOut(SwapOutCopy& c) {
   }
   for (int32_t page : c.orphan) allocator.Release(page);  // in the order dropped
   c.orphan.clear();
-  if (c.event >= 0) host.free_events.push_back(c.event);
+  if (c.event >= 0) copy.Free(c.event);
 }
 
 void KVCacheState::DropPages(const int32_t* pages, size_t n, int priority) {
@@ -166,8 +146,7 @@ void KVCacheState::PollSwaps(bool in_prepare) {
     SwapOutCopy& c = host.outs[k];
     const uint64_t now = step.step_serial + (in_prepare && c.step_pages() ? 1 : 0);
     if (c.ready <= now) {
-      if (c.event >= 0 && cudaEventSynchronize(host.swap_events[c.event]) != cudaSuccess)
-        (void)cudaGetLastError();
+      if (c.event >= 0 && !copy.Wait(c.event).ok()) (void)cudaGetLastError();
       if (c.step_pages()) {
         size_t w = 0;
         for (int32_t page : c.orphan) {
@@ -196,7 +175,7 @@ absl::Status KVCacheState::WaitSwapOuts() {
   ScopedDevice d;
   FP4KV_RETURN_IF_ERROR(d.Set(options.device));
   for (SwapOutCopy& c : host.outs) {
-    if (c.event >= 0) FP4KV_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(host.swap_events[c.event]));
+    if (c.event >= 0) FP4KV_RETURN_IF_ERROR(copy.Wait(c.event));
   }
   size_t kept = 0;
   for (size_t k = 0; k < host.outs.size(); ++k) {
@@ -297,9 +276,7 @@ int64_t KVCacheState::PagesSwapPending() const {
   return n;
 }
 
-void KVCacheState::ReleaseEvent(int e) {
-  if (e >= 0 && --host.event_refs[e] == 0) host.free_events.push_back(e);
-}
+void KVCacheState::ReleaseEvent(int e) { copy.Release(e); }
 
 void KVCacheState::DropSwapIn(Sequence& q) {
   ReleaseEvent(q.swapin_event);
@@ -308,25 +285,17 @@ void KVCacheState::DropSwapIn(Sequence& q) {
 
 void KVCacheState::HoldCopyEvent(Sequence& q, int e) {
   if (e < 0 || q.swapin_event == e) return;
-  if (q.swapin_event >= 0 && host.event_order[q.swapin_event] >= host.event_order[e]) return;
+  if (q.swapin_event >= 0 && copy.NotBefore(q.swapin_event, e)) return;
   DropSwapIn(q);
   q.swapin_event = e;
-  ++host.event_refs[e];
+  copy.Hold(e);
 }
 
-absl::Status KVCacheState::OrderAfterCopies(Stream stream) {
-  if (host.copy_stream == nullptr) return absl::OkStatus();
-  FP4KV_CUDA_RETURN_IF_ERROR(cudaEventRecord(host.copy_drained, host.copy_stream));
-  return CudaStatus(
-      cudaStreamWaitEvent(reinterpret_cast<cudaStream_t>(stream), host.copy_drained, 0),
-      "cudaStreamWaitEvent(copy stream)");
-}
+absl::Status KVCacheState::OrderAfterCopies(Stream stream) { return copy.OrderAfterAll(stream); }
 
 absl::Status KVCacheState::OrderAfterSwapIn(const Sequence& q, Stream stream) const {
   if (q.swapin_event < 0) return absl::OkStatus();
-  return CudaStatus(cudaStreamWaitEvent(reinterpret_cast<cudaStream_t>(stream),
-                                        host.swap_events[q.swapin_event], 0),
-                    "cudaStreamWaitEvent(swap in)");
+  return copy.StreamWait(stream, q.swapin_event);
 }
 
 int64_t KVCacheState::SwappedTokens(SequenceId* any) const {
@@ -374,10 +343,10 @@ absl::StatusOr<bool> KVCache::IsSwappedOut(SequenceId seq) const {
 absl::Status KVCache::SynchronizeSwaps() {
   FP4KV_KV_RETURN_IF_MOVED_FROM();
   KVCacheState& s = *state_;
-  if (s.host.copy_stream != nullptr) {
+  if (s.copy.active()) {
     internal::ScopedDevice scoped;
     FP4KV_RETURN_IF_ERROR(scoped.Set(s.options.device));
-    FP4KV_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s.host.copy_stream));
+    FP4KV_RETURN_IF_ERROR(s.copy.Synchronize());
   }
   return s.WaitSwapOuts();
 }
@@ -474,7 +443,7 @@ absl::Status KVCache::SwapIn(SequenceId seq, Stream stream) {
         !st.ok()) {
       // Demotion copies may still read the pages that go back: a CUDA error
       // only, so a host wait.
-      (void)cudaStreamSynchronize(s.host.copy_stream);
+      (void)s.copy.Synchronize();
       for (size_t j = pages.size(); j-- > 0;) s.allocator.Release(pages[j]);
       return st;
     }
@@ -487,7 +456,7 @@ absl::Status KVCache::SwapIn(SequenceId seq, Stream stream) {
   ++q->epoch;
   q->swapped = false;
   q->swapin_event = event;
-  if (event >= 0) s.host.event_refs[event] = 1;
+  if (event >= 0) s.copy.Hold(event);
   s.host.bytes_swapped_in += n * s.PageBytesAllLayers();
   return absl::OkStatus();
 }

@@ -180,7 +180,7 @@ absl::Status KVCacheState::DemoteForAllocation(int64_t n, Stream stream,
   if (!st.ok()) {
     // The enqueued copies read device pages that are free now, and the
     // caller gives up: let them finish (a host wait, on a CUDA error only).
-    (void)cudaStreamSynchronize(host.copy_stream);
+    (void)copy.Synchronize();
     return st;
   }
   // The evicted pages are free now: when n pages are allocated, they are
@@ -248,7 +248,7 @@ absl::Status KVCacheState::PromoteInto(Sequence& q, absl::Span<const int32_t> pr
       int next = -1;
       st = EnqueueSwapCopy(d, h, /*to_host=*/false, stream, &next, /*prefix_tier=*/true);
       if (!st.ok()) break;
-      if (event >= 0) host.free_events.push_back(event);  // a later one covers it
+      if (event >= 0) copy.Free(event);  // a later one covers it
       event = next;
     }
   } else if (st.ok()) {
@@ -261,7 +261,7 @@ absl::Status KVCacheState::PromoteInto(Sequence& q, absl::Span<const int32_t> pr
     for (int32_t p : dst) t.promoted_by[p] = serial;
     ReleaseEvent(t.latest_event);
     t.latest_event = event;
-    ++host.event_refs[event];
+    copy.Hold(event);
   }
   // The host pages go back (their copies are ordered before any later copy
   // that rewrites them: the copy stream runs in order).
@@ -271,7 +271,7 @@ absl::Status KVCacheState::PromoteInto(Sequence& q, absl::Span<const int32_t> pr
     // (they left the host index above, with their kHost Removed events).
     // Demotion copies may still read the device pages that go back: wait
     // (an error path only).
-    if (cuda) (void)cudaStreamSynchronize(host.copy_stream);
+    if (cuda) (void)copy.Synchronize();
     for (int32_t p : dst) allocator.Release(p);
     for (int32_t page : pages) {
       if (page >= 0) allocator.Release(page);
@@ -306,7 +306,7 @@ bool KVCacheState::PromotionPending(int32_t page) const {
 void KVCacheState::PollPromotions() {
   PrefixHostState& t = prefix_host;
   if (t.latest_event < 0) return;
-  const cudaError_t r = cudaEventQuery(host.swap_events[t.latest_event]);
+  const cudaError_t r = copy.Query(t.latest_event);
   if (r != cudaSuccess) {
     if (r == cudaErrorNotReady) (void)cudaGetLastError();  // not an error: still in flight
     return;
@@ -330,9 +330,7 @@ absl::Status KVCacheState::OrderAfterPromotion(absl::Span<const int32_t> pages, 
   if (prefix_host.latest_event < 0) return absl::OkStatus();
   for (int32_t page : pages) {
     if (!PromotionPending(page)) continue;
-    return CudaStatus(cudaStreamWaitEvent(reinterpret_cast<cudaStream_t>(stream),
-                                          host.swap_events[prefix_host.latest_event], 0),
-                      "cudaStreamWaitEvent(promotion)");
+    return copy.StreamWait(stream, prefix_host.latest_event);
   }
   return absl::OkStatus();
 }

@@ -132,7 +132,7 @@ absl::StatusOr<SequenceId> KVCache::ForkSequence(SequenceId parent) {
   c.priority = p.priority;
   for (int32_t page : c.pages) s.allocator.Retain(page);
   c.swapin_event = p.swapin_event;  // its pages arrive with the parent's copy
-  if (c.swapin_event >= 0) ++s.host.event_refs[c.swapin_event];
+  if (c.swapin_event >= 0) s.copy.Hold(c.swapin_event);
   s.InheritPromotion(c, c.pages);  // or with a promotion still in flight
   return child;
 }

@@ -20,6 +20,7 @@
 #include "fp4kv/kv_cache.h"
 #include "src/cuda_util.h"
 #include "src/host_alloc.h"
+#include "src/kv_cache/copy_engine.h"
 #include "src/kv_cache/memory.h"
 #include "src/kv_event_queue.h"
 #include "src/page_pool.h"
@@ -256,16 +257,6 @@ struct HostTierState {
   Memory pool;
   uint8_t* pool_dev = nullptr;      // its device address (CUDA) or itself
   HostVector<int32_t> free_pages;  // stack of free host pages
-  cudaStream_t copy_stream = nullptr;
-  cudaEvent_t copy_ready = nullptr;    // recorded on the caller's stream, waited by the copy stream
-  cudaEvent_t copy_drained = nullptr;  // recorded on the copy stream, waited by the caller's
-  std::vector<cudaEvent_t> swap_events;
-  std::vector<int> free_events;
-  std::vector<int> event_refs;  // holders of an event (sequences, the latest promotion)
-  // Per event: the copy-stream order of the copy it was last recorded after
-  // (the copy stream runs in order: a later event covers an earlier one).
-  std::vector<uint64_t> event_order;
-  uint64_t copies = 0;  // copies enqueued on the copy stream
   std::vector<SwapOutCopy> outs;
   // Two or more step slots: per page, the step_serial from which no step in
   // flight can use it any more (step_serial + step_slots at its latest
@@ -391,6 +382,9 @@ class KVCacheState {
   ImageState images;
   HostTierState host;
   PrefixHostState prefix_host;
+  // Last: destroyed first, so its destructor's wait for the copies in flight
+  // comes before the pools they read and write go.
+  CopyEngine copy;
 
   int64_t PageBytesAllLayers() const;
 
@@ -400,8 +394,6 @@ class KVCacheState {
                           bool prefix_tier = false) const;
   PageCopyParams PoolToHost(const int32_t* pages, const int32_t* host, int64_t n) const;
   PageCopyParams HostToPool(const int32_t* host, const int32_t* pages, int64_t n) const;
-
-  absl::Status TakeEvent(int* out);
 
   // Copies pages between the pool and the host tier on the copy stream,
   // after the work on `stream` so far; *event is recorded after the copy

@@ -308,8 +308,7 @@ absl::StatusOr<StepInfo> KVCache::PrepareStep(absl::Span<const StepEntry> entrie
     // The step's appends into a page a promotion may still be writing come
     // after that copy.
     if (reused_promoted) {
-      FP4KV_CUDA_RETURN_IF_ERROR(
-          cudaStreamWaitEvent(cs, s.host.swap_events[s.prefix_host.latest_event], 0));
+      FP4KV_RETURN_IF_ERROR(s.copy.StreamWait(stream, s.prefix_host.latest_event));
     }
   }
   return info;
