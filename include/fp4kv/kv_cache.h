@@ -362,9 +362,11 @@ class CacheAppender {
 
  private:
   friend class KVCache;
-  CacheAppender(std::weak_ptr<const internal::KVCacheState> state, Appender op)
+  CacheAppender(std::weak_ptr<internal::KVCacheState> state, Appender op)
       : state_(std::move(state)), bound_(true), op_(std::move(op)) {}
-  std::weak_ptr<const internal::KVCacheState> state_;  // expires with the cache
+  // Expires with the cache; not const: a Run records its append with the
+  // cache's scales (the scale-change rule counts the tokens it wrote).
+  std::weak_ptr<internal::KVCacheState> state_;
   bool bound_ = false;
   int slot_ = -1;  // -1: the latest step's slot
   Appender op_;

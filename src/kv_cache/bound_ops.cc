@@ -198,9 +198,9 @@ std::vector<int64_t> KVCache::Fp8WorkspaceShape(int64_t pages) const {
 
 absl::Status CacheAppender::Run(int layer, const TensorView& key, const TensorView& value,
                                 Stream stream) const {
-  const std::shared_ptr<const KVCacheState> live = state_.lock();
+  const std::shared_ptr<KVCacheState> live = state_.lock();
   if (live == nullptr) return NotBound("CacheAppender", bound_);
-  const KVCacheState& s = *live;
+  KVCacheState& s = *live;
   const internal::StepSlot& st = SlotOf(s, slot_);
   FP4KV_RETURN_IF_ERROR(s.CheckLayer(layer));
   int64_t rows = s.options.max_tokens_per_step;
@@ -224,17 +224,14 @@ absl::Status CacheAppender::Run(int layer, const TensorView& key, const TensorVi
       internal::MakeAppendParams(op_.options(), a, LayerPools(s, layer));
   if (!p.ok()) return p.status();
   internal::ScopedDevice scoped;
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   if (s.cuda) {
     FP4KV_RETURN_IF_ERROR(scoped.Set(s.options.device));
-    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     FP4KV_CUDA_RETURN_IF_ERROR(
         cudaStreamIsCapturing(reinterpret_cast<cudaStream_t>(stream), &capture));
-    if (capture != cudaStreamCaptureStatusNone) s.scales.layer_captured[layer] = 1;
   }
-  if (st.info.num_tokens > 0) {
-    s.scales.layer_append_serial[layer] = st.serial;
-    s.SettleLayers(layer, 1);  // its calibration (if any) is enqueued before the append
-  }
+  s.RecordAppend(layer, st.serial, capture != cudaStreamCaptureStatusNone,
+                 st.info.num_tokens > 0);
   if (p->nnz == 0) return absl::OkStatus();
   if (s.LayerPending(layer)) {
     internal::RowCalibrationParams c;

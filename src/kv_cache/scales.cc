@@ -106,8 +106,15 @@ absl::Status KVCacheState::MarkCalibrated(int first, int count, Stream stream) {
   return absl::OkStatus();
 }
 
-void KVCacheState::SettleLayers(int first, int count) const {
+void KVCacheState::SettleLayers(int first, int count) {
   std::fill(scales.layer_settled.begin() + first, scales.layer_settled.begin() + first + count, 1);
+}
+
+void KVCacheState::RecordAppend(int layer, uint64_t serial, bool captured, bool tokens) {
+  if (captured) scales.layer_captured[layer] = 1;
+  if (!tokens) return;
+  scales.layer_append_serial[layer] = serial;
+  SettleLayers(layer, 1);  // its calibration (if any) is enqueued before the append
 }
 
 bool KVCacheState::ScaleFingerprint(uint64_t* out) const {

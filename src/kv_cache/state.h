@@ -150,16 +150,17 @@ struct ScaleState {
   Memory mapped_flags;             // CUDA: [L, 2] host-visible mirror of d_flags
   int32_t* h_flags = nullptr;      // the mirror (CPU: d_flags itself)
   int32_t* h_flags_dev = nullptr;  // its device address (CUDA), for the kernel
-  // Scale-change bookkeeping (see KVCache::LayerTokens).
-  mutable std::vector<uint64_t> layer_append_serial;  // [L] step of the last append
-  mutable std::vector<uint8_t> layer_captured;        // [L] an append was captured
+  // Scale-change bookkeeping (see KVCache::LayerTokens), written by the
+  // bound appender's Run through KVCacheState::RecordAppend.
+  std::vector<uint64_t> layer_append_serial;  // [L] step of the last append
+  std::vector<uint8_t> layer_captured;        // [L] an append was captured
   // The host's view of calibration, a function of the calls alone (never of
   // the mapped flags, which the device writes when it gets there): a layer is
   // settled once its scales were given (at Create, UpdateGlobalScales,
   // CalibrateGlobalScales) or a call wrote tokens into it (an appender run of
   // a step with tokens, an import). It gates prefix indexing (Calibrated());
   // docs/kv_cache.md, "Tensor parallelism: decisions are a function of the calls".
-  mutable std::vector<uint8_t> layer_settled;  // [L]
+  std::vector<uint8_t> layer_settled;  // [L]
   bool all_calibrated = false;          // sticky: every layer settled
   // Scales the host knows ([L, 4] as d_scales; known[l]: given at Create or
   // by UpdateGlobalScales, not computed on the device since).
@@ -352,7 +353,12 @@ class KVCacheState {
   bool LayerPending(int layer) const;
 
   // Marks layers [first, first + count) settled (ScaleState::layer_settled).
-  void SettleLayers(int first, int count) const;
+  void SettleLayers(int first, int count);
+
+  // An appender Run of `layer` for the step `serial` (`captured`: into a
+  // CUDA graph capture, whose replays the host cannot see; `tokens`: the
+  // step has new tokens, so the layer is settled).
+  void RecordAppend(int layer, uint64_t serial, bool captured, bool tokens);
 
   absl::Status CheckScaleChange(int layer, StoredTokens stored, bool* reencode) const;
 
