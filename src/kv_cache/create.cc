@@ -503,6 +503,8 @@ absl::Status InitStepScratch(const KVCacheOptions& o, const CreatePlan& p, KVCac
   return absl::OkStatus();
 }
 
+}  // namespace
+
 // Every kernel the cache launches itself (its appender, attention and other
 // bound ops load theirs when bound), on the current device: under CUDA's
 // lazy module loading a first launch that loads its kernel can wait on the
@@ -515,7 +517,6 @@ absl::Status LoadCacheKernels(const Recipe& recipe) {
   return LoadQuantizeCacheKernels(DType::kBF16, recipe);
 }
 
-}  // namespace
 }  // namespace internal
 
 absl::StatusOr<KVCache> KVCache::Create(const KVCacheOptions& o) {

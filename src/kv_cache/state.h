@@ -596,6 +596,10 @@ struct ClaimReset {
 absl::Status CheckStepEntries(KVCacheState& s, absl::Span<const StepEntry> entries,
                               int64_t* need_out);
 
+// Loads every kernel the cache launches itself on the current device
+// (create.cc; docs/kv_cache.md, "Kernels are loaded at Create").
+absl::Status LoadCacheKernels(const Recipe& recipe);
+
 // What a call on a moved-from KVCache returns.
 absl::Status MovedFrom();
 
