@@ -74,10 +74,10 @@ KVCacheStats KVCache::Stats() const {
   st.reservations = static_cast<int64_t>(s.images.reservations.size());
   st.bytes_exported = s.images.bytes_exported;
   st.bytes_imported = s.images.bytes_imported;
-  st.host_pages_total = s.host.pages_total;
-  st.host_pages_free = static_cast<int64_t>(s.host.free_pages.size());
+  st.host_pages_total = s.host.pages.pages_total();
+  st.host_pages_free = s.host.pages.free_count();
   st.host_pages_used = st.host_pages_total - st.host_pages_free;
-  st.host_bytes = s.host.pages_total > 0 ? s.host.layout.total_bytes : 0;
+  st.host_bytes = s.host.pages.pages_total() > 0 ? s.host.pages.layout().total_bytes : 0;
   for (const KVCacheState::SwapOutCopy& c : s.host.outs) st.swaps_in_flight += c.event >= 0;
   st.pages_retiring = s.PagesRetiring();
   for (const auto& p : s.prefix.pending_ids) st.token_ids_pending += p.count;
@@ -96,9 +96,10 @@ KVCacheStats KVCache::Stats() const {
   st.prefix_hit_rate = s.prefix.query_tokens > 0 ? static_cast<double>(s.prefix.hit_tokens) /
                                                        static_cast<double>(s.prefix.query_tokens)
                                                  : 0.0;
-  st.host_prefix_pages_total = s.prefix_host.pages_total;
+  st.host_prefix_pages_total = s.prefix_host.pages.pages_total();
   st.host_prefix_pages_cached = s.prefix_host.cached_count;
-  st.host_prefix_bytes = s.prefix_host.pages_total > 0 ? s.prefix_host.layout.total_bytes : 0;
+  st.host_prefix_bytes =
+      s.prefix_host.pages.pages_total() > 0 ? s.prefix_host.pages.layout().total_bytes : 0;
   st.host_prefix_demotions = s.prefix_host.demotions;
   st.host_prefix_promotions = s.prefix_host.promotions;
   st.host_prefix_evictions = s.prefix_host.evictions;
@@ -143,10 +144,10 @@ absl::Status KVCache::CheckInvariants() const {
                                            "a reference count per page"));
   std::vector<uint8_t> scratch;
   internal::HostVector<uint8_t> host_owner;
-  FP4KV_RETURN_IF_ERROR(internal::SizeHost(&host_owner, s.host.pages_total, uint8_t{0}, kCall,
+  FP4KV_RETURN_IF_ERROR(internal::SizeHost(&host_owner, s.host.pages.pages_total(), uint8_t{0}, kCall,
                                            "an owner per host page"));
-  for (int32_t h : s.host.free_pages) {
-    if (h < 0 || h >= s.host.pages_total || host_owner[h]++ != 0) {
+  for (int32_t h : s.host.pages.free_pages()) {
+    if (h < 0 || h >= s.host.pages.pages_total() || host_owner[h]++ != 0) {
       return absl::InternalError(absl::StrCat("host page ", h, ": free twice or out of range"));
     }
   }
@@ -173,7 +174,7 @@ absl::Status KVCache::CheckInvariants() const {
                                                 q.pages.size(), " device pages"));
       }
       for (int32_t h : q.host_pages) {
-        if (h < 0 || h >= s.host.pages_total || host_owner[h]++ != 0) {
+        if (h < 0 || h >= s.host.pages.pages_total() || host_owner[h]++ != 0) {
           return absl::InternalError(
               absl::StrCat("swapped sequence ", id, ": host page ", h, " is not its own"));
         }
@@ -211,7 +212,7 @@ absl::Status KVCache::CheckInvariants() const {
       }
     }
   }
-  for (int64_t h = 0; h < s.host.pages_total; ++h) {
+  for (int64_t h = 0; h < s.host.pages.pages_total(); ++h) {
     if (host_owner[h] != 1) {
       return absl::InternalError(absl::StrCat("host page ", h, ": neither free nor held"));
     }

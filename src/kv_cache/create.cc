@@ -281,23 +281,8 @@ absl::Status InitMemory(const KVCacheOptions& o, const CreatePlan& p, KVCacheSta
 // The swap host tier (pinned, mapped) and the copy engine.
 absl::Status InitHostTier(const KVCacheOptions& o, const CreatePlan& p, KVCacheState* s) {
   if (p.host_pages > 0) {
-    s->host.pages_total = p.host_pages;
-    s->host.layout = p.host_layout;
-    FP4KV_RETURN_IF_ERROR(s->host.pool.Allocate(s->cuda ? Kind::kPinnedMapped : Kind::kHost,
-                                                p.host_layout.total_bytes, "the host tier"));
-    s->host.pool_dev = s->host.pool.get();
-    if (s->cuda) {
-      void* dev_ptr = nullptr;
-      FP4KV_CUDA_RETURN_IF_ERROR(cudaHostGetDevicePointer(&dev_ptr, s->host.pool.get(), 0));
-      s->host.pool_dev = static_cast<uint8_t*>(dev_ptr);
-      FP4KV_RETURN_IF_ERROR(s->copy.Init(o.device.ordinal));
-    }
-    FP4KV_RETURN_IF_ERROR(SizeHost(&s->host.free_pages, p.host_pages, int32_t{0}, kCall,
-                                             "the host tier's free page stack"));
-    // Popped from the back: host pages are handed out in increasing order.
-    for (int64_t i = 0; i < p.host_pages; ++i) {
-      s->host.free_pages[i] = static_cast<int32_t>(p.host_pages - 1 - i);
-    }
+    FP4KV_RETURN_IF_ERROR(s->host.pages.Init(p.host_layout, p.host_pages, s->cuda, "the host tier"));
+    if (s->cuda) FP4KV_RETURN_IF_ERROR(s->copy.Init(o.device.ordinal));
   }
   return absl::OkStatus();
 }
@@ -308,24 +293,10 @@ absl::Status InitPrefixHostTier(const KVCacheOptions& o, const CreatePlan& p,
   const CacheGeometry& g = p.g;
   if (p.prefix_host_pages > 0) {
     PrefixHostState& t = s->prefix_host;
-    t.pages_total = p.prefix_host_pages;
-    t.layout = p.prefix_host_layout;
-    FP4KV_RETURN_IF_ERROR(t.pool.Allocate(s->cuda ? Kind::kPinnedMapped : Kind::kHost,
-                                          p.prefix_host_layout.total_bytes,
-                                          "the host tier of the prefix cache"));
-    t.pool_dev = t.pool.get();
-    if (s->cuda) {
-      void* dev_ptr = nullptr;
-      FP4KV_CUDA_RETURN_IF_ERROR(cudaHostGetDevicePointer(&dev_ptr, t.pool.get(), 0));
-      t.pool_dev = static_cast<uint8_t*>(dev_ptr);
-      FP4KV_RETURN_IF_ERROR(s->copy.Init(o.device.ordinal));
-    }
+    FP4KV_RETURN_IF_ERROR(t.pages.Init(p.prefix_host_layout, p.prefix_host_pages, s->cuda,
+                                       "the host tier of the prefix cache"));
+    if (s->cuda) FP4KV_RETURN_IF_ERROR(s->copy.Init(o.device.ordinal));
     const char* what = "the host tier of the prefix cache's bookkeeping";
-    FP4KV_RETURN_IF_ERROR(
-        SizeHost(&t.free_pages, p.prefix_host_pages, int32_t{0}, kCall, what));
-    for (int64_t i = 0; i < p.prefix_host_pages; ++i) {
-      t.free_pages[i] = static_cast<int32_t>(p.prefix_host_pages - 1 - i);
-    }
     FP4KV_RETURN_IF_ERROR(SizeHost(&t.prev, p.prefix_host_pages, int32_t{-1}, kCall, what));
     FP4KV_RETURN_IF_ERROR(SizeHost(&t.next, p.prefix_host_pages, int32_t{-1}, kCall, what));
     FP4KV_RETURN_IF_ERROR(

@@ -14,8 +14,9 @@ namespace internal {
 PageCopyParams KVCacheState::HostCopy(const int32_t* src, const int32_t* dst, int64_t n,
                                       bool to_host, bool prefix_tier) const {
   PageCopyParams p;
-  const PoolLayout& hl = prefix_tier ? prefix_host.layout : host.layout;
-  uint8_t* const hp = prefix_tier ? prefix_host.pool_dev : host.pool_dev;
+  const HostPagePool& pool = prefix_tier ? prefix_host.pages : host.pages;
+  const PoolLayout& hl = pool.layout();
+  uint8_t* const hp = pool.device_base();
   const PoolLayout& a = to_host ? mem.pool : hl;
   const PoolLayout& b = to_host ? hl : mem.pool;
   p.src = to_host ? mem.pools.get() : hp;
@@ -358,7 +359,7 @@ absl::Status KVCache::SwapOut(SequenceId seq, Stream stream) {
   s.PollSwaps();
   KVCacheState::Sequence* q = s.Find(seq);
   if (q == nullptr) return KVCacheState::Unknown("seq", seq);
-  if (s.host.pages_total == 0) {
+  if (s.host.pages.pages_total() == 0) {
     return absl::FailedPreconditionError(
         "SwapOut: expected a cache with a host tier (KVCacheOptions::host_tier), got one without");
   }
@@ -367,17 +368,17 @@ absl::Status KVCache::SwapOut(SequenceId seq, Stream stream) {
         absl::StrCat("SwapOut: sequence ", seq, " is already swapped out"));
   }
   const int64_t n = static_cast<int64_t>(q->pages.size());
-  if (n > static_cast<int64_t>(s.host.free_pages.size())) {
+  if (n > s.host.pages.free_count()) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "SwapOut: sequence ", seq, " needs ", n, " host pages, the host tier has ",
-        s.host.free_pages.size(), " free of ", s.host.pages_total, "; nothing changed"));
+        s.host.pages.free_count(), " free of ", s.host.pages.pages_total(), "; nothing changed"));
   }
   internal::ScopedDevice scoped;
   FP4KV_RETURN_IF_ERROR(scoped.Set(s.options.device));
   // n: the sequence's pages, at most the host tier's free pages (checked
   // above); becomes the sequence's host page list.
   std::vector<int32_t> host(static_cast<size_t>(n));
-  for (int64_t i = 0; i < n; ++i) host[i] = s.host.free_pages[s.host.free_pages.size() - 1 - i];
+  s.host.pages.Peek(n, host.data());
   int event = -1;
   if (s.cuda && n > 0) {
     FP4KV_RETURN_IF_ERROR(s.EnqueueSwapCopy(q->pages, host, /*to_host=*/true, stream, &event));
@@ -385,7 +386,7 @@ absl::Status KVCache::SwapOut(SequenceId seq, Stream stream) {
     internal::ReferencePageCopy(s.PoolToHost(q->pages.data(), host.data(), n));
   }
   // Committed.
-  s.host.free_pages.resize(s.host.free_pages.size() - static_cast<size_t>(n));
+  s.host.pages.Drop(n);
   s.DropSwapIn(*q);
   q->swapped = true;
   q->host_pages = std::move(host);
@@ -422,7 +423,7 @@ absl::Status KVCache::SwapIn(SequenceId seq, Stream stream) {
     for (KVCacheState::SwapOutCopy& c : s.host.outs) {
       if (c.seq == seq) c.seq = 0;
     }
-    for (int32_t h : q->host_pages) s.host.free_pages.push_back(h);
+    for (int32_t h : q->host_pages) s.host.pages.Give(h);
     q->host_pages.clear();
     q->swapped = false;
     return absl::OkStatus();
@@ -450,7 +451,7 @@ absl::Status KVCache::SwapIn(SequenceId seq, Stream stream) {
   } else if (n > 0) {
     internal::ReferencePageCopy(s.HostToPool(q->host_pages.data(), pages.data(), n));
   }
-  for (int32_t h : q->host_pages) s.host.free_pages.push_back(h);
+  for (int32_t h : q->host_pages) s.host.pages.Give(h);
   q->host_pages.clear();
   q->pages = std::move(pages);
   ++q->epoch;

@@ -10,7 +10,7 @@ namespace fp4kv {
 namespace internal {
 
 int32_t KVCacheState::HostLookup(const BlockHash& hash) const {
-  if (prefix_host.pages_total == 0) return -1;
+  if (prefix_host.pages.pages_total() == 0) return -1;
   auto it = prefix_host.index.find(hash);
   return it == prefix_host.index.end() ? -1 : it->second;
 }
@@ -35,13 +35,13 @@ void KVCacheState::HostLruPushBack(int32_t h) {
 
 void KVCacheState::ClearHostPrefix() {
   PrefixHostState& t = prefix_host;
-  if (t.pages_total == 0) return;
+  if (t.pages.pages_total() == 0) return;
   for (int k = 0; k < PagePool::kPriorities; ++k) {
     while (t.head[k] >= 0) {
       const int32_t h = t.head[k];
       HostLruUnlink(h);
       t.cached[h] = 0;
-      t.free_pages.push_back(h);
+      t.pages.Give(h);
     }
   }
   t.cached_count = 0;
@@ -51,7 +51,7 @@ void KVCacheState::ClearHostPrefix() {
 absl::Status KVCacheState::DemoteForAllocation(int64_t n, Stream stream,
                                                bool writes_on_copy_stream) {
   PrefixHostState& t = prefix_host;
-  if (t.pages_total == 0 || !prefix.enabled) return absl::OkStatus();
+  if (t.pages.pages_total() == 0 || !prefix.enabled) return absl::OkStatus();
   const int64_t evict =
       std::min<int64_t>(std::max<int64_t>(0, n - allocator.free_count()), allocator.cached_count());
   if (evict == 0) return absl::OkStatus();
@@ -85,9 +85,8 @@ absl::Status KVCacheState::DemoteForAllocation(int64_t n, Stream stream,
       continue;
     }
     int32_t hp = -1;
-    if (!t.free_pages.empty()) {
-      hp = t.free_pages.back();
-      t.free_pages.pop_back();
+    if (t.pages.free_count() > 0) {
+      hp = t.pages.Take();
     } else {
       for (int k = 0; k <= prio && hp < 0; ++k) hp = t.head[k];
       if (hp < 0) continue;  // dropped: no room at or below its priority
@@ -164,7 +163,7 @@ absl::Status KVCacheState::DemoteForAllocation(int64_t n, Stream stream,
     t.index.erase(t.hash[hp]);
     t.cached[hp] = 0;
     --t.cached_count;
-    t.free_pages.push_back(hp);
+    t.pages.Give(hp);
   }
   for (const HostEvent& e : events) {
     if (!st.ok() && e.entry >= 0 && !copied[e.entry]) continue;
@@ -265,7 +264,7 @@ absl::Status KVCacheState::PromoteInto(Sequence& q, absl::Span<const int32_t> pr
   }
   // The host pages go back (their copies are ordered before any later copy
   // that rewrites them: the copy stream runs in order).
-  for (int32_t h : src) t.free_pages.push_back(h);
+  for (int32_t h : src) t.pages.Give(h);
   if (!st.ok()) {
     // A CUDA error enqueueing the copies: the promoted pages are dropped
     // (they left the host index above, with their kHost Removed events).
@@ -337,12 +336,12 @@ absl::Status KVCacheState::OrderAfterPromotion(absl::Span<const int32_t> pages, 
 
 absl::Status KVCacheState::CheckHostPrefix() const {
   const PrefixHostState& t = prefix_host;
-  if (t.pages_total == 0) return absl::OkStatus();
+  if (t.pages.pages_total() == 0) return absl::OkStatus();
   int64_t cached = 0, linked = 0;
-  for (int64_t h = 0; h < t.pages_total; ++h) cached += t.cached[h];
+  for (int64_t h = 0; h < t.pages.pages_total(); ++h) cached += t.cached[h];
   for (int k = 0; k < PagePool::kPriorities; ++k) {
     for (int32_t h = t.head[k], prev = -1; h >= 0; prev = h, h = t.next[h]) {
-      if (!t.cached[h] || t.prev[h] != prev || t.prio[h] != k || ++linked > t.pages_total) {
+      if (!t.cached[h] || t.prev[h] != prev || t.prio[h] != k || ++linked > t.pages.pages_total()) {
         return absl::InternalError(
             absl::StrCat("host prefix page ", h, ": LRU list ", k, " broken (cached ",
                          int{t.cached[h]}, ", priority ", int{t.prio[h]}, ")"));
@@ -354,18 +353,18 @@ absl::Status KVCacheState::CheckHostPrefix() const {
       }
     }
   }
-  for (int32_t h : t.free_pages) {
-    if (h < 0 || h >= t.pages_total || t.cached[h]) {
+  for (int32_t h : t.pages.free_pages()) {
+    if (h < 0 || h >= t.pages.pages_total() || t.cached[h]) {
       return absl::InternalError(absl::StrCat("host prefix page ", h, ": free but cached"));
     }
   }
   if (cached != t.cached_count || linked != cached ||
       static_cast<int64_t>(t.index.size()) != cached ||
-      cached + static_cast<int64_t>(t.free_pages.size()) != t.pages_total) {
+      cached + t.pages.free_count() != t.pages.pages_total()) {
     return absl::InternalError(absl::StrCat(
         "host prefix tier: ", cached, " cached pages (counted ", t.cached_count, ", ", linked,
-        " on the LRU, ", t.index.size(), " indexed) and ", t.free_pages.size(), " free of ",
-        t.pages_total));
+        " on the LRU, ", t.index.size(), " indexed) and ", t.pages.free_count(), " free of ",
+        t.pages.pages_total()));
   }
   return absl::OkStatus();
 }

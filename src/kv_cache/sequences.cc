@@ -170,7 +170,7 @@ absl::Status KVCache::ReleaseSequence(SequenceId seq) {
   if (q == nullptr) return KVCacheState::Unknown("seq", seq);
   if (q->swapped) {
     // Host pages are only rewritten by later copies on the copy stream.
-    for (int32_t h : q->host_pages) s.host.free_pages.push_back(h);
+    for (int32_t h : q->host_pages) s.host.pages.Give(h);
     q->host_pages.clear();
     q->swapped = false;
     if (!q->pages.empty()) {  // its copy is in flight: the pages go when it is done

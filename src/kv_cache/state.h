@@ -21,6 +21,7 @@
 #include "src/cuda_util.h"
 #include "src/host_alloc.h"
 #include "src/kv_cache/copy_engine.h"
+#include "src/kv_cache/host_pool.h"
 #include "src/kv_cache/memory.h"
 #include "src/kv_event_queue.h"
 #include "src/page_pool.h"
@@ -253,11 +254,7 @@ struct HostTierState {
   // copy is done). With two or more step slots, `outs` also holds the pages
   // that releases dropped while steps that may use them are in flight.
   using SwapOutCopy = RetireEntry;
-  int64_t pages_total = 0;
-  PoolLayout layout;
-  Memory pool;
-  uint8_t* pool_dev = nullptr;      // its device address (CUDA) or itself
-  HostVector<int32_t> free_pages;  // stack of free host pages
+  HostPagePool pages;  // empty (pages_total() 0): no host tier
   std::vector<SwapOutCopy> outs;
   // Two or more step slots: per page, the step_serial from which no step in
   // flight can use it any more (step_serial + step_slots at its latest
@@ -275,11 +272,7 @@ struct HostTierState {
 // exclusive: a prefix recomputed while its demoted copy is on the host);
 // matches take the device page first.
 struct PrefixHostState {
-  int64_t pages_total = 0;  // 0: no host tier of the prefix cache
-  PoolLayout layout;
-  Memory pool;
-  uint8_t* pool_dev = nullptr;      // its device address (CUDA) or itself
-  HostVector<int32_t> free_pages;   // stack
+  HostPagePool pages;  // empty (pages_total() 0): no host tier of the prefix cache
   HostVector<int32_t> prev, next;   // LRU links (-1 ends), one LRU per priority
   HostVector<uint8_t> cached;       // per page
   HostVector<uint8_t> prio;         // per page: the retention priority it was demoted with
