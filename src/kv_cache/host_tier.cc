@@ -279,6 +279,22 @@ int64_t KVCacheState::PagesSwapPending() const {
 
 void KVCacheState::ReleaseEvent(int e) { copy.Release(e); }
 
+void KVCacheState::ReleaseSwapped(Sequence& q) {
+  // Host pages are only rewritten by later copies on the copy stream.
+  for (int32_t h : q.host_pages) host.pages.Give(h);
+  q.host_pages.clear();
+  q.swapped = false;
+  if (q.pages.empty()) return;
+  // Its copy is in flight: the pages go when it is done.
+  for (SwapOutCopy& c : host.outs) {
+    if (c.seq == q.id) {
+      c.seq = 0;
+      c.orphan.assign(q.pages.rbegin(), q.pages.rend());  // dropped last page first
+    }
+  }
+  q.pages.clear();
+}
+
 void KVCacheState::DropSwapIn(Sequence& q) {
   ReleaseEvent(q.swapin_event);
   q.swapin_event = -1;

@@ -496,23 +496,12 @@ absl::StatusOr<SequenceId> KVCache::CommitImport(ImportReservation reservation, 
                                                    static_cast<size_t>(h.extra_key_bytes))
                                : absl::string_view());
   if (tokens) {
-    const int32_t* ids = reinterpret_cast<const int32_t*>(tok.data() + internal::TokenIdsOffset(h));
-    for (int64_t t = 0; t < h.length; ++t) {
-      const int64_t slot = static_cast<int64_t>(q.pages[t / ps]) * ps + t % ps;
-      s.prefix.page_tokens[slot] = ids[t];
-      s.prefix.page_known[slot] = 1;
-    }
-    q.chain.ids_known = h.length;
-    // Indexed by the next FlushIndex, like pages a step completed.
-    if (!s.Calibrated()) q.chain.index_from = static_cast<size_t>(h.length / ps);
-    if (h.length / ps > 0) {
-      q.chain.queued = true;
-      s.prefix.unhashed.push_back(s.sequences.slot_of[id]);
-    }
+    s.AdoptTokenIds(
+        q, reinterpret_cast<const int32_t*>(tok.data() + internal::TokenIdsOffset(h)));
   }
   if (h.length > 0) s.SettleLayers(0, L);
   for (int l = 0; l < L; ++l) {
-    if (adopt[2 * l] || adopt[2 * l + 1]) s.scales.known[l] = 0;
+    if (adopt[2 * l] || adopt[2 * l + 1]) s.ForgetKnownScales(l);
   }
 
   float* d_import = reinterpret_cast<float*>(s.mem.d_step + s.mem.step_layout.import_scales);

@@ -57,6 +57,32 @@ void KVCacheState::CommitTokens(Sequence& q, const StepEntry& e, int64_t tok0) {
   if (c.ids_known == old_len) AdvanceKnownIds(q);
 }
 
+void KVCacheState::CopyPageTokens(int32_t from, int32_t to) {
+  if (!prefix.enabled) return;
+  const int64_t ps = geometry.page_size;
+  const int64_t a = int64_t{from} * ps, b = int64_t{to} * ps;
+  std::copy(prefix.page_tokens.begin() + a, prefix.page_tokens.begin() + a + ps,
+            prefix.page_tokens.begin() + b);
+  std::copy(prefix.page_known.begin() + a, prefix.page_known.begin() + a + ps,
+            prefix.page_known.begin() + b);
+}
+
+void KVCacheState::AdoptTokenIds(Sequence& q, const int32_t* ids) {
+  const int64_t ps = geometry.page_size;
+  for (int64_t t = 0; t < q.length; ++t) {
+    const int64_t slot = static_cast<int64_t>(q.pages[t / ps]) * ps + t % ps;
+    prefix.page_tokens[slot] = ids[t];
+    prefix.page_known[slot] = 1;
+  }
+  q.chain.ids_known = q.length;
+  // Indexed by the next FlushIndex, like pages a step completed.
+  if (!Calibrated()) q.chain.index_from = static_cast<size_t>(q.length / ps);
+  if (q.length / ps > 0) {
+    q.chain.queued = true;
+    prefix.unhashed.push_back(sequences.slot_of[q.id]);
+  }
+}
+
 void KVCacheState::AdvanceKnownIds(Sequence& q) {
   TokenChain& c = q.chain;
   const int64_t ps = geometry.page_size;

@@ -168,21 +168,7 @@ absl::Status KVCache::ReleaseSequence(SequenceId seq) {
   s.FlushIndex();
   KVCacheState::Sequence* q = s.Find(seq);
   if (q == nullptr) return KVCacheState::Unknown("seq", seq);
-  if (q->swapped) {
-    // Host pages are only rewritten by later copies on the copy stream.
-    for (int32_t h : q->host_pages) s.host.pages.Give(h);
-    q->host_pages.clear();
-    q->swapped = false;
-    if (!q->pages.empty()) {  // its copy is in flight: the pages go when it is done
-      for (KVCacheState::SwapOutCopy& c : s.host.outs) {
-        if (c.seq == seq) {
-          c.seq = 0;
-          c.orphan.assign(q->pages.rbegin(), q->pages.rend());  // dropped last page first
-        }
-      }
-      q->pages.clear();
-    }
-  }
+  if (q->swapped) s.ReleaseSwapped(*q);
   s.DropSwapIn(*q);
   // Last page first (DropPages): of pages that become cached, the deepest
   // is evicted first.

@@ -345,6 +345,10 @@ class KVCacheState {
   // never what the host does.
   bool LayerPending(int layer) const;
 
+  // The host no longer knows layer l's scales (they come from the device:
+  // an import that adopted them).
+  void ForgetKnownScales(int l) { scales.known[l] = 0; }
+
   // Marks layers [first, first + count) settled (ScaleState::layer_settled).
   void SettleLayers(int first, int count);
 
@@ -501,6 +505,10 @@ class KVCacheState {
   int64_t PagesSwapPending() const;
 
   void DropSwapIn(Sequence& q);
+  // A swapped-out sequence being released: its host pages go back; device
+  // pages its SwapOut copy still reads go when that copy is done (the copy's
+  // entry holds them). q is left not swapped, without pages.
+  void ReleaseSwapped(Sequence& q);
   // Makes q hold host tier event `e` (a reference) as its swapin_event, or
   // keeps the one it holds when that one comes later in copy-stream order.
   void HoldCopyEvent(Sequence& q, int e);
@@ -562,6 +570,13 @@ class KVCacheState {
   // indexing when ids became known for a whole page.
   absl::Status ApplyTokenIds(Sequence& q, int64_t first, absl::Span<const int32_t> ids,
                              const char* what);
+  // Copies the token ids (and known flags) of page `from` to page `to`
+  // (copy on write); nothing without prefix caching.
+  void CopyPageTokens(int32_t from, int32_t to);
+  // The token ids of an imported sequence q (all q.length of them, known):
+  // recorded with its pages, and q queued for indexing as pages a step
+  // completed are.
+  void AdoptTokenIds(Sequence& q, const int32_t* ids);
   // Extends q's known-id prefix over positions whose ids are known and
   // queues q when that completed a page.
   void AdvanceKnownIds(Sequence& q);

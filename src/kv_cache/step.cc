@@ -194,13 +194,7 @@ absl::StatusOr<StepInfo> KVCache::PrepareStep(absl::Span<const StepEntry> entrie
       for (int32_t p : s.step.cow_dst) s.allocator.Release(p);
       return st;
     }
-    if (s.prefix.enabled) {  // the page's token ids travel with its bytes
-      const int64_t from = int64_t{s.step.cow_src[c]} * ps, to = int64_t{dst} * ps;
-      std::copy(s.prefix.page_tokens.begin() + from, s.prefix.page_tokens.begin() + from + ps,
-                s.prefix.page_tokens.begin() + to);
-      std::copy(s.prefix.page_known.begin() + from, s.prefix.page_known.begin() + from + ps,
-                s.prefix.page_known.begin() + to);
-    }
+    s.CopyPageTokens(s.step.cow_src[c], dst);  // the page's token ids travel with its bytes
   }
 
   // Pass 2: commit. Nothing below fails until the upload.
