@@ -23,11 +23,11 @@ using Kind = Memory::Kind;
 
 // What Create settles before allocating anything.
 struct CreatePlan {
-  CacheGeometry g;          // num_pages settled (from the budget, clamped)
-  PoolLayout one_page;      // one page of every layer
-  PoolLayout pool_layout;   // the pools
+  CacheGeometry g;         // num_pages settled (from the budget, clamped)
+  PoolLayout one_page;     // one page of every layer
+  PoolLayout pool_layout;  // the pools
   int max_pages_per_seq = 0;
-  int64_t host_pages = 0;   // the swap host tier
+  int64_t host_pages = 0;  // the swap host tier
   PoolLayout host_layout;
   int64_t prefix_host_pages = 0;  // the host tier of the prefix cache
   PoolLayout prefix_host_layout;
@@ -175,9 +175,9 @@ absl::Status PlanHostTiers(const KVCacheOptions& o, CreatePlan* p) {
   }
   if (o.prefix_cache.max_pending_events < 0 ||
       o.prefix_cache.max_pending_events > KVEventQueue::kMaxEvents) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "prefix_cache.max_pending_events: expected 0 .. ", KVEventQueue::kMaxEvents,
-        ", got ", o.prefix_cache.max_pending_events));
+    return absl::InvalidArgumentError(
+        absl::StrCat("prefix_cache.max_pending_events: expected 0 .. ", KVEventQueue::kMaxEvents,
+                     ", got ", o.prefix_cache.max_pending_events));
   }
   const int64_t hp_bytes = o.prefix_cache.host_bytes;
   int64_t& prefix_host_pages = p->prefix_host_pages;
@@ -215,9 +215,8 @@ absl::Status PlanDeviceCapacity(const KVCacheOptions& o, CreatePlan* p) {
     in.events = o.prefix_cache.enabled && o.prefix_cache.max_pending_events > 0;
     in.max_seqs_per_step = o.max_seqs_per_step;
     in.max_tokens_per_step = o.max_tokens_per_step;
-    in.max_pages_per_seq = o.max_pages_per_seq > 0
-                               ? o.max_pages_per_seq
-                               : CeilDiv(kDefaultMaxSeqTokens, g.page_size);
+    in.max_pages_per_seq =
+        o.max_pages_per_seq > 0 ? o.max_pages_per_seq : CeilDiv(kDefaultMaxSeqTokens, g.page_size);
     in.host_pages = p->host_pages;
     in.prefix_host_pages = p->prefix_host_pages;
     in.step_slots = o.step_slots;
@@ -249,12 +248,10 @@ absl::Status InitMemory(const KVCacheOptions& o, const CreatePlan& p, KVCacheSta
   s->prefix.enabled = o.prefix_cache.enabled;
   FP4KV_RETURN_IF_ERROR(s->prefix.events.Reserve(g.num_pages, kCall));
   if (s->prefix.enabled) {
-    FP4KV_RETURN_IF_ERROR(SizeHost(&s->prefix.page_tokens,
-                                             g.num_pages * g.page_size, int32_t{0}, kCall,
-                                             "the token ids of every page slot (prefix caching)"));
-    FP4KV_RETURN_IF_ERROR(SizeHost(&s->prefix.page_known, g.num_pages * g.page_size,
-                                             uint8_t{0}, kCall,
-                                             "the known-id flags of every page slot"));
+    FP4KV_RETURN_IF_ERROR(SizeHost(&s->prefix.page_tokens, g.num_pages * g.page_size, int32_t{0},
+                                   kCall, "the token ids of every page slot (prefix caching)"));
+    FP4KV_RETURN_IF_ERROR(SizeHost(&s->prefix.page_known, g.num_pages * g.page_size, uint8_t{0},
+                                   kCall, "the known-id flags of every page slot"));
   }
   s->mem.available_at_create = p.cap.available;
   s->mem.budget_clamped = p.cap.clamped;
@@ -281,15 +278,15 @@ absl::Status InitMemory(const KVCacheOptions& o, const CreatePlan& p, KVCacheSta
 // The swap host tier (pinned, mapped) and the copy engine.
 absl::Status InitHostTier(const KVCacheOptions& o, const CreatePlan& p, KVCacheState* s) {
   if (p.host_pages > 0) {
-    FP4KV_RETURN_IF_ERROR(s->host.pages.Init(p.host_layout, p.host_pages, s->cuda, "the host tier"));
+    FP4KV_RETURN_IF_ERROR(
+        s->host.pages.Init(p.host_layout, p.host_pages, s->cuda, "the host tier"));
     if (s->cuda) FP4KV_RETURN_IF_ERROR(s->copy.Init(o.device.ordinal));
   }
   return absl::OkStatus();
 }
 
 // The host tier of the prefix cache, sharing the copy engine.
-absl::Status InitPrefixHostTier(const KVCacheOptions& o, const CreatePlan& p,
-                                KVCacheState* s) {
+absl::Status InitPrefixHostTier(const KVCacheOptions& o, const CreatePlan& p, KVCacheState* s) {
   const CacheGeometry& g = p.g;
   if (p.prefix_host_pages > 0) {
     PrefixHostState& t = s->prefix_host;
@@ -299,28 +296,23 @@ absl::Status InitPrefixHostTier(const KVCacheOptions& o, const CreatePlan& p,
     const char* what = "the host tier of the prefix cache's bookkeeping";
     FP4KV_RETURN_IF_ERROR(SizeHost(&t.prev, p.prefix_host_pages, int32_t{-1}, kCall, what));
     FP4KV_RETURN_IF_ERROR(SizeHost(&t.next, p.prefix_host_pages, int32_t{-1}, kCall, what));
-    FP4KV_RETURN_IF_ERROR(
-        SizeHost(&t.cached, p.prefix_host_pages, uint8_t{0}, kCall, what));
-    FP4KV_RETURN_IF_ERROR(
-        SizeHost(&t.hash, p.prefix_host_pages, BlockHash{}, kCall, what));
+    FP4KV_RETURN_IF_ERROR(SizeHost(&t.cached, p.prefix_host_pages, uint8_t{0}, kCall, what));
+    FP4KV_RETURN_IF_ERROR(SizeHost(&t.hash, p.prefix_host_pages, BlockHash{}, kCall, what));
     FP4KV_RETURN_IF_ERROR(SizeHost(&t.prio, p.prefix_host_pages, uint8_t{0}, kCall, what));
+    FP4KV_RETURN_IF_ERROR(SizeHost(&t.batch, p.prefix_host_pages, uint64_t{0}, kCall, what));
+    FP4KV_RETURN_IF_ERROR(SizeHost(&t.batch_pos, p.prefix_host_pages, int32_t{0}, kCall, what));
     FP4KV_RETURN_IF_ERROR(
-        SizeHost(&t.batch, p.prefix_host_pages, uint64_t{0}, kCall, what));
-    FP4KV_RETURN_IF_ERROR(
-        SizeHost(&t.batch_pos, p.prefix_host_pages, int32_t{0}, kCall, what));
-    FP4KV_RETURN_IF_ERROR(SizeHost(&t.tokens, p.prefix_host_pages * g.page_size,
-                                             int32_t{0}, kCall, what));
+        SizeHost(&t.tokens, p.prefix_host_pages * g.page_size, int32_t{0}, kCall, what));
     if (s->cuda) {  // promotions in flight: per device page
-      FP4KV_RETURN_IF_ERROR(
-          SizeHost(&t.promoted_by, g.num_pages, uint64_t{0}, kCall, what));
+      FP4KV_RETURN_IF_ERROR(SizeHost(&t.promoted_by, g.num_pages, uint64_t{0}, kCall, what));
     }
     try {
       // Twice the most entries it holds, as the pool's index: erasures leave
       // tombstones, and the headroom keeps inserts from growing the table.
       t.index.reserve(static_cast<size_t>(2 * p.prefix_host_pages));
     } catch (const std::bad_alloc&) {
-      return HostAllocError(kCall, "the host tier of the prefix cache's index",
-                                      p.prefix_host_pages, sizeof(BlockHash) + sizeof(int32_t));
+      return HostAllocError(kCall, "the host tier of the prefix cache's index", p.prefix_host_pages,
+                            sizeof(BlockHash) + sizeof(int32_t));
     }
   }
   return absl::OkStatus();
@@ -335,8 +327,8 @@ absl::Status InitStepSlots(const KVCacheOptions& o, const CreatePlan& p, KVCache
   const StepLayout& sl = s->mem.step_layout;
   const int N = o.step_slots;
   if (N > 1) {
-    FP4KV_RETURN_IF_ERROR(SizeHost(&s->host.retire_ready, g.num_pages, uint64_t{0},
-                                             kCall, "the retire serial of every page"));
+    FP4KV_RETURN_IF_ERROR(SizeHost(&s->retire.ready, g.num_pages, uint64_t{0}, kCall,
+                                   "the retire serial of every page"));
   }
   s->step.slots.resize(N);
   s->mem.slot_device.resize(N);
@@ -355,7 +347,8 @@ absl::Status InitStepSlots(const KVCacheOptions& o, const CreatePlan& p, KVCache
       Memory& m = k == 0 ? s->mem.staging : s->mem.slot_staging[k];
       FP4KV_RETURN_IF_ERROR(m.Allocate(Kind::kPinned, sl.staging_bytes, "the pinned step staging"));
       slot.h_base = m.get();
-      FP4KV_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&slot.upload_done, cudaEventDisableTiming));
+      FP4KV_CUDA_RETURN_IF_ERROR(
+          cudaEventCreateWithFlags(&slot.upload_done, cudaEventDisableTiming));
       if (N > 1) {
         FP4KV_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&slot.done, cudaEventDisableTiming));
       }
@@ -387,8 +380,8 @@ absl::Status InitStepSlots(const KVCacheOptions& o, const CreatePlan& p, KVCache
   }
   if (s->cuda && s->prefix.enabled) {
     s->prefix.ids_capacity = 2 * int64_t{T} * (N + 1);
-    FP4KV_RETURN_IF_ERROR(s->prefix.ids_pinned.Allocate(
-        Kind::kPinned, 4 * s->prefix.ids_capacity, "the pinned ring of late token ids"));
+    FP4KV_RETURN_IF_ERROR(s->prefix.ids_pinned.Allocate(Kind::kPinned, 4 * s->prefix.ids_capacity,
+                                                        "the pinned ring of late token ids"));
   }
   return absl::OkStatus();
 }
@@ -411,8 +404,7 @@ absl::Status InitScales(const KVCacheOptions& o, const CreatePlan& p, KVCacheSta
   // PlanCapacity); through the helper like the other host tables.
   HostVector<float> scales;
   HostVector<int32_t> flags;
-  FP4KV_RETURN_IF_ERROR(
-      SizeHost(&scales, 4 * int64_t{L}, 0.0f, kCall, "the global scales"));
+  FP4KV_RETURN_IF_ERROR(SizeHost(&scales, 4 * int64_t{L}, 0.0f, kCall, "the global scales"));
   FP4KV_RETURN_IF_ERROR(
       SizeHost(&flags, 2 * int64_t{L}, int32_t{0}, kCall, "the calibration flags"));
   for (int l = 0; l < L; ++l) {
@@ -464,10 +456,10 @@ absl::Status InitStepScratch(const KVCacheOptions& o, const CreatePlan& p, KVCac
   s->images.book->state = s;
 
   FP4KV_RETURN_IF_ERROR(SizeHost(&s->step.claim, g.num_pages, int32_t{0}, kCall,
-                                           "the copy-on-write claims (one per page)"));
-  FP4KV_RETURN_IF_ERROR(SizeHost(&s->step.step_seqs,
-                                           S, static_cast<KVCacheState::Sequence*>(nullptr),
-                                           kCall, "the step's sequences"));
+                                 "the copy-on-write claims (one per page)"));
+  FP4KV_RETURN_IF_ERROR(SizeHost(&s->step.step_seqs, S,
+                                 static_cast<KVCacheState::Sequence*>(nullptr), kCall,
+                                 "the step's sequences"));
   FP4KV_RETURN_IF_ERROR(ReserveHost(&s->step.cow_src, S, kCall, "the step's copies"));
   FP4KV_RETURN_IF_ERROR(ReserveHost(&s->step.cow_entry, S, kCall, "the step's copies"));
   FP4KV_RETURN_IF_ERROR(ReserveHost(&s->step.cow_dst, S, kCall, "the step's copies"));

@@ -12,9 +12,8 @@ absl::Status HostPagePool::Init(const PoolLayout& layout, int64_t pages, bool cu
                                 const char* what) {
   pages_total_ = pages;
   layout_ = layout;
-  FP4KV_RETURN_IF_ERROR(
-      pool_.Allocate(cuda ? Memory::Kind::kPinnedMapped : Memory::Kind::kHost,
-                     layout.total_bytes, what));
+  FP4KV_RETURN_IF_ERROR(pool_.Allocate(cuda ? Memory::Kind::kPinnedMapped : Memory::Kind::kHost,
+                                       layout.total_bytes, what));
   pool_dev_ = pool_.get();
   if (cuda) {
     void* dev_ptr = nullptr;

@@ -96,187 +96,6 @@ absl::Status KVCacheState::EnqueueSwapCopy(const std::vector<int32_t>& pages,
   return absl::OkStatus();
 }
 
-void KVCacheState::FinishOut(SwapOutCopy& c) {
-  if (c.seq != 0) {
-    Sequence* q = Find(c.seq);
-    if (q != nullptr && q->swapped) {
-      for (size_t j = q->pages.size(); j-- > 0;) allocator.Release(q->pages[j]);
-      q->pages.clear();
-      ++q->epoch;
-    }
-  }
-  for (int32_t page : c.orphan) allocator.Release(page);  // in the order dropped
-  c.orphan.clear();
-  if (c.event >= 0) copy.Free(c.event);
-}
-
-void KVCacheState::DropPages(const int32_t* pages, size_t n, int priority) {
-  const int slots = options.step_slots;
-  RetireEntry* e = nullptr;
-  // Last page first: of pages that become cached, the deepest is evicted first.
-  const uint64_t ready = step.step_serial + static_cast<uint64_t>(slots);
-  for (size_t j = n; j-- > 0;) {
-    const int32_t page = pages[j];
-    allocator.RaisePriority(page, priority);
-    if (slots > 1) host.retire_ready[page] = ready;  // extends an entry that holds it
-    if (slots == 1 || allocator.RefCount(page) > 1) {
-      allocator.Release(page);
-      continue;
-    }
-    if (e == nullptr) {
-      e = &HoldEntry(ready);
-    }
-    e->orphan.push_back(page);
-  }
-}
-
-RetireEntry& KVCacheState::HoldEntry(uint64_t ready) {
-  if (host.outs.empty() || !host.outs.back().step_pages() || host.outs.back().ready != ready) {
-    RetireEntry r;
-    r.serial = step.step_serial;
-    r.ready = ready;
-    host.outs.push_back(std::move(r));
-  }
-  return host.outs.back();
-}
-
-void KVCacheState::PollSwaps(bool in_prepare) {
-  size_t kept = 0;
-  std::vector<int32_t> later;  // pages dropped again since their entry was made
-  for (size_t k = 0; k < host.outs.size(); ++k) {
-    SwapOutCopy& c = host.outs[k];
-    const uint64_t now = step.step_serial + (in_prepare && c.step_pages() ? 1 : 0);
-    if (c.ready <= now) {
-      if (c.event >= 0 && !copy.Wait(c.event).ok()) (void)cudaGetLastError();
-      if (c.step_pages()) {
-        size_t w = 0;
-        for (int32_t page : c.orphan) {
-          if (host.retire_ready[page] > now) {
-            later.push_back(page);
-          } else {
-            c.orphan[w++] = page;
-          }
-        }
-        c.orphan.resize(w);
-      }
-      FinishOut(c);
-    } else {
-      if (kept != k) host.outs[kept] = std::move(c);
-      ++kept;
-    }
-  }
-  host.outs.resize(kept);
-  for (int32_t page : later) HoldEntry(host.retire_ready[page]).orphan.push_back(page);
-}
-
-absl::Status KVCacheState::WaitSwapOuts() {
-  bool any = false;
-  for (const SwapOutCopy& c : host.outs) any = any || c.event >= 0;
-  if (!any) return absl::OkStatus();
-  ScopedDevice d;
-  FP4KV_RETURN_IF_ERROR(d.Set(options.device));
-  for (SwapOutCopy& c : host.outs) {
-    if (c.event >= 0) FP4KV_RETURN_IF_ERROR(copy.Wait(c.event));
-  }
-  size_t kept = 0;
-  for (size_t k = 0; k < host.outs.size(); ++k) {
-    SwapOutCopy& c = host.outs[k];
-    if (c.event >= 0) {
-      FinishOut(c);
-    } else {
-      if (kept != k) host.outs[kept] = std::move(c);
-      ++kept;
-    }
-  }
-  host.outs.resize(kept);
-  return absl::OkStatus();
-}
-
-absl::Status KVCacheState::RecordStepDone() {
-  if (!cuda || step.step_serial == 0) return absl::OkStatus();
-  StepSlot& last = step.cur();
-  if (last.done == nullptr || last.done_recorded) return absl::OkStatus();
-  FP4KV_CUDA_RETURN_IF_ERROR(
-      cudaEventRecord(last.done, reinterpret_cast<cudaStream_t>(last.stream)));
-  last.done_recorded = true;
-  return absl::OkStatus();
-}
-
-absl::Status KVCacheState::WaitRetiring() {
-  FP4KV_RETURN_IF_ERROR(WaitSwapOuts());
-  if (host.outs.empty()) return absl::OkStatus();
-  if (cuda) {
-    // Steps run in stream order: the latest one done means all of them.
-    // Recorded now, but not marked: the next PrepareStep records it again
-    // after the rest of the latest step's work.
-    ScopedDevice d;
-    FP4KV_RETURN_IF_ERROR(d.Set(options.device));
-    StepSlot& last = step.cur();
-    if (step.step_serial > 0 && last.done != nullptr) {
-      FP4KV_CUDA_RETURN_IF_ERROR(
-          cudaEventRecord(last.done, reinterpret_cast<cudaStream_t>(last.stream)));
-      FP4KV_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(last.done));
-    }
-  }
-  for (SwapOutCopy& c : host.outs) FinishOut(c);
-  host.outs.clear();
-  return absl::OkStatus();
-}
-
-void KVCacheState::RetiringReleases(bool due_only, int64_t* to_free, int64_t* to_cached) const {
-  *to_free = *to_cached = 0;
-  // A page may be held by several entries: it goes when the last one does.
-  std::unordered_map<int32_t, int32_t> held;
-  for (const SwapOutCopy& c : host.outs) {
-    if (!c.step_pages()) continue;
-    for (int32_t page : c.orphan) {
-      const bool due = host.retire_ready[page] <= step.step_serial + 1;
-      held[page] += (!due_only || due) ? 1 : 0x10000;
-    }
-  }
-  for (const auto& [page, n] : held) {
-    if (n >= 0x10000 || allocator.RefCount(page) != n) continue;
-    ++*(allocator.Indexed(page) ? to_cached : to_free);
-  }
-}
-
-int64_t KVCacheState::PagesRetiring() const {
-  int64_t to_free = 0, to_cached = 0;
-  RetiringReleases(false, &to_free, &to_cached);
-  return to_free + to_cached;
-}
-
-void KVCacheState::PendingReleases(int64_t* to_free, int64_t* to_cached) const {
-  *to_free = *to_cached = 0;
-  auto count = [&](const std::vector<int32_t>& pages) {
-    for (int32_t page : pages) {
-      if (allocator.RefCount(page) != 1) continue;
-      ++*(allocator.Indexed(page) ? to_cached : to_free);
-    }
-  };
-  for (const SwapOutCopy& c : host.outs) {
-    if (c.event < 0) continue;
-    count(c.orphan);
-    if (c.seq != 0) {
-      const Sequence* q = Find(c.seq);
-      if (q != nullptr && q->swapped) count(q->pages);
-    }
-  }
-}
-
-int64_t KVCacheState::PagesSwapPending() const {
-  int64_t n = 0;
-  for (const SwapOutCopy& c : host.outs) {
-    if (c.event < 0) continue;
-    n += static_cast<int64_t>(c.orphan.size());
-    if (c.seq != 0) {
-      const Sequence* q = Find(c.seq);
-      if (q != nullptr && q->swapped) n += static_cast<int64_t>(q->pages.size());
-    }
-  }
-  return n;
-}
-
 void KVCacheState::ReleaseEvent(int e) { copy.Release(e); }
 
 void KVCacheState::ReleaseSwapped(Sequence& q) {
@@ -286,7 +105,7 @@ void KVCacheState::ReleaseSwapped(Sequence& q) {
   q.swapped = false;
   if (q.pages.empty()) return;
   // Its copy is in flight: the pages go when it is done.
-  for (SwapOutCopy& c : host.outs) {
+  for (SwapOutCopy& c : retire.entries) {
     if (c.seq == q.id) {
       c.seq = 0;
       c.orphan.assign(q.pages.rbegin(), q.pages.rend());  // dropped last page first
@@ -324,28 +143,6 @@ int64_t KVCacheState::SwappedTokens(SequenceId* any) const {
     }
   }
   return n;
-}
-
-bool KVCacheState::WouldBecomeAvailable(int64_t n) const {
-  if (n <= allocator.available_count()) return true;
-  int64_t swap_free = 0, swap_cached = 0, retire_free = 0, retire_cached = 0;
-  PendingReleases(&swap_free, &swap_cached);
-  RetiringReleases(false, &retire_free, &retire_cached);
-  return n <= allocator.available_count() + swap_free + swap_cached + retire_free + retire_cached;
-}
-
-absl::Status KVCacheState::MakeAvailable(int64_t n, const char* what) {
-  if (n > allocator.available_count() && !host.outs.empty() && WouldBecomeAvailable(n)) {
-    FP4KV_RETURN_IF_ERROR(WaitSwapOuts());
-    if (n > allocator.available_count()) FP4KV_RETURN_IF_ERROR(WaitRetiring());
-  }
-  if (n > allocator.available_count()) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat(what, ": needs ", n, " free pages, the mem.pool has ", allocator.free_count(),
-                     " free and ", allocator.cached_count(), " evictable cached of ",
-                     allocator.num_pages(), "; nothing changed"));
-  }
-  return absl::OkStatus();
 }
 
 }  // namespace internal
@@ -414,7 +211,7 @@ absl::Status KVCache::SwapOut(SequenceId seq, Stream stream) {
     c.seq = seq;
     c.serial = s.step.step_serial;
     c.ready = s.step.step_serial + static_cast<uint64_t>(std::max(2, s.options.step_slots));
-    s.host.outs.push_back(std::move(c));
+    s.retire.entries.push_back(std::move(c));
   } else {
     s.ReleasePages(*q);
   }
@@ -436,7 +233,7 @@ absl::Status KVCache::SwapIn(SequenceId seq, Stream stream) {
     // Its copy to the host is still in flight: the device pages still hold
     // the data, so keep them; the host pages are only ever rewritten by
     // later copies on the copy stream, which come after this one.
-    for (KVCacheState::SwapOutCopy& c : s.host.outs) {
+    for (KVCacheState::SwapOutCopy& c : s.retire.entries) {
       if (c.seq == seq) c.seq = 0;
     }
     for (int32_t h : q->host_pages) s.host.pages.Give(h);

@@ -208,8 +208,8 @@ struct PrefixState {
 };
 
 // Page references whose release waits until no step (or copy) in flight can
-// still use the pages (owner: host_tier.cc, which also owns the SwapOut
-// copies among them). One list, one rule: an entry goes at the first call
+// still use the pages (owner: retire.cc; the host tier's SwapOut copies are
+// among them). One list, one rule: an entry goes at the first call
 // once step_serial >= ready; an entry of released pages (event < 0, seq 0)
 // also goes at the start of PrepareStep `ready` itself, after that call
 // waited for the step that last used its slot (docs/kv_cache.md, "Ordering
@@ -245,21 +245,24 @@ struct ImageState {
   int64_t bytes_imported = 0;
 };
 
-// The host tier (owner: host_tier.cc): pinned host pages laid out like the
-// pools ([L][K data, V data, K scales, V scales][host pages]).
-struct HostTierState {
-  // SwapOut copies in flight are entries of `outs` (RetireEntry with an
-  // event), in copy-stream order. seq 0: the sequence was swapped back in
-  // (keeping its pages) or released (orphan: its pages, dropped when the
-  // copy is done). With two or more step slots, `outs` also holds the pages
-  // that releases dropped while steps that may use them are in flight.
-  using SwapOutCopy = RetireEntry;
-  HostPagePool pages;  // empty (pages_total() 0): no host tier
-  std::vector<SwapOutCopy> outs;
+// The retire list (owner: retire.cc). SwapOut copies in flight are entries
+// with an event, in copy-stream order (seq 0: the sequence was swapped back
+// in, keeping its pages, or released: orphan holds its pages, dropped when
+// the copy is done). With two or more step slots it also holds the pages
+// that releases dropped while steps that may use them are in flight.
+struct RetireState {
+  std::vector<RetireEntry> entries;
   // Two or more step slots: per page, the step_serial from which no step in
   // flight can use it any more (step_serial + step_slots at its latest
   // drop); an entry's page whose time moved on is held by a later entry.
-  HostVector<uint64_t> retire_ready;
+  HostVector<uint64_t> ready;
+};
+
+// The host tier (owner: host_tier.cc): pinned host pages laid out like the
+// pools; its SwapOut copies wait in the retire list.
+struct HostTierState {
+  using SwapOutCopy = RetireEntry;
+  HostPagePool pages;  // empty (pages_total() 0): no host tier
   int64_t bytes_swapped_out = 0, bytes_swapped_in = 0;
 };
 // The host tier of the prefix cache (owner: prefix_host.cc): host pages laid
@@ -384,6 +387,7 @@ class KVCacheState {
   PagePool allocator;  // src/page_pool: free / cached / used pages
   ImageState images;
   HostTierState host;
+  RetireState retire;
   PrefixHostState prefix_host;
   // Last: destroyed first, so its destructor's wait for the copies in flight
   // comes before the pools they read and write go.

@@ -135,7 +135,7 @@ absl::StatusOr<StepInfo> KVCache::PrepareStep(absl::Span<const StepEntry> entrie
   internal::ClaimReset claim_reset{s};
   int64_t need = 0;
   FP4KV_RETURN_IF_ERROR(internal::CheckStepEntries(s, entries, &need));
-  if (need > s.allocator.available_count() && !s.host.outs.empty() &&
+  if (need > s.allocator.available_count() && !s.retire.entries.empty() &&
       s.WouldBecomeAvailable(need)) {
     // Pages still held by SwapOut copies or by the steps in flight: wait.
     FP4KV_RETURN_IF_ERROR(s.WaitSwapOuts());
