@@ -35,11 +35,9 @@ absl::Status PagePool::Init(int32_t num_pages, bool prefix_index) {
   absl::Status st = SizeHost(&free_, n, int32_t{0}, kCall, "the free page stack");
   if (st.ok()) st = SizeHost(&ref_, n, int32_t{0}, kCall, "the page reference counts");
   if (st.ok() && prefix_index) {
-    st = SizeHost(&prev_, n, int32_t{-1}, kCall, "the prefix cache's LRU list");
-    if (st.ok()) st = SizeHost(&next_, n, int32_t{-1}, kCall, "the prefix cache's LRU list");
+    st = lru_.Init(n, kCall, "the prefix cache's LRU lists");
     if (st.ok()) st = SizeHost(&in_lru_, n, uint8_t{0}, kCall, "the prefix cache's LRU flags");
     if (st.ok()) st = SizeHost(&indexed_, n, uint8_t{0}, kCall, "the prefix index flags");
-    if (st.ok()) st = SizeHost(&prio_, n, uint8_t{0}, kCall, "the retention priorities");
     if (st.ok()) st = SizeHost(&hash_, n, BlockHash{}, kCall, "the page hashes");
     if (st.ok()) {
       st = TryHostAlloc(kCall, "the prefix index table", kIndexSlotsPerPage * n, kIndexSlotBytes,
@@ -58,21 +56,13 @@ absl::Status PagePool::Init(int32_t num_pages, bool prefix_index) {
 }
 
 void PagePool::LruUnlink(int32_t p) {
-  const int32_t a = prev_[p], b = next_[p];
-  const int k = prio_[p];
-  (a >= 0 ? next_[a] : head_[k]) = b;
-  (b >= 0 ? prev_[b] : tail_[k]) = a;
-  prev_[p] = next_[p] = -1;
+  lru_.Unlink(p);
   in_lru_[p] = 0;
   --lru_count_;
 }
 
 void PagePool::LruPushBack(int32_t p) {
-  const int k = prio_[p];
-  prev_[p] = tail_[k];
-  next_[p] = -1;
-  (tail_[k] >= 0 ? next_[tail_[k]] : head_[k]) = p;
-  tail_[k] = p;
+  lru_.PushBack(p);
   in_lru_[p] = 1;
   ++lru_count_;
 }
@@ -82,11 +72,11 @@ int32_t PagePool::Allocate() {
   if (free_top_ > 0) {
     page = free_[--free_top_];
   } else {
-    page = LruVictim();
+    page = lru_.Victim();
     LruUnlink(page);
     index_.erase(hash_[page]);
     indexed_[page] = 0;
-    prio_[page] = 0;
+    lru_.set_priority(page, 0);
     ++evictions_;
     if (events_ != nullptr) events_->Removed(hash_[page]);
   }
@@ -95,12 +85,12 @@ int32_t PagePool::Allocate() {
 }
 
 int32_t PagePool::EvictLru(BlockHash* hash, int* priority) {
-  const int32_t page = LruVictim();
+  const int32_t page = lru_.Victim();
   LruUnlink(page);
   index_.erase(hash_[page]);
   indexed_[page] = 0;
-  *priority = prio_[page];
-  prio_[page] = 0;
+  *priority = lru_.priority(page);
+  lru_.set_priority(page, 0);
   ++evictions_;
   *hash = hash_[page];
   if (events_ != nullptr) events_->Removed(hash_[page]);
@@ -111,7 +101,7 @@ int32_t PagePool::EvictLru(BlockHash* hash, int* priority) {
 void PagePool::Retain(int32_t page) {
   if (ref_[page] == 0) {  // a cached page revived
     LruUnlink(page);
-    prio_[page] = 0;
+    lru_.set_priority(page, 0);
   }
   ++ref_[page];
 }
@@ -121,7 +111,7 @@ bool PagePool::Release(int32_t page) {
   if (Indexed(page)) {
     LruPushBack(page);
   } else {
-    if (has_index_) prio_[page] = 0;
+    if (has_index_) lru_.set_priority(page, 0);
     free_[free_top_++] = page;
   }
   return true;
@@ -143,9 +133,9 @@ void PagePool::Unregister(int32_t page) {
 }
 
 void PagePool::ClearIndex() {
-  for (int32_t p = LruVictim(); p >= 0; p = LruVictim()) {
+  for (int32_t p = lru_.Victim(); p >= 0; p = lru_.Victim()) {
     LruUnlink(p);
-    prio_[p] = 0;
+    lru_.set_priority(p, 0);
     free_[free_top_++] = p;
   }
   for (uint8_t& f : indexed_) f = 0;
@@ -156,12 +146,13 @@ void PagePool::ClearIndex() {
 absl::Status PagePool::Validate() const {
   const int32_t n = num_pages();
   if (free_top_ < 0 || free_top_ > n) {
-    return absl::InternalError(absl::StrCat("free stack size ", free_top_, " outside [0, ", n, "]"));
+    return absl::InternalError(
+        absl::StrCat("free stack size ", free_top_, " outside [0, ", n, "]"));
   }
   HostVector<char> on_stack;
   FP4KV_RETURN_IF_ERROR(SizeHost(&on_stack, static_cast<int64_t>(ref_.size()), char{0},
                                  "KVCache::CheckInvariants", "a flag per page"));
-  if (!has_index_ && (LruVictim() != -1 || lru_count_ != 0 || !index_.empty())) {
+  if (!has_index_ && (lru_.Victim() != -1 || lru_count_ != 0 || !index_.empty())) {
     return absl::InternalError("a pool without a prefix index has cached or indexed pages");
   }
   for (int32_t i = 0; i < free_top_; ++i) {
@@ -178,15 +169,15 @@ absl::Status PagePool::Validate() const {
   }
   int32_t walked = 0;
   for (int k = 0; k < (has_index_ ? kPriorities : 0); ++k) {
-    for (int32_t p = head_[k], prev = -1; p >= 0; prev = p, p = next_[p]) {
-      if (p >= n || !in_lru_[p] || prev_[p] != prev || prio_[p] != k || ++walked > n) {
+    for (int32_t p = lru_.head(k), prev = -1; p >= 0; prev = p, p = lru_.next(p)) {
+      if (p >= n || !in_lru_[p] || lru_.prev(p) != prev || lru_.priority(p) != k || ++walked > n) {
         return absl::InternalError(absl::StrCat("LRU list ", k, " broken at page ", p));
       }
       if (ref_[p] != 0 || !indexed_[p]) {
-        return absl::InternalError(absl::StrCat("cached page ", p, " has reference count ",
-                                                ref_[p], ", indexed ", int{indexed_[p]}));
+        return absl::InternalError(absl::StrCat("cached page ", p, " has reference count ", ref_[p],
+                                                ", indexed ", int{indexed_[p]}));
       }
-      if (next_[p] < 0 && tail_[k] != p) {
+      if (lru_.next(p) < 0 && lru_.tail(k) != p) {
         return absl::InternalError("LRU tail is not the last page");
       }
     }
@@ -212,8 +203,8 @@ absl::Status PagePool::Validate() const {
     }
   }
   if (indexed != static_cast<int32_t>(index_.size())) {
-    return absl::InternalError(absl::StrCat("index holds ", index_.size(), " hashes, ", indexed,
-                                            " pages are indexed"));
+    return absl::InternalError(
+        absl::StrCat("index holds ", index_.size(), " hashes, ", indexed, " pages are indexed"));
   }
   return absl::OkStatus();
 }

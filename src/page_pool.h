@@ -35,6 +35,7 @@
 #include "src/host_alloc.h"
 #include "src/kv_event_queue.h"
 #include "src/prefix_hash.h"
+#include "src/priority_lru.h"
 
 namespace fp4kv {
 namespace internal {
@@ -77,10 +78,10 @@ class PagePool {
   // Raises a used page's retention priority to at least `priority` (0 ..
   // kPriorities - 1), which it keeps while cached. No-op without an index.
   void RaisePriority(int32_t page, int priority) {
-    if (has_index_ && prio_[page] < priority) prio_[page] = static_cast<uint8_t>(priority);
+    if (has_index_ && lru_.priority(page) < priority) lru_.set_priority(page, priority);
   }
-  int Priority(int32_t page) const { return has_index_ ? prio_[page] : 0; }
-  static constexpr int kPriorities = 4;
+  int Priority(int32_t page) const { return has_index_ ? lru_.priority(page) : 0; }
+  static constexpr int kPriorities = PriorityLru::kPriorities;
   // Adds a reference to a used page, or revives a cached one (it leaves the
   // LRU with count 1). Precondition: the page is not free.
   void Retain(int32_t page);
@@ -122,23 +123,13 @@ class PagePool {
   HostVector<int32_t> free_;  // stack; entries [0, free_top_) are free pages
   HostVector<int32_t> ref_;   // reference count per page
   int32_t free_top_ = 0;
-  // Prefix index only (empty without): the LRU of cached pages, a doubly
-  // linked list through prev_/next_ (-1 ends), head_ the least recently
-  // used; the index and each page's hash.
+  // Prefix index only (empty without): the cached pages on one LRU per
+  // retention priority (a page's priority names its list); the index and
+  // each page's hash.
   bool has_index_ = false;
-  HostVector<int32_t> prev_, next_;
+  PriorityLru lru_;
   HostVector<uint8_t> in_lru_;
-  HostVector<uint8_t> prio_;  // retention priority per page: the LRU it is on
-  // One LRU per priority.
-  int32_t head_[kPriorities] = {-1, -1, -1, -1}, tail_[kPriorities] = {-1, -1, -1, -1};
   int32_t lru_count_ = 0;
-  // The least recently used cached page of the lowest priority, or -1.
-  int32_t LruVictim() const {
-    for (int k = 0; k < kPriorities; ++k) {
-      if (head_[k] >= 0) return head_[k];
-    }
-    return -1;
-  }
   HostVector<uint8_t> indexed_;
   HostVector<BlockHash> hash_;
   using IndexEntry = std::pair<const BlockHash, int32_t>;

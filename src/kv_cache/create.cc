@@ -294,11 +294,9 @@ absl::Status InitPrefixHostTier(const KVCacheOptions& o, const CreatePlan& p, KV
                                        "the host tier of the prefix cache"));
     if (s->cuda) FP4KV_RETURN_IF_ERROR(s->copy.Init(o.device.ordinal));
     const char* what = "the host tier of the prefix cache's bookkeeping";
-    FP4KV_RETURN_IF_ERROR(SizeHost(&t.prev, p.prefix_host_pages, int32_t{-1}, kCall, what));
-    FP4KV_RETURN_IF_ERROR(SizeHost(&t.next, p.prefix_host_pages, int32_t{-1}, kCall, what));
+    FP4KV_RETURN_IF_ERROR(t.lru.Init(p.prefix_host_pages, kCall, what));
     FP4KV_RETURN_IF_ERROR(SizeHost(&t.cached, p.prefix_host_pages, uint8_t{0}, kCall, what));
     FP4KV_RETURN_IF_ERROR(SizeHost(&t.hash, p.prefix_host_pages, BlockHash{}, kCall, what));
-    FP4KV_RETURN_IF_ERROR(SizeHost(&t.prio, p.prefix_host_pages, uint8_t{0}, kCall, what));
     FP4KV_RETURN_IF_ERROR(SizeHost(&t.batch, p.prefix_host_pages, uint64_t{0}, kCall, what));
     FP4KV_RETURN_IF_ERROR(SizeHost(&t.batch_pos, p.prefix_host_pages, int32_t{0}, kCall, what));
     FP4KV_RETURN_IF_ERROR(

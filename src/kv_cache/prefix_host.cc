@@ -15,31 +15,13 @@ int32_t KVCacheState::HostLookup(const BlockHash& hash) const {
   return it == prefix_host.index.end() ? -1 : it->second;
 }
 
-void KVCacheState::HostLruUnlink(int32_t h) {
-  PrefixHostState& t = prefix_host;
-  const int k = t.prio[h];
-  const int32_t p = t.prev[h], n = t.next[h];
-  (p >= 0 ? t.next[p] : t.head[k]) = n;
-  (n >= 0 ? t.prev[n] : t.tail[k]) = p;
-  t.prev[h] = t.next[h] = -1;
-}
-
-void KVCacheState::HostLruPushBack(int32_t h) {
-  PrefixHostState& t = prefix_host;
-  const int k = t.prio[h];
-  t.prev[h] = t.tail[k];
-  t.next[h] = -1;
-  (t.tail[k] >= 0 ? t.next[t.tail[k]] : t.head[k]) = h;
-  t.tail[k] = h;
-}
-
 void KVCacheState::ClearHostPrefix() {
   PrefixHostState& t = prefix_host;
   if (t.pages.pages_total() == 0) return;
   for (int k = 0; k < PagePool::kPriorities; ++k) {
-    while (t.head[k] >= 0) {
-      const int32_t h = t.head[k];
-      HostLruUnlink(h);
+    while (t.lru.head(k) >= 0) {
+      const int32_t h = t.lru.head(k);
+      t.lru.Unlink(h);
       t.cached[h] = 0;
       t.pages.Give(h);
     }
@@ -79,20 +61,20 @@ absl::Status KVCacheState::DemoteForAllocation(int64_t n, Stream stream,
     const int32_t page = allocator.EvictLru(&h, &prio);
     const int32_t have = HostLookup(h);
     if (have >= 0) {  // already on the host: now its most recently used page
-      HostLruUnlink(have);
-      t.prio[have] = static_cast<uint8_t>(std::max<int>(t.prio[have], prio));
-      HostLruPushBack(have);
+      t.lru.Unlink(have);
+      t.lru.set_priority(have, std::max<int>(t.lru.priority(have), prio));
+      t.lru.PushBack(have);
       continue;
     }
     int32_t hp = -1;
     if (t.pages.free_count() > 0) {
       hp = t.pages.Take();
     } else {
-      for (int k = 0; k <= prio && hp < 0; ++k) hp = t.head[k];
+      for (int k = 0; k <= prio && hp < 0; ++k) hp = t.lru.head(k);
       if (hp < 0) continue;  // dropped: no room at or below its priority
       const bool same = t.batch[hp] == batch;
       if (same) dev[t.batch_pos[hp]] = -1;  // its copy is cancelled
-      HostLruUnlink(hp);
+      t.lru.Unlink(hp);
       t.index.erase(t.hash[hp]);
       events.push_back({false, t.hash[hp], -1, same ? t.batch_pos[hp] : -1});
       t.cached[hp] = 0;
@@ -100,13 +82,13 @@ absl::Status KVCacheState::DemoteForAllocation(int64_t n, Stream stream,
       ++t.evictions;
     }
     t.hash[hp] = h;
-    t.prio[hp] = static_cast<uint8_t>(prio);
+    t.lru.set_priority(hp, prio);
     t.batch[hp] = batch;
     t.batch_pos[hp] = static_cast<int32_t>(dev.size());
     t.cached[hp] = 1;
     ++t.cached_count;
     t.index[h] = hp;
-    HostLruPushBack(hp);
+    t.lru.PushBack(hp);
     const absl::Span<const int32_t> ids = PageTokens(page);
     std::copy(ids.begin(), ids.end(), t.tokens.begin() + static_cast<int64_t>(hp) * ps);
     events.push_back({true, h, page, static_cast<int32_t>(dev.size())});
@@ -159,7 +141,7 @@ absl::Status KVCacheState::DemoteForAllocation(int64_t n, Stream stream,
   // cancelled entry's (stored, then removed by this batch: nothing to tell).
   for (size_t k = enqueued; k < dev.size(); ++k) {
     const int32_t hp = hosts[k];
-    HostLruUnlink(hp);
+    t.lru.Unlink(hp);
     t.index.erase(t.hash[hp]);
     t.cached[hp] = 0;
     --t.cached_count;
@@ -223,7 +205,7 @@ absl::Status KVCacheState::PromoteInto(Sequence& q, absl::Span<const int32_t> pr
   for (size_t i = 0; i < pages.size(); ++i) {
     if (pages[i] >= 0) continue;
     const int32_t h = hostm[i];
-    HostLruUnlink(h);
+    t.lru.Unlink(h);
     t.index.erase(t.hash[h]);
     prefix.events.Removed(t.hash[h], KVMedium::kHost);
     t.cached[h] = 0;
@@ -340,11 +322,12 @@ absl::Status KVCacheState::CheckHostPrefix() const {
   int64_t cached = 0, linked = 0;
   for (int64_t h = 0; h < t.pages.pages_total(); ++h) cached += t.cached[h];
   for (int k = 0; k < PagePool::kPriorities; ++k) {
-    for (int32_t h = t.head[k], prev = -1; h >= 0; prev = h, h = t.next[h]) {
-      if (!t.cached[h] || t.prev[h] != prev || t.prio[h] != k || ++linked > t.pages.pages_total()) {
-        return absl::InternalError(
-            absl::StrCat("host prefix page ", h, ": LRU list ", k, " broken (cached ",
-                         int{t.cached[h]}, ", priority ", int{t.prio[h]}, ")"));
+    for (int32_t h = t.lru.head(k), prev = -1; h >= 0; prev = h, h = t.lru.next(h)) {
+      if (!t.cached[h] || t.lru.prev(h) != prev || t.lru.priority(h) != k ||
+          ++linked > t.pages.pages_total()) {
+        return absl::InternalError(absl::StrCat("host prefix page ", h, ": LRU list ", k,
+                                                " broken (cached ", int{t.cached[h]}, ", priority ",
+                                                t.lru.priority(h), ")"));
       }
       auto it = t.index.find(t.hash[h]);
       if (it == t.index.end() || it->second != h) {
@@ -361,10 +344,10 @@ absl::Status KVCacheState::CheckHostPrefix() const {
   if (cached != t.cached_count || linked != cached ||
       static_cast<int64_t>(t.index.size()) != cached ||
       cached + t.pages.free_count() != t.pages.pages_total()) {
-    return absl::InternalError(absl::StrCat(
-        "host prefix tier: ", cached, " cached pages (counted ", t.cached_count, ", ", linked,
-        " on the LRU, ", t.index.size(), " indexed) and ", t.pages.free_count(), " free of ",
-        t.pages.pages_total()));
+    return absl::InternalError(absl::StrCat("host prefix tier: ", cached, " cached pages (counted ",
+                                            t.cached_count, ", ", linked, " on the LRU, ",
+                                            t.index.size(), " indexed) and ", t.pages.free_count(),
+                                            " free of ", t.pages.pages_total()));
   }
   return absl::OkStatus();
 }

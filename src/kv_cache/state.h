@@ -276,14 +276,13 @@ struct HostTierState {
 // matches take the device page first.
 struct PrefixHostState {
   HostPagePool pages;  // empty (pages_total() 0): no host tier of the prefix cache
-  HostVector<int32_t> prev, next;   // LRU links (-1 ends), one LRU per priority
+  // The cached pages, one LRU per priority (the retention priority a page
+  // was demoted with).
+  PriorityLru lru;
   HostVector<uint8_t> cached;       // per page
-  HostVector<uint8_t> prio;         // per page: the retention priority it was demoted with
   HostVector<uint64_t> batch;       // per page: the demotion batch that wrote it last
   HostVector<int32_t> batch_pos;    // per page: its entry in that batch
   uint64_t batches = 0;
-  int32_t head[PagePool::kPriorities] = {-1, -1, -1, -1};
-  int32_t tail[PagePool::kPriorities] = {-1, -1, -1, -1};
   int64_t cached_count = 0;
   HostVector<BlockHash> hash;       // per page
   HostVector<int32_t> tokens;       // [pages_total * page_size] token ids
@@ -428,9 +427,6 @@ class KVCacheState {
   absl::Status DemoteForAllocation(int64_t n, Stream stream, bool writes_on_copy_stream = false);
   // The host page holding `hash`, or -1.
   int32_t HostLookup(const BlockHash& hash) const;
-  // Host LRU: unlinks a cached host page (it stays cached until freed).
-  void HostLruUnlink(int32_t h);
-  void HostLruPushBack(int32_t h);
   // Empties the host tier of the prefix cache (no event: the caller's
   // kAllBlocksCleared covers it).
   void ClearHostPrefix();
