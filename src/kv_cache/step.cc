@@ -96,88 +96,75 @@ absl::Status OrderStepAfterSwapIns(KVCacheState& s, int n, Stream stream) {
   return absl::OkStatus();
 }
 
-}  // namespace internal
+namespace {
 
-// ------------------------------------------------------------------- steps
-absl::StatusOr<StepInfo> KVCache::PrepareStep(absl::Span<const StepEntry> entries, Stream stream) {
-  FP4KV_KV_RETURN_IF_MOVED_FROM();
-  KVCacheState& s = *state_;
-  const int S = s.options.max_seqs_per_step;
-  const int M = s.options.max_pages_per_seq;
-  const int ps = s.geometry.page_size;
-  const int n = static_cast<int>(entries.size());
+// Phase 1: what the previous steps leave. Waits for the step that last used
+// slot k (two or more slots: it reads the buffers this call rewrites), then
+// retires what is due (SwapOut copies; pages released while that step was
+// the latest) and applies the late token ids due now.
+absl::Status RetireBeforeStep(KVCacheState& s, StepSlot& slot) {
   const int N = static_cast<int>(s.step.slots.size());
-  const int k = s.step.next();
-  internal::StepSlot& slot = s.step.slots[k];
-
-  internal::ScopedDevice scoped;
-  if (s.cuda) {
-    FP4KV_RETURN_IF_ERROR(scoped.Set(s.options.device));
-    s.PollPromotions();  // no host wait: what is known complete now
-  }
+  if (s.cuda) s.PollPromotions();  // no host wait: what is known complete now
   if (N > 1 && s.step.step_serial > 0) {
     // The step in flight is complete once this event is (its kernels were
-    // enqueued before this call); then wait for the step that last used
-    // this slot: it reads the buffers this call rewrites.
+    // enqueued before this call).
     FP4KV_RETURN_IF_ERROR(s.RecordStepDone());
     if (s.cuda && slot.serial > 0) {
       FP4KV_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(slot.done));
       slot.upload_pending = false;
     }
   }
-  // Retirements first: SwapOut copies due now and, after the wait above,
-  // pages released while the slot's previous step was the latest.
   s.PollSwaps(/*in_prepare=*/true);
   if (s.prefix.enabled && !s.prefix.pending_ids.empty()) s.ApplyPendingIds(s.step.step_serial + 1);
+  return absl::OkStatus();
+}
 
-  // Pass 1: check everything and count the pages; change nothing (claims and
-  // marks are scratch).
-  internal::ClaimReset claim_reset{s};
-  int64_t need = 0;
-  FP4KV_RETURN_IF_ERROR(internal::CheckStepEntries(s, entries, &need));
-  if (need > s.allocator.available_count() && !s.retire.entries.empty() &&
-      s.WouldBecomeAvailable(need)) {
+// Phase 2 (pass 1): checks every entry and counts the pages the step needs
+// (*need); waits for pages only SwapOut copies or steps in flight hold when
+// they are needed; ResourceExhausted when they do not suffice. Changes
+// nothing but scratch (the caller's ClaimReset undoes the claims).
+absl::Status CheckStep(KVCacheState& s, absl::Span<const StepEntry> entries, int64_t* need) {
+  FP4KV_RETURN_IF_ERROR(CheckStepEntries(s, entries, need));
+  if (*need > s.allocator.available_count() && !s.retire.entries.empty() &&
+      s.WouldBecomeAvailable(*need)) {
     // Pages still held by SwapOut copies or by the steps in flight: wait.
     FP4KV_RETURN_IF_ERROR(s.WaitSwapOuts());
-    if (need > s.allocator.available_count()) FP4KV_RETURN_IF_ERROR(s.WaitRetiring());
+    if (*need > s.allocator.available_count()) FP4KV_RETURN_IF_ERROR(s.WaitRetiring());
   }
-  if (need > s.allocator.available_count()) {
+  if (*need > s.allocator.available_count()) {
     return absl::ResourceExhaustedError(
-        absl::StrCat("PrepareStep: needs ", need, " free pages (", s.step.cow_src.size(),
+        absl::StrCat("PrepareStep: needs ", *need, " free pages (", s.step.cow_src.size(),
                      " of them copies of shared pages), the pool has ", s.allocator.free_count(),
                      " free and ", s.allocator.cached_count(), " evictable cached of ",
                      s.allocator.num_pages(), "; nothing changed"));
   }
+  return absl::OkStatus();
+}
 
-  if (s.cuda) {
-    // The slot's previous upload may still read its staging (one slot: the
-    // previous step's upload, normally long done).
-    if (slot.upload_pending) {
-      FP4KV_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(slot.upload_done));
-      slot.upload_pending = false;
-    }
-    // Steps on different streams: this step's work follows the previous
-    // step's (its appends precede this step's reads).
-    const internal::StepSlot& prev = s.step.cur();
-    if (N > 1 && s.step.step_serial > 0 && prev.stream != stream) {
-      FP4KV_CUDA_RETURN_IF_ERROR(
-          cudaStreamWaitEvent(reinterpret_cast<cudaStream_t>(stream), prev.done, 0));
-    }
+// Phase 3 (CUDA): the slot's staging is free to rewrite, and `stream` is
+// ordered after the previous step's work when that ran on another stream.
+absl::Status OrderStepStream(KVCacheState& s, StepSlot& slot, Stream stream) {
+  if (!s.cuda) return absl::OkStatus();
+  // The slot's previous upload may still read its staging (one slot: the
+  // previous step's upload, normally long done).
+  if (slot.upload_pending) {
+    FP4KV_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(slot.upload_done));
+    slot.upload_pending = false;
   }
-  // Waits of the step's stream for copies on the copy stream (sequences
-  // swapped back in, pages promoted from or demoted to the host tier of the
-  // prefix cache). The upload below writes only the slot's step buffers, so
-  // without copies on write (which read and write pages on `stream` here)
-  // the waits follow the upload: the upload then overlaps the copies, and
-  // upload_done (which the next one-slot PrepareStep waits for on the host)
-  // does not wait for them.
-  const bool waits_after_upload = s.step.cow_src.empty();
-  if (s.cuda && !waits_after_upload)
-    FP4KV_RETURN_IF_ERROR(internal::OrderStepAfterSwapIns(s, n, stream));
+  // Steps on different streams: this step's work follows the previous
+  // step's (its appends precede this step's reads).
+  const StepSlot& prev = s.step.cur();
+  if (s.step.slots.size() > 1 && s.step.step_serial > 0 && prev.stream != stream) {
+    FP4KV_CUDA_RETURN_IF_ERROR(
+        cudaStreamWaitEvent(reinterpret_cast<cudaStream_t>(stream), prev.done, 0));
+  }
+  return absl::OkStatus();
+}
 
-  // Copies on write first: undone if one cannot be enqueued.
-  const int64_t evictions_before = s.allocator.evictions();
-  const int64_t demotions_before = s.prefix_host.demotions;
+// Phase 4: demotions for the pages the step evicts, then the copies on
+// write (into s.step.cow_dst); a copy that cannot be enqueued gives its new
+// pages back.
+absl::Status CopyOnWrite(KVCacheState& s, int64_t need, bool waits_after_upload, Stream stream) {
   // Cached pages the allocations below evict go to the host tier of the
   // prefix cache (copied before this step's work on `stream` rewrites them:
   // `stream` waits for the copies, here or after the upload).
@@ -196,20 +183,36 @@ absl::StatusOr<StepInfo> KVCache::PrepareStep(absl::Span<const StepEntry> entrie
     }
     s.CopyPageTokens(s.step.cow_src[c], dst);  // the page's token ids travel with its bytes
   }
+  return absl::OkStatus();
+}
 
-  // Pass 2: commit. Nothing below fails until the upload.
-  s.step.current = k;
+// What the commit leaves for the upload.
+struct StagedStep {
   StepInfo info;
+  int64_t slot_upload = 0;          // slots [0, slot_upload) of the staging to upload
+  int dirty_lo = 0, dirty_hi = -1;  // block-table rows that changed
+  bool reused_promoted = false;     // a new page a promotion may still be writing
+};
+
+// Phase 5 (pass 2): commits the step into the sequences, the allocator and
+// slot k's staging. Nothing here fails.
+StagedStep CommitStep(KVCacheState& s, absl::Span<const StepEntry> entries, int k) {
+  const int S = s.options.max_seqs_per_step;
+  const int M = s.options.max_pages_per_seq;
+  const int ps = s.geometry.page_size;
+  const int n = static_cast<int>(entries.size());
+  StepSlot& slot = s.step.slots[k];
+  StagedStep out;
+  StepInfo& info = out.info;
+  s.step.current = k;
   info.slot = k;
   info.num_seqs = n;
   info.pages_copied = static_cast<int64_t>(s.step.cow_dst.size());
   const int32_t free_before =
       s.allocator.available_count() + static_cast<int32_t>(s.step.cow_dst.size());
   int64_t tok = 0;
-  int dirty_lo = S;
-  int dirty_hi = -1;
+  out.dirty_lo = S;
   size_t next_cow = 0;
-  bool reused_promoted = false;  // a new page a promotion may still be writing
   for (int i = 0; i < n; ++i) {
     KVCacheState::Sequence& q = *s.step.step_seqs[i];
     const SequenceId id = entries[i].seq;
@@ -229,7 +232,7 @@ absl::StatusOr<StepInfo> KVCache::PrepareStep(absl::Span<const StepEntry> entrie
     const size_t pages_after = static_cast<size_t>(CeilDiv(new_len, ps));
     while (q.pages.size() < pages_after) {
       q.pages.push_back(s.allocator.Allocate());
-      reused_promoted = reused_promoted || s.PromotionPending(q.pages.back());
+      out.reused_promoted = out.reused_promoted || s.PromotionPending(q.pages.back());
     }
     int64_t j = old_len / ps;
     int64_t e = old_len % ps;
@@ -252,8 +255,8 @@ absl::StatusOr<StepInfo> KVCache::PrepareStep(absl::Span<const StepEntry> entrie
     if (from < count) {
       std::memcpy(slot.h_tables + static_cast<int64_t>(i) * M + from, q.pages.data() + from,
                   sizeof(int32_t) * (count - from));
-      dirty_lo = std::min(dirty_lo, i);
-      dirty_hi = i;
+      out.dirty_lo = std::min(out.dirty_lo, i);
+      out.dirty_hi = i;
     }
     r = KVCacheState::Row{id, q.epoch, count};
   }
@@ -261,7 +264,7 @@ absl::StatusOr<StepInfo> KVCache::PrepareStep(absl::Span<const StepEntry> entrie
   for (int i = n; i < slot.rows_used; ++i) slot.h_seq_lens[i] = 0;
   std::fill(slot.h_kv_indptr + n + 1, slot.h_kv_indptr + S + 1, slot.h_kv_indptr[n]);
   std::fill(slot.h_token_indptr + n + 1, slot.h_token_indptr + S + 1, slot.h_token_indptr[n]);
-  const int64_t slot_upload = std::max(tok, slot.slot_extent);
+  out.slot_upload = std::max(tok, slot.slot_extent);
   if (tok < slot.slot_extent)
     std::fill(slot.h_slots + tok, slot.h_slots + slot.slot_extent, int64_t{-1});
   slot.slot_extent = tok;
@@ -271,41 +274,89 @@ absl::StatusOr<StepInfo> KVCache::PrepareStep(absl::Span<const StepEntry> entrie
   info.num_pages = slot.h_kv_indptr[n];
   info.fp8_workspace_pages = 1 + info.num_pages;
   info.pages_allocated = free_before - s.allocator.available_count();
-  info.pages_evicted = s.allocator.evictions() - evictions_before;
   slot.info = info;
   ++s.step.step_serial;
   slot.serial = s.step.step_serial;
-  slot.stream = stream;
   slot.done_recorded = false;
+  return out;
+}
 
-  if (s.cuda) {
-    const cudaStream_t cs = reinterpret_cast<cudaStream_t>(stream);
-    const internal::StepLayout& sl = s.mem.step_layout;
-    const uint8_t* host = slot.h_base;
-    FP4KV_CUDA_RETURN_IF_ERROR(
-        cudaMemcpyAsync(slot.d_base, host, sl.slots + 8 * slot_upload, cudaMemcpyHostToDevice, cs));
-    if (dirty_hi >= dirty_lo) {
-      const int64_t row_bytes = 4 * static_cast<int64_t>(M);
-      const int64_t off = sl.tables + dirty_lo * row_bytes;
-      FP4KV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(slot.d_base + off, host + off,
-                                                 (dirty_hi - dirty_lo + 1) * row_bytes,
-                                                 cudaMemcpyHostToDevice, cs));
-    }
-    FP4KV_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.upload_done, cs));
-    slot.upload_pending = true;
-    if (waits_after_upload) {
-      FP4KV_RETURN_IF_ERROR(internal::OrderStepAfterSwapIns(s, n, stream));
-      if (s.prefix_host.demotions != demotions_before) {
-        FP4KV_RETURN_IF_ERROR(s.OrderAfterCopies(stream));
-      }
-    }
-    // The step's appends into a page a promotion may still be writing come
-    // after that copy.
-    if (reused_promoted) {
-      FP4KV_RETURN_IF_ERROR(s.copy.StreamWait(stream, s.prefix_host.latest_event));
-    }
+// Phase 6 (CUDA): uploads slot k's staging on `stream` and makes `stream`
+// wait for the copies the step's pages need. After the commit: an error
+// here is a CUDA error (docs/kv_cache.md, "CUDA errors after a commit").
+absl::Status UploadStep(KVCacheState& s, const StagedStep& staged, int n, bool waits_after_upload,
+                        bool demoted, Stream stream) {
+  StepSlot& slot = s.step.cur();
+  const cudaStream_t cs = reinterpret_cast<cudaStream_t>(stream);
+  const StepLayout& sl = s.mem.step_layout;
+  const uint8_t* host = slot.h_base;
+  FP4KV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(slot.d_base, host, sl.slots + 8 * staged.slot_upload,
+                                             cudaMemcpyHostToDevice, cs));
+  if (staged.dirty_hi >= staged.dirty_lo) {
+    const int64_t row_bytes = 4 * static_cast<int64_t>(s.options.max_pages_per_seq);
+    const int64_t off = sl.tables + staged.dirty_lo * row_bytes;
+    FP4KV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(slot.d_base + off, host + off,
+                                               (staged.dirty_hi - staged.dirty_lo + 1) * row_bytes,
+                                               cudaMemcpyHostToDevice, cs));
   }
-  return info;
+  FP4KV_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.upload_done, cs));
+  slot.upload_pending = true;
+  if (waits_after_upload) {
+    FP4KV_RETURN_IF_ERROR(OrderStepAfterSwapIns(s, n, stream));
+    if (demoted) FP4KV_RETURN_IF_ERROR(s.OrderAfterCopies(stream));
+  }
+  // The step's appends into a page a promotion may still be writing come
+  // after that copy.
+  if (staged.reused_promoted) {
+    FP4KV_RETURN_IF_ERROR(s.copy.StreamWait(stream, s.prefix_host.latest_event));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+}  // namespace internal
+
+// ------------------------------------------------------------------- steps
+// The phases in order: retire what is due, check (pass 1), order the
+// stream, demote and copy on write, commit (pass 2), upload.
+absl::StatusOr<StepInfo> KVCache::PrepareStep(absl::Span<const StepEntry> entries, Stream stream) {
+  FP4KV_KV_RETURN_IF_MOVED_FROM();
+  KVCacheState& s = *state_;
+  const int n = static_cast<int>(entries.size());
+  const int k = s.step.next();
+  internal::StepSlot& slot = s.step.slots[k];
+  internal::ScopedDevice scoped;
+  FP4KV_RETURN_IF_ERROR(scoped.Set(s.options.device));
+
+  FP4KV_RETURN_IF_ERROR(internal::RetireBeforeStep(s, slot));
+  internal::ClaimReset claim_reset{s};
+  int64_t need = 0;
+  FP4KV_RETURN_IF_ERROR(internal::CheckStep(s, entries, &need));
+  FP4KV_RETURN_IF_ERROR(internal::OrderStepStream(s, slot, stream));
+  // Waits of the step's stream for copies on the copy stream (sequences
+  // swapped back in, pages promoted from or demoted to the host tier of the
+  // prefix cache). The upload writes only the slot's step buffers, so
+  // without copies on write (which read and write pages on `stream`) the
+  // waits follow the upload: the upload then overlaps the copies, and
+  // upload_done (which the next one-slot PrepareStep waits for on the host)
+  // does not wait for them.
+  const bool waits_after_upload = s.step.cow_src.empty();
+  if (s.cuda && !waits_after_upload) {
+    FP4KV_RETURN_IF_ERROR(internal::OrderStepAfterSwapIns(s, n, stream));
+  }
+  const int64_t evictions_before = s.allocator.evictions();
+  const int64_t demotions_before = s.prefix_host.demotions;
+  FP4KV_RETURN_IF_ERROR(internal::CopyOnWrite(s, need, waits_after_upload, stream));
+
+  internal::StagedStep staged = internal::CommitStep(s, entries, k);
+  staged.info.pages_evicted = s.allocator.evictions() - evictions_before;
+  slot.info.pages_evicted = staged.info.pages_evicted;
+  slot.stream = stream;
+  if (s.cuda) {
+    FP4KV_RETURN_IF_ERROR(internal::UploadStep(
+        s, staged, n, waits_after_upload, s.prefix_host.demotions != demotions_before, stream));
+  }
+  return staged.info;
 }
 
 absl::StatusOr<StepPlan> KVCache::PlanStep(absl::Span<const StepEntry> entries) const {
