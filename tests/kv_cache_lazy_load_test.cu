@@ -50,8 +50,8 @@ class HeldStream {
     SpinUntilReleased<<<1, 1, 0, stream_>>>(dev);
     ok_ = cudaGetLastError() == cudaSuccess;
     watchdog_ = std::thread([this] {
-      const auto end = std::chrono::steady_clock::now() +
-                       std::chrono::duration<double>(kHoldSeconds);
+      const auto end =
+          std::chrono::steady_clock::now() + std::chrono::duration<double>(kHoldSeconds);
       while (!released_.load() && std::chrono::steady_clock::now() < end) {
         std::this_thread::sleep_for(std::chrono::milliseconds(5));
       }
@@ -113,12 +113,13 @@ TEST(KVCacheLazyLoadTest, FirstReencodeAndImportDoNotWaitForOtherStreams) {
   ASSERT_TRUE(c->PrepareStep({{seq, kTokens}}, stream).ok());
   absl::StatusOr<CacheAppender> append = c->appender(DType::kF16);
   ASSERT_TRUE(append.ok()) << append.status();
-  std::vector<uint16_t> rows = testing::RandomHalfBits(DType::kF16, int64_t{kTokens} * kHeads * kDim, 7);
+  std::vector<uint16_t> rows =
+      testing::RandomHalfBits(DType::kF16, int64_t{kTokens} * kHeads * kDim, 7);
   void* d_rows = nullptr;
   FP4KV_ASSERT_CUDA(cudaMalloc(&d_rows, rows.size() * 2));
   FP4KV_ASSERT_CUDA(cudaMemcpy(d_rows, rows.data(), rows.size() * 2, cudaMemcpyHostToDevice));
-  const TensorView kv = TensorView::Contiguous(d_rows, DType::kF16, {kTokens, kHeads, kDim},
-                                               Device::Cuda(0));
+  const TensorView kv =
+      TensorView::Contiguous(d_rows, DType::kF16, {kTokens, kHeads, kDim}, Device::Cuda(0));
   ASSERT_TRUE(append->Run(0, kv, kv, stream).ok());
   // The source of the import: two f16 pages in NHD.
   void* d_pages = nullptr;
@@ -130,8 +131,8 @@ TEST(KVCacheLazyLoadTest, FirstReencodeAndImportDoNotWaitForOtherStreams) {
   FP4KV_ASSERT_CUDA(cudaStreamSynchronize(s));
   HalfPagedCache half;
   half.k = TensorView::Contiguous(d_pages, DType::kF16, {2, kPs, kHeads, kDim}, Device::Cuda(0));
-  half.v = TensorView::Contiguous(static_cast<uint8_t*>(d_pages) + 2 * page_values * 2,
-                                  DType::kF16, {2, kPs, kHeads, kDim}, Device::Cuda(0));
+  half.v = TensorView::Contiguous(static_cast<uint8_t*>(d_pages) + 2 * page_values * 2, DType::kF16,
+                                  {2, kPs, kHeads, kDim}, Device::Cuda(0));
   half.layout = Layout::kNHD;
 
   double reencode_s = 0, import_s = 0;
@@ -158,8 +159,8 @@ TEST(KVCacheLazyLoadTest, FirstReencodeAndImportDoNotWaitForOtherStreams) {
   std::printf("first re-encode: %.3f s, first ImportHalfPages: %.3f s (another stream held)\n",
               reencode_s, import_s);
   EXPECT_FALSE(released_before_return)
-      << "a call waited for the held stream (re-encode " << reencode_s << " s, import "
-      << import_s << " s): a kernel was loaded at its first launch";
+      << "a call waited for the held stream (re-encode " << reencode_s << " s, import " << import_s
+      << " s): a kernel was loaded at its first launch";
   EXPECT_LT(reencode_s + import_s, kHoldSeconds / 2);
   FP4KV_ASSERT_CUDA(cudaFree(d_rows));
   FP4KV_ASSERT_CUDA(cudaFree(d_pages));

@@ -2,11 +2,30 @@
 // of copy events (copy_engine.h).
 #include "src/kv_cache/copy_engine.h"
 
+#include <atomic>
+
 #include "src/cuda_util.h"
 #include "src/status_macros.h"
 
 namespace fp4kv {
 namespace internal {
+
+namespace {
+std::atomic<int> g_fail_after[2] = {0, 0};  // copy batches, step uploads
+}  // namespace
+
+void FailCopyForTesting(int n, bool upload) {
+  g_fail_after[upload ? 1 : 0].store(n > 0 ? n : 0, std::memory_order_relaxed);
+}
+
+bool CopyFailsForTesting(bool upload) {
+  std::atomic<int>& c = g_fail_after[upload ? 1 : 0];
+  int v = c.load(std::memory_order_relaxed);
+  while (v > 0) {
+    if (c.compare_exchange_weak(v, v - 1, std::memory_order_relaxed)) return v == 1;
+  }
+  return false;
+}
 
 CopyEngine::~CopyEngine() {
   if (stream_ == nullptr) return;
@@ -30,6 +49,7 @@ absl::Status CopyEngine::Init(int ordinal) {
 }
 
 absl::Status CopyEngine::After(Stream stream) {
+  if (CopyFailsForTesting(false)) return absl::InternalError("copy engine: injected failure");
   FP4KV_CUDA_RETURN_IF_ERROR(cudaEventRecord(ready_, reinterpret_cast<cudaStream_t>(stream)));
   return CudaStatus(cudaStreamWaitEvent(stream_, ready_, 0), "cudaStreamWaitEvent(copy stream)");
 }

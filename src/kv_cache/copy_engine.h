@@ -19,6 +19,14 @@
 namespace fp4kv {
 namespace internal {
 
+// Tests only: the next `n`-th call (1: the next) of CopyEngine::After, which
+// starts every copy batch on the copy stream, or of the step upload (`upload`
+// true) fails with an Internal error before it enqueues anything, as a CUDA
+// error there would (0: none, the default). Process-wide.
+void FailCopyForTesting(int n, bool upload = false);
+// Whether this call of the hooked site fails (counts the calls down).
+bool CopyFailsForTesting(bool upload);
+
 class CopyEngine {
  public:
   CopyEngine() = default;

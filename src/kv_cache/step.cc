@@ -281,12 +281,12 @@ StagedStep CommitStep(KVCacheState& s, absl::Span<const StepEntry> entries, int 
   return out;
 }
 
-// Phase 6 (CUDA): uploads slot k's staging on `stream` and makes `stream`
-// wait for the copies the step's pages need. After the commit: an error
-// here is a CUDA error (docs/kv_cache.md, "CUDA errors after a commit").
-absl::Status UploadStep(KVCacheState& s, const StagedStep& staged, int n, bool waits_after_upload,
-                        bool demoted, Stream stream) {
-  StepSlot& slot = s.step.cur();
+// The upload of slot's staging on `stream` and its upload_done event.
+absl::Status EnqueueUpload(KVCacheState& s, const StagedStep& staged, StepSlot& slot,
+                           Stream stream) {
+  if (CopyFailsForTesting(/*upload=*/true)) {
+    return absl::InternalError("PrepareStep upload: injected failure");
+  }
   const cudaStream_t cs = reinterpret_cast<cudaStream_t>(stream);
   const StepLayout& sl = s.mem.step_layout;
   const uint8_t* host = slot.h_base;
@@ -301,6 +301,27 @@ absl::Status UploadStep(KVCacheState& s, const StagedStep& staged, int n, bool w
   }
   FP4KV_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.upload_done, cs));
   slot.upload_pending = true;
+  return absl::OkStatus();
+}
+
+// Phase 6 (CUDA): uploads slot k's staging on `stream` and makes `stream`
+// wait for the copies the step's pages need. After the commit: an error
+// here is a CUDA error (docs/kv_cache.md, "CUDA errors after a commit").
+absl::Status UploadStep(KVCacheState& s, const StagedStep& staged, int n, bool waits_after_upload,
+                        bool demoted, Stream stream) {
+  StepSlot& slot = s.step.cur();
+  // Whatever fails below, the slot's device buffers may not hold this step:
+  // the next PrepareStep on the slot uploads all of them (no row or slot is
+  // taken as already there).
+  auto forget_upload = [&slot] {
+    for (KVCacheState::Row& r : slot.rows) r = KVCacheState::Row{};
+    slot.slot_extent = static_cast<int64_t>(slot.views.slot_mapping.shape[0]);
+  };
+  absl::Status st = EnqueueUpload(s, staged, slot, stream);
+  if (!st.ok()) {
+    forget_upload();
+    return st;
+  }
   if (waits_after_upload) {
     FP4KV_RETURN_IF_ERROR(OrderStepAfterSwapIns(s, n, stream));
     if (demoted) FP4KV_RETURN_IF_ERROR(s.OrderAfterCopies(stream));
