@@ -10,6 +10,7 @@
 # Usage: scripts/bench_before_after.sh BEFORE_DIR AFTER_BIN OUT "NAME[:FILTER] ..."
 #   e.g. scripts/bench_before_after.sh .carry/before .carry/bin out \
 #          "kv_cache_bench:PrepareStep|CacheAllocate binding_overhead_bench"
+# BENCH_ARGS: extra arguments for every run (e.g. --benchmark_min_time=0.1s).
 # Package BEFORE_DIR with scripts/package_for_gpu.sh at the earlier commit
 # (its bin/ and lib/ moved under one folder).
 set -u -o pipefail
@@ -36,7 +37,7 @@ for spec in $BENCHES; do
       fi
       [ -x "$exe" ] || { echo "bench_before_after: no $exe" >&2; continue; }
       LD_LIBRARY_PATH="$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" timeout 300 "$exe" \
-        ${filter:+--benchmark_filter="$filter"} --benchmark_out="$OUT/$name.$side.$k.json" \
+        ${filter:+--benchmark_filter="$filter"} ${BENCH_ARGS:-} --benchmark_out="$OUT/$name.$side.$k.json" \
         --benchmark_out_format=json > "$OUT/$name.$side.$k.log" 2>&1 ||
         echo "bench_before_after: $name ($side, $k) exited $?" >&2
     done
