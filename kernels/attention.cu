@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "kernels/attention/schedule.cuh"
 #include "kernels/attention/stage_layout.cuh"
+#include "kernels/attention/tma_maps.h"
 #include "src/attention_params.h"
 #include "src/cuda_util.h"
 #include "src/status_macros.h"
@@ -27,6 +28,8 @@ absl::Status PrepareDecodeAttentionDim(const DecodeAttention::Options& o,
                                        AttentionKernelSetup* out);
 template <int D>
 absl::Status LaunchDecodeAttentionDim(const AttentionParams& p, Stream stream);
+template <int D>
+bool EncodeDecodeTmaMapsDim(const AttentionParams& p, kernels::AttnTmaMaps* m);
 // kernels/attention_prefill_d{64,128,256}.cu (kernels/attention/prefill_launch.cuh).
 template <int D>
 absl::Status PrepareAttentionPrefillDim(const DecodeAttention::Options& o,
@@ -136,6 +139,17 @@ absl::Status PrepareDecodeAttention(const DecodeAttention::Options& o,
     if (st.ok() && err != cudaSuccess) return CudaStatus(err, "cudaSetDevice(restore)");
   }
   return st;
+}
+
+bool EncodeDecodeTmaMaps(const AttentionParams& p, kernels::AttnTmaMaps* m) {
+  m->tile_bytes = 0;
+  if (p.k.head_dim != p.v.head_dim) return false;
+  bool ok = false;
+  const absl::Status st = ForHeadDim(p.v.head_dim, [&](auto d) {
+    ok = EncodeDecodeTmaMapsDim<decltype(d)::value>(p, m);
+    return absl::OkStatus();
+  });
+  return st.ok() && ok;
 }
 
 absl::Status LaunchDecodeAttention(const AttentionParams& p, Stream stream) {

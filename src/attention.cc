@@ -309,7 +309,8 @@ absl::Status DecodeAttentionRunner::Run(const DecodeAttention& op, const DecodeA
 
 absl::Status DecodeAttentionRunner::Run(const DecodeAttention& op, const DecodeAttentionArgs& a,
                                         const CachePools& pools, const AttentionTables& t,
-                                        void* workspace, int64_t workspace_bytes, Stream stream) {
+                                        void* workspace, int64_t workspace_bytes, Stream stream,
+                                        const kernels::AttnTmaMaps* tma_maps) {
   // Create() sized the workspace (AttentionWorkspaceBytes) once.
   absl::StatusOr<AttentionParams> p = MakeAttentionParams(
       op.options_, a, pools, t, workspace, workspace_bytes, op.num_sms_, op.workspace_bytes_);
@@ -321,11 +322,26 @@ absl::Status DecodeAttentionRunner::Run(const DecodeAttention& op, const DecodeA
   p->prefill_ctas_per_sm = op.prefill_ctas_per_sm_;
   p->ctas_per_sm_rows = op.ctas_per_sm_rows_;
   p->prefill_family = static_cast<PrefillFamily>(op.prefill_family_);
+  p->tma_maps = tma_maps;
   if (!op.options_.device.is_cuda()) {
     ReferenceDecodeAttention(*p);
     return absl::OkStatus();
   }
   return LaunchDecodeAttention(*p, stream);
+}
+bool DecodeAttentionRunner::EncodeTmaMaps(const DecodeAttention& op, const CachePools& pools,
+                                          kernels::AttnTmaMaps* m) {
+  const DecodeAttention::Options& o = op.options_;
+  if (!o.device.is_cuda()) return false;
+  AttentionParams p;
+  p.k = pools.k;
+  p.v = pools.v;
+  p.fp8_keys = o.geometry.fp8_keys();
+  p.num_kv_heads = o.geometry.num_kv_heads;
+  p.page_size = o.geometry.page_size;
+  p.num_pages = o.geometry.num_pages;
+  p.family = static_cast<AttentionFamily>(op.family_);
+  return EncodeDecodeTmaMaps(p, m);
 }
 }  // namespace internal
 

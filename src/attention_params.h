@@ -16,6 +16,9 @@
 #include "src/params.h"
 
 namespace fp4kv {
+namespace kernels {
+struct AttnTmaMaps;  // kernels/attention/tma_maps.h
+}  // namespace kernels
 namespace internal {
 
 // The CUDA kernel families of decode attention (kernels/attention/): query
@@ -121,6 +124,11 @@ struct AttentionParams {
   int prefill_ctas_per_sm = 0;
   PrefillFamily prefill_family = PrefillFamily::kMma;  // see AttentionKernelSetup
   int ctas_per_sm_rows = 0;  // see AttentionKernelSetup
+  // The TMA tensor maps of these pools, encoded before the Run
+  // (EncodeDecodeTmaMaps: a KVCache's bound attention, once per layer at
+  // bind); null: the launcher encodes them when the kernel it picks copies
+  // with TMA (the functional op, whose pools come with each Run).
+  const kernels::AttnTmaMaps* tma_maps = nullptr;
 
   // Reference only (tests): when set, the CPU reference also stores every
   // output element unrounded here, [total_q, Hq, Dv] with out's strides.
@@ -209,9 +217,17 @@ struct DecodeAttentionRunner {
   static absl::Status Run(const DecodeAttention& op, const DecodeAttentionArgs& a,
                           const CachePools& pools, void* workspace, int64_t workspace_bytes,
                           Stream stream);
+  // tma_maps: the pools' maps as EncodeTmaMaps made them (null: the
+  // launcher encodes them when it needs them).
   static absl::Status Run(const DecodeAttention& op, const DecodeAttentionArgs& a,
                           const CachePools& pools, const AttentionTables& t, void* workspace,
-                          int64_t workspace_bytes, Stream stream);
+                          int64_t workspace_bytes, Stream stream,
+                          const kernels::AttnTmaMaps* tma_maps = nullptr);
+  // The TMA tensor maps of these (checked) pools for op's kernel family
+  // (EncodeDecodeTmaMaps); false on the CPU and where the family does not
+  // copy with TMA or the maps cannot describe the pools.
+  static bool EncodeTmaMaps(const DecodeAttention& op, const CachePools& pools,
+                            kernels::AttnTmaMaps* m);
 };
 
 // Scratch bytes of the CUDA kernel for these options (kernels/attention.cu).
@@ -248,6 +264,14 @@ absl::Status PrepareDecodeAttention(const DecodeAttention::Options& o, Attention
 // CUDA launcher (kernels/attention.cu): enqueues on `stream`, allocates
 // nothing, never synchronizes; returns the launch status.
 absl::Status LaunchDecodeAttention(const AttentionParams& p, Stream stream);
+
+// Encodes the TMA tensor maps of p's pools (reads k, v, fp8_keys,
+// num_kv_heads, page_size, num_pages and family only) for the decode kernels
+// that copy tiles with TMA (kernels/attention.cu). False, with
+// m->tile_bytes 0, where the family copies with cp.async at this shape or
+// the maps cannot describe the pools; the launcher then takes cp.async as it
+// would have. Host only.
+bool EncodeDecodeTmaMaps(const AttentionParams& p, kernels::AttnTmaMaps* m);
 
 }  // namespace internal
 }  // namespace fp4kv

@@ -13,6 +13,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <optional>
@@ -427,6 +428,81 @@ TEST_P(CacheAttentionTest, RejectsBadRowsAndPrefillChunksAndChangesNothing) {
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   }
   EXPECT_EQ(ob.DownloadAs<uint8_t>(ob.size()), before);
+}
+
+// The TMA decode kernel forced (FP4KV_ATTENTION_KERNEL=tokens_in_m_tma,
+// read when the op is bound): the tensor maps of each layer's pools are
+// encoded once at bind time and handed to every Run of that layer. Three
+// layers holding different tokens, both layouts: a map of the wrong layer,
+// or of a wrong stride, reads the wrong pages and fails the reference. Skips
+// where the TMA kernel cannot run (no sm_90a code or no compute capability
+// 9.0 device).
+TEST_P(CacheAttentionTest, TmaMapsEncodedAtBindReadEachLayersPools) {
+  if (!device().is_cuda()) GTEST_SKIP() << "the TMA decode kernel is CUDA only";
+  for (const Layout layout : {Layout::kHND, Layout::kNHD}) {
+    SCOPED_TRACE(layout == Layout::kNHD ? "NHD" : "HND");
+    KVCacheOptions o = options();
+    o.num_layers = 3;
+    o.geometry.layout = layout;
+    o.k_global_scales.push_back(o.k_global_scales[0]);
+    o.v_global_scales.push_back(o.v_global_scales[1]);
+    absl::StatusOr<KVCache> made = KVCache::Create(o);
+    ASSERT_TRUE(made.ok()) << made.status();
+    KVCache& c = *made;
+    absl::StatusOr<CacheAppender> app = c.appender(DType::kBF16);
+    ASSERT_TRUE(app.ok()) << app.status();
+    CacheAttentionOptions ao;
+    ao.num_qo_heads = kQoHeads;
+    ao.write_lse = true;
+    absl::StatusOr<CacheAttention> decode;
+    {
+      const char* old = std::getenv("FP4KV_ATTENTION_KERNEL");
+      const std::string saved = old != nullptr ? old : "";
+      setenv("FP4KV_ATTENTION_KERNEL", "tokens_in_m_tma", 1);
+      decode = c.attention(ao);
+      if (old != nullptr) {
+        setenv("FP4KV_ATTENTION_KERNEL", saved.c_str(), 1);
+      } else {
+        unsetenv("FP4KV_ATTENTION_KERNEL");
+      }
+    }
+    if (decode.status().code() == absl::StatusCode::kFailedPrecondition) {
+      GTEST_SKIP() << "the TMA decode kernel cannot run here: " << decode.status();
+    }
+    ASSERT_TRUE(decode.ok()) << decode.status();
+    ASSERT_STREQ(decode->op().decode_family(), "tokens_in_m_tma_all");
+    StepInputs inputs;
+    TokenFactory f(c);
+    uint64_t seed = 900;
+    auto step = [&](const std::vector<StepEntry>& entries) {
+      ASSERT_TRUE(c.PrepareStep(entries).ok());
+      std::vector<Token> toks;
+      for (int64_t i = 0; i < c.step().num_tokens; ++i) toks.push_back(f.Make(seed++));
+      ASSERT_TRUE(testing::FillStepInputs(c, toks, &inputs, nullptr).ok());
+      ASSERT_TRUE(testing::RunAppendAllLayers(c, *app, &inputs, nullptr).ok());
+    };
+    std::vector<SequenceId> seqs;
+    std::vector<StepEntry> entries;
+    for (int p : {40, 3, 77}) {
+      seqs.push_back(NewSequence(c));
+      entries.push_back({seqs.back(), p});
+    }
+    step(entries);
+    if (HasFatalFailure()) return;
+    for (int round = 0; round < 2; ++round) {
+      entries.clear();
+      for (SequenceId id : seqs) entries.push_back({id, 1});
+      step(entries);
+      if (HasFatalFailure()) return;
+      const int64_t rows = o.max_seqs_per_step;
+      for (int layer = 0; layer < o.num_layers; ++layer) {
+        EXPECT_EQ(RunAndCheck(c, *decode, layer, entries, Queries(rows, 700 + 10 * round + layer),
+                              rows, kQoHeads),
+                  "")
+            << "round " << round << " layer " << layer;
+      }
+    }
+  }
 }
 
 std::string KeyFormatParamName(const ::testing::TestParamInfo<std::tuple<bool, KeyFormat>>& i) {

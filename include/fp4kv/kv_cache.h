@@ -328,6 +328,7 @@ constexpr int kMaxRetentionPriority = 3;
 class KVCache;
 namespace internal {
 class KVCacheState;
+struct CacheAttentionPlan;  // src/kv_cache/bound_ops.cc
 }  // namespace internal
 
 // The Appender of a cache (AppendIndexing::kSlot on the step's slot_mapping).
@@ -512,12 +513,15 @@ class CacheAttention {
 
  private:
   friend class KVCache;
-  CacheAttention(std::weak_ptr<const internal::KVCacheState> state, DecodeAttention op)
-      : state_(std::move(state)), bound_(true), op_(std::move(op)) {}
+  CacheAttention(std::weak_ptr<const internal::KVCacheState> state, DecodeAttention op,
+                 std::shared_ptr<const internal::CacheAttentionPlan> plan)
+      : state_(std::move(state)), bound_(true), op_(std::move(op)), plan_(std::move(plan)) {}
   std::weak_ptr<const internal::KVCacheState> state_;  // expires with the cache
   bool bound_ = false;
   int slot_ = -1;  // -1: the latest step's slot
   DecodeAttention op_;
+  // What bind time settled per layer (the TMA tensor maps of its pools).
+  std::shared_ptr<const internal::CacheAttentionPlan> plan_;
 };
 
 // Invariants: every page is free (reference count 0), cached (reference

@@ -149,11 +149,17 @@ absl::Status LaunchFor(const AttentionParams& p, Stream stream) {
   // min(max_q_len, kernel_q_max) queries.
   a.rows_per_slot = kernels::AttnRowsPerSlot(
       p.group, p.max_q_len < p.kernel_q_max ? p.max_q_len : p.kernel_q_max);
-  // Host only: the maps are encoded on every Run (their pool pointers come
-  // with the Run; a captured graph keeps them in its kernel parameters).
-  const bool tma = TmaCopiesFor<D, kFp8K>(p.family) &&
-                   kernels::TokensInMTakes(D, a.rows_per_slot) &&
-                   EncodeAttnTmaMaps<D, kFp8K>(p, &a.tma);
+  // Host only: the maps come encoded with the params (a KVCache's bound
+  // attention encodes each layer's once, at bind) or are encoded here (the
+  // functional op's pools come with the Run); a captured graph keeps them in
+  // its kernel parameters.
+  bool tma = TmaCopiesFor<D, kFp8K>(p.family) && kernels::TokensInMTakes(D, a.rows_per_slot);
+  if (tma && p.tma_maps != nullptr) {
+    tma = p.tma_maps->tile_bytes != 0;
+    if (tma) a.tma = *p.tma_maps;
+  } else if (tma) {
+    tma = EncodeAttnTmaMaps<D, kFp8K>(p, &a.tma);
+  }
   const AttnKernelChoice kernel =
       SelectAttentionKernel<D, kBf16, kFp8K>(p.family, p.soft_cap > 0.0f, a.rows_per_slot, tma);
   // At most AttnConfig<D>::kCtasPerSm per SM, which sized the workspace; fewer
@@ -282,6 +288,15 @@ absl::Status PrepareDecodeAttentionDim(const DecodeAttention::Options& o,
 }
 
 template <int D>
+bool EncodeDecodeTmaMapsDim(const AttentionParams& p, kernels::AttnTmaMaps* m) {
+  m->tile_bytes = 0;
+  const bool ok = p.fp8_keys ? TmaCopiesFor<D, true>(p.family) && EncodeAttnTmaMaps<D, true>(p, m)
+                             : TmaCopiesFor<D, false>(p.family) && EncodeAttnTmaMaps<D, false>(p, m);
+  if (!ok) m->tile_bytes = 0;
+  return ok;
+}
+
+template <int D>
 absl::Status LaunchDecodeAttentionDim(const AttentionParams& p, Stream stream) {
   if (p.fp8_keys) {
     return p.dtype == DType::kBF16 ? LaunchFor<D, true, true>(p, stream)
@@ -294,7 +309,8 @@ absl::Status LaunchDecodeAttentionDim(const AttentionParams& p, Stream stream) {
 #define FP4KV_INSTANTIATE_ATTENTION_DIM(D)                                            \
   template absl::Status PrepareDecodeAttentionDim<D>(const DecodeAttention::Options&, \
                                                      AttentionKernelSetup*);          \
-  template absl::Status LaunchDecodeAttentionDim<D>(const AttentionParams&, Stream);
+  template absl::Status LaunchDecodeAttentionDim<D>(const AttentionParams&, Stream);  \
+  template bool EncodeDecodeTmaMapsDim<D>(const AttentionParams&, kernels::AttnTmaMaps*);
 
 }  // namespace internal
 }  // namespace fp4kv

@@ -17,15 +17,10 @@
 
 #include <cstdint>
 
+#include "kernels/attention/tma_maps.h"
+
 namespace fp4kv {
 namespace kernels {
-
-// The tensor maps of one launch (kernel parameter space, aligned as
-// CUtensorMap demands; read through __grid_constant__).
-struct AttnTmaMaps {
-  CUtensorMap kc, vc;       // K codes (NVFP4 or FP8 rows), V codes
-  uint32_t tile_bytes = 0;  // bytes a tile's two boxes deliver (the mbarrier's transaction count)
-};
 
 // Byte offset of byte `x` of row t of a tile of `row_bytes`-byte rows that a
 // map with swizzle `mode` (0, 2 = 64B, 3 = 128B) wrote to a region aligned

@@ -4,12 +4,23 @@
 // the call (layer, the caller's views) and on the step, picks the layer's
 // pools and the step's tables, and hands them to the op.
 #include <algorithm>
+#include <vector>
 
+#include "kernels/attention/tma_maps.h"
 #include "src/attention_params.h"
 #include "src/kv_cache/state.h"
 #include "src/validate.h"
 
 namespace fp4kv {
+namespace internal {
+// What a bound attention settles at bind time, per layer: the TMA tensor
+// maps of the layer's pools (the cache's pools never move), so that Run()
+// hands them to the launcher instead of encoding them. Empty where the op's
+// kernel family copies with cp.async (or on the CPU).
+struct CacheAttentionPlan {
+  std::vector<kernels::AttnTmaMaps> tma;  // [L] or empty
+};
+}  // namespace internal
 
 using internal::CeilDiv;
 using internal::KVCacheState;
@@ -181,7 +192,18 @@ absl::StatusOr<CacheAttention> KVCache::attention(const CacheAttentionOptions& c
           absl::StrCat("KVCache::attention: the step tables disagree with the op: ", st.message()));
     }
   }
-  return CacheAttention(state_, *std::move(op));
+  // The tensor maps of every layer's pools, encoded once (the launcher
+  // checks that the kernel it picks per Run copies with TMA before using them).
+  auto plan = std::make_shared<internal::CacheAttentionPlan>();
+  kernels::AttnTmaMaps maps;
+  if (internal::DecodeAttentionRunner::EncodeTmaMaps(*op, LayerPools(s, 0), &maps)) {
+    plan->tma.resize(s.options.num_layers);
+    plan->tma[0] = maps;
+    for (int l = 1; l < s.options.num_layers; ++l) {
+      internal::DecodeAttentionRunner::EncodeTmaMaps(*op, LayerPools(s, l), &plan->tma[l]);
+    }
+  }
+  return CacheAttention(state_, *std::move(op), std::move(plan));
 }
 
 int64_t KVCache::Fp8WorkspacePagesAtCapacity() const {
@@ -378,8 +400,10 @@ absl::Status CacheAttention::Run(int layer, const TensorView& q, const TensorVie
   t.batch = static_cast<int>(batch);
   a.k_scale = GlobalScale::Pointer(s.scales.d_scales + 4 * layer + 0);
   a.v_scale = GlobalScale::Pointer(s.scales.d_scales + 4 * layer + 1);
+  const kernels::AttnTmaMaps* maps =
+      plan_ != nullptr && !plan_->tma.empty() ? &plan_->tma[layer] : nullptr;
   return internal::DecodeAttentionRunner::Run(op_, a, LayerPools(s, layer), t, workspace,
-                                              workspace_bytes, stream);
+                                              workspace_bytes, stream, maps);
 }
 
 
