@@ -239,9 +239,9 @@ absl::Status CacheAppender::Run(int layer, const TensorView& key, const TensorVi
   a.value = value;
   a.slot_mapping = st.views.slot_mapping;
   a.slot_mapping.shape[0] = rows;
-  a.k_scale = GlobalScale::Pointer(s.scales.d_scales + 4 * layer + 0);
-  a.v_scale = GlobalScale::Pointer(s.scales.d_scales + 4 * layer + 1);
-  if (s.options.count_scale_events) a.scale_events = s.scales.d_events + 4 * layer;
+  a.k_scale = GlobalScale::Pointer(s.scales.d_scales() + 4 * layer + 0);
+  a.v_scale = GlobalScale::Pointer(s.scales.d_scales() + 4 * layer + 1);
+  if (s.options.count_scale_events) a.scale_events = s.scales.d_events() + 4 * layer;
   absl::StatusOr<internal::AppendParams> p =
       internal::MakeAppendParams(op_.options(), a, LayerPools(s, layer));
   if (!p.ok()) return p.status();
@@ -269,10 +269,10 @@ absl::Status CacheAppender::Run(int layer, const TensorView& key, const TensorVi
     c.head_dim_k = p->k.head_dim;
     c.head_dim_v = p->v.head_dim;
     c.slot_mapping = p->slot_mapping;
-    c.scales = s.scales.d_scales + 4 * layer;
-    c.flags = s.scales.d_flags + 2 * layer;
-    c.host_flags = s.cuda ? s.scales.h_flags_dev + 2 * layer : nullptr;
-    c.scratch = s.scales.d_calib + 4 * layer;
+    c.scales = s.scales.d_scales() + 4 * layer;
+    c.flags = s.scales.d_flags() + 2 * layer;
+    c.host_flags = s.cuda ? s.scales.h_flags_dev() + 2 * layer : nullptr;
+    c.scratch = s.scales.d_calib() + 4 * layer;
     c.headroom = s.options.calibration_headroom;
     c.recipe = s.options.recipe;
     c.fp8_keys = s.geometry.fp8_keys();
@@ -302,10 +302,10 @@ absl::Status CacheMaterializer::Run(int layer, const TensorView& out, Stream str
   a.kv_page_indptr = st.views.kv_page_indptr;
   a.out = out;
   a.fp8_block_tables = st.views.fp8_block_tables;
-  a.k_scale = GlobalScale::Pointer(s.scales.d_scales + 4 * layer + 0);
-  a.v_scale = GlobalScale::Pointer(s.scales.d_scales + 4 * layer + 1);
-  a.k_fp8_scale = GlobalScale::Pointer(s.scales.d_scales + 4 * layer + 2);
-  a.v_fp8_scale = GlobalScale::Pointer(s.scales.d_scales + 4 * layer + 3);
+  a.k_scale = GlobalScale::Pointer(s.scales.d_scales() + 4 * layer + 0);
+  a.v_scale = GlobalScale::Pointer(s.scales.d_scales() + 4 * layer + 1);
+  a.k_fp8_scale = GlobalScale::Pointer(s.scales.d_scales() + 4 * layer + 2);
+  a.v_fp8_scale = GlobalScale::Pointer(s.scales.d_scales() + 4 * layer + 3);
   absl::StatusOr<internal::MaterializeParams> p =
       internal::MakeMaterializeParams(op_.options(), a, LayerPools(s, layer));
   if (!p.ok()) return p.status();
@@ -341,8 +341,8 @@ absl::Status CacheDequantizer::Run(int layer, const TensorView& k_out, const Ten
   a.seq_lens.shape[0] = batch;
   a.k_out = k_out;
   a.v_out = v_out;
-  a.k_scale = GlobalScale::Pointer(s.scales.d_scales + 4 * layer + 0);
-  a.v_scale = GlobalScale::Pointer(s.scales.d_scales + 4 * layer + 1);
+  a.k_scale = GlobalScale::Pointer(s.scales.d_scales() + 4 * layer + 0);
+  a.v_scale = GlobalScale::Pointer(s.scales.d_scales() + 4 * layer + 1);
   absl::StatusOr<internal::DequantParams> p =
       internal::MakeDequantParams(op_.options(), a, LayerPools(s, layer));
   if (!p.ok()) return p.status();
@@ -398,8 +398,8 @@ absl::Status CacheAttention::Run(int layer, const TensorView& q, const TensorVie
   t.seq_lens = st.views.seq_lens.ptr<const int32_t>();
   t.q_indptr = max_q_len > 1 ? st.views.token_indptr.ptr<const int32_t>() : nullptr;
   t.batch = static_cast<int>(batch);
-  a.k_scale = GlobalScale::Pointer(s.scales.d_scales + 4 * layer + 0);
-  a.v_scale = GlobalScale::Pointer(s.scales.d_scales + 4 * layer + 1);
+  a.k_scale = GlobalScale::Pointer(s.scales.d_scales() + 4 * layer + 0);
+  a.v_scale = GlobalScale::Pointer(s.scales.d_scales() + 4 * layer + 1);
   const kernels::AttnTmaMaps* maps =
       plan_ != nullptr && !plan_->tma.empty() ? &plan_->tma[layer] : nullptr;
   return internal::DecodeAttentionRunner::Run(op_, a, LayerPools(s, layer), t, workspace,

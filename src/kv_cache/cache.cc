@@ -14,7 +14,7 @@ using internal::KVCacheState;
 namespace internal {
 
 KVCacheState::~KVCacheState() {
-  if (images.book != nullptr) images.book->state = nullptr;
+  images.Detach();
   // The copy engine, destroyed first of the members, waits for its copies.
   if (cuda) {
     ScopedDevice d;
@@ -70,10 +70,10 @@ KVCacheStats KVCache::Stats() const {
   const KVCacheState& s = *state_;
   const int ps = s.geometry.page_size;
   KVCacheStats st;
-  st.pages_reserved = s.images.reserved_pages;
-  st.reservations = static_cast<int64_t>(s.images.reservations.size());
-  st.bytes_exported = s.images.bytes_exported;
-  st.bytes_imported = s.images.bytes_imported;
+  st.pages_reserved = s.images.reserved_pages();
+  st.reservations = static_cast<int64_t>(s.images.reservations().size());
+  st.bytes_exported = s.images.bytes_exported();
+  st.bytes_imported = s.images.bytes_imported();
   st.host_pages_total = s.host.pages.pages_total();
   st.host_pages_free = s.host.pages.free_count();
   st.host_pages_used = st.host_pages_total - st.host_pages_free;
@@ -106,13 +106,12 @@ KVCacheStats KVCache::Stats() const {
   st.prefix_hit_tokens_host = s.prefix_host.hit_tokens;
   st.events_pending = static_cast<int64_t>(s.prefix.events.pending());
   st.events_dropped = static_cast<int64_t>(s.prefix.events.dropped_total());
-  st.num_sequences = s.sequences.live;
+  st.num_sequences = s.sequences.live();
   st.pool_bytes = s.mem.pool.total_bytes;
   st.memory_available_at_create = s.mem.available_at_create;
   st.memory_budget_clamped = s.mem.budget_clamped;
   st.bytes_per_token = s.geometry.BytesPerToken() * s.options.num_layers;
-  for (size_t slot = 0; slot < s.sequences.all.size(); ++slot) {
-    const KVCacheState::Sequence& q = s.sequences.all[slot];
+  for (const KVCacheState::Sequence& q : s.sequences.slots()) {
     if (!q.live) continue;
     st.tokens_stored += q.length;
     st.sequences_swapped += q.swapped ? 1 : 0;
@@ -137,6 +136,7 @@ absl::Status KVCache::CheckInvariants() const {
   const KVCacheState& s = *state_;
   const int ps = s.geometry.page_size;
   FP4KV_RETURN_IF_ERROR(s.allocator.Validate());
+  FP4KV_RETURN_IF_ERROR(s.sequences.Validate());
   FP4KV_RETURN_IF_ERROR(s.CheckHostPrefix());
   constexpr char kCall[] = "KVCache::CheckInvariants";
   internal::HostVector<int32_t> refs;
@@ -151,7 +151,7 @@ absl::Status KVCache::CheckInvariants() const {
       return absl::InternalError(absl::StrCat("host page ", h, ": free twice or out of range"));
     }
   }
-  for (const auto& [rid, r] : s.images.reservations) {
+  for (const auto& [rid, r] : s.images.reservations()) {
     if (static_cast<int64_t>(r.pages.size()) != r.header.num_pages) {
       return absl::InternalError(absl::StrCat("reservation ", rid, ": holds ", r.pages.size(),
                                               " pages for an image of ", r.header.num_pages));
@@ -161,8 +161,7 @@ absl::Status KVCache::CheckInvariants() const {
   for (const KVCacheState::SwapOutCopy& c : s.retire.entries) {
     for (int32_t page : c.orphan) ++refs[page];
   }
-  for (size_t slot = 0; slot < s.sequences.all.size(); ++slot) {
-    const KVCacheState::Sequence& q = s.sequences.all[slot];
+  for (const KVCacheState::Sequence& q : s.sequences.slots()) {
     if (!q.live) continue;
     const SequenceId id = q.id;
     const int64_t want = CeilDiv(q.length, ps);

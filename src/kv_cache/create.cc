@@ -386,72 +386,15 @@ absl::Status InitStepSlots(const KVCacheOptions& o, const CreatePlan& p, KVCache
 
 // The global scales, flags and their host mirrors.
 absl::Status InitScales(const KVCacheOptions& o, const CreatePlan& p, KVCacheState* s) {
-  const CacheGeometry& g = p.g;
-  const StepLayout& sl = s->mem.step_layout;
   s->mem.d_step = s->mem.device_step.get();
-  s->scales.d_scales = reinterpret_cast<float*>(s->mem.d_step + sl.scales);
-  s->scales.d_flags = reinterpret_cast<int32_t*>(s->mem.d_step + sl.flags);
-  s->scales.d_calib = reinterpret_cast<uint32_t*>(s->mem.d_step + sl.calib);
-  s->scales.d_events = reinterpret_cast<uint64_t*>(s->mem.d_step + sl.events);
-  s->scales.d_old_scales = reinterpret_cast<float*>(s->mem.d_step + sl.old_scales);
-
-  // Scales: explicit ones are calibrated; a missing side starts pending with
-  // a placeholder (1.0) that only all-zero rows are ever stored under.
-  const int L = o.num_layers;
-  // [L, 4] and [L, 2]: L is bounded by the pools (and counted by
-  // PlanCapacity); through the helper like the other host tables.
-  HostVector<float> scales;
-  HostVector<int32_t> flags;
-  FP4KV_RETURN_IF_ERROR(SizeHost(&scales, 4 * int64_t{L}, 0.0f, kCall, "the global scales"));
-  FP4KV_RETURN_IF_ERROR(
-      SizeHost(&flags, 2 * int64_t{L}, int32_t{0}, kCall, "the calibration flags"));
-  for (int l = 0; l < L; ++l) {
-    const float k = o.k_global_scales.empty() ? 1.0f : o.k_global_scales[l];
-    const float v = o.v_global_scales.empty() ? 1.0f : o.v_global_scales[l];
-    absl::StatusOr<float> kf =
-        g.fp8_keys() ? absl::StatusOr<float>(MinFp8ScaleForFp8Keys(k)) : MinFp8Scale(k);
-    absl::StatusOr<float> vf = MinFp8Scale(v);
-    if (!kf.ok()) return kf.status();
-    if (!vf.ok()) return vf.status();
-    scales[4 * l + 0] = k;
-    scales[4 * l + 1] = v;
-    scales[4 * l + 2] = *kf;
-    scales[4 * l + 3] = *vf;
-    flags[2 * l + 0] = o.k_global_scales.empty() ? 0 : 1;
-    flags[2 * l + 1] = o.v_global_scales.empty() ? 0 : 1;
-  }
-  if (s->cuda) {
-    FP4KV_RETURN_IF_ERROR(s->scales.mapped_flags.Allocate(Kind::kPinnedMapped, 4 * 2 * L,
-                                                          "the mapped calibration flags"));
-    s->scales.h_flags = reinterpret_cast<int32_t*>(s->scales.mapped_flags.get());
-    void* dev_ptr = nullptr;
-    FP4KV_CUDA_RETURN_IF_ERROR(cudaHostGetDevicePointer(&dev_ptr, s->scales.h_flags, 0));
-    s->scales.h_flags_dev = static_cast<int32_t*>(dev_ptr);
-    std::memcpy(s->scales.h_flags, flags.data(), flags.size() * sizeof(int32_t));
-    FP4KV_CUDA_RETURN_IF_ERROR(cudaMemcpy(s->scales.d_scales, scales.data(),
-                                          scales.size() * sizeof(float), cudaMemcpyHostToDevice));
-    FP4KV_CUDA_RETURN_IF_ERROR(cudaMemcpy(s->scales.d_flags, flags.data(),
-                                          flags.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
-  } else {
-    std::memcpy(s->scales.d_scales, scales.data(), scales.size() * sizeof(float));
-    std::memcpy(s->scales.d_flags, flags.data(), flags.size() * sizeof(int32_t));
-    s->scales.h_flags = s->scales.d_flags;
-  }
-  s->scales.layer_append_serial.assign(L, 0);
-  s->scales.layer_captured.assign(L, 0);
-  s->scales.known_scales.assign(scales.begin(), scales.end());
-  s->scales.known.assign(L, 0);
-  for (int l = 0; l < L; ++l) s->scales.known[l] = flags[2 * l] != 0 && flags[2 * l + 1] != 0;
-  s->scales.layer_settled = s->scales.known;
-  return absl::OkStatus();
+  return s->scales.Init(o, p.g, s->mem.d_step, s->mem.step_layout, s->cuda);
 }
 
 // Images' reservation book and the step builder's scratch.
 absl::Status InitStepScratch(const KVCacheOptions& o, const CreatePlan& p, KVCacheState* s) {
   const CacheGeometry& g = p.g;
   const int S = o.max_seqs_per_step;
-  s->images.book = std::make_shared<ReservationBook>();
-  s->images.book->state = s;
+  s->images.Init(s);
 
   FP4KV_RETURN_IF_ERROR(SizeHost(&s->step.claim, g.num_pages, int32_t{0}, kCall,
                                  "the copy-on-write claims (one per page)"));

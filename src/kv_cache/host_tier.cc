@@ -136,7 +136,7 @@ absl::Status KVCacheState::OrderAfterSwapIn(const Sequence& q, Stream stream) co
 
 int64_t KVCacheState::SwappedTokens(SequenceId* any) const {
   int64_t n = 0;
-  for (const Sequence& q : sequences.all) {
+  for (const Sequence& q : sequences.slots()) {
     if (q.live && q.swapped && q.length > 0) {
       n += q.length;
       if (any != nullptr) *any = q.id;

@@ -158,14 +158,43 @@ absl::Status CheckImagePointer(const void* p, const char* name) {
 }
 
 void CancelReservation(KVCacheState& s, uint64_t id) {
-  auto it = s.images.reservations.find(id);
-  if (it == s.images.reservations.end()) return;
-  for (size_t j = it->second.pages.size(); j-- > 0;) s.allocator.Release(it->second.pages[j]);
-  s.images.reserved_pages -= static_cast<int64_t>(it->second.pages.size());
-  s.images.reservations.erase(it);
+  const std::vector<int32_t> pages = s.images.Take(id);
+  for (size_t j = pages.size(); j-- > 0;) s.allocator.Release(pages[j]);
 }
 
 }  // namespace
+}  // namespace internal
+
+namespace internal {
+void ImageState::Init(KVCacheState* state) {
+  book_ = std::make_shared<ReservationBook>();
+  book_->state = state;
+}
+
+void ImageState::Detach() {
+  if (book_ != nullptr) book_->state = nullptr;
+}
+
+uint64_t ImageState::Add(Reservation r) {
+  const uint64_t id = next_reservation_++;
+  reserved_pages_ += static_cast<int64_t>(r.pages.size());
+  reservations_.emplace(id, std::move(r));
+  return id;
+}
+
+ImageState::Reservation* ImageState::Find(uint64_t id) {
+  auto it = reservations_.find(id);
+  return it == reservations_.end() ? nullptr : &it->second;
+}
+
+std::vector<int32_t> ImageState::Take(uint64_t id) {
+  auto it = reservations_.find(id);
+  if (it == reservations_.end()) return {};
+  std::vector<int32_t> pages = std::move(it->second.pages);
+  reserved_pages_ -= static_cast<int64_t>(pages.size());
+  reservations_.erase(it);
+  return pages;
+}
 }  // namespace internal
 
 void ImportReservation::Drop() {
@@ -224,11 +253,11 @@ absl::Status KVCache::ExportSequence(SequenceId seq, void* dst, int64_t dst_byte
   const int64_t n = static_cast<int64_t>(q->pages.size());
   if (!s.cuda) {
     std::memcpy(out, header, sizeof(header));
-    std::memcpy(out + h.scales_offset, s.scales.d_scales, 16 * static_cast<size_t>(L));
-    std::memcpy(out + h.scales_offset + 16 * L, s.scales.d_flags, 8 * static_cast<size_t>(L));
+    std::memcpy(out + h.scales_offset, s.scales.d_scales(), 16 * static_cast<size_t>(L));
+    std::memcpy(out + h.scales_offset + 16 * L, s.scales.d_flags(), 8 * static_cast<size_t>(L));
     if (!tokens.empty()) std::memcpy(out + h.tokens_offset, tokens.data(), tokens.size());
     internal::ReferencePageCopy(internal::PoolToImage(s, h, out, q->pages.data(), n));
-    s.images.bytes_exported += h.image_bytes;
+    s.images.AddExported(h.image_bytes);
     return absl::OkStatus();
   }
   const cudaStream_t cs = reinterpret_cast<cudaStream_t>(stream);
@@ -245,9 +274,9 @@ absl::Status KVCache::ExportSequence(SequenceId seq, void* dst, int64_t dst_byte
     std::memcpy(out, header, sizeof(header));
     if (!tokens.empty()) std::memcpy(out + h.tokens_offset, tokens.data(), tokens.size());
   }
-  FP4KV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(out + h.scales_offset, s.scales.d_scales,
+  FP4KV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(out + h.scales_offset, s.scales.d_scales(),
                                              16 * static_cast<size_t>(L), cudaMemcpyDefault, cs));
-  FP4KV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(out + h.scales_offset + 16 * L, s.scales.d_flags,
+  FP4KV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(out + h.scales_offset + 16 * L, s.scales.d_flags(),
                                              8 * static_cast<size_t>(L), cudaMemcpyDefault, cs));
   if (n > 0) {
     if (kind == internal::MemKind::kPageable) {
@@ -261,7 +290,7 @@ absl::Status KVCache::ExportSequence(SequenceId seq, void* dst, int64_t dst_byte
       FP4KV_RETURN_IF_ERROR(internal::LaunchPageCopy(p, stream));
     }
   }
-  s.images.bytes_exported += h.image_bytes;
+  s.images.AddExported(h.image_bytes);
   return absl::OkStatus();
 }
 
@@ -320,11 +349,9 @@ absl::StatusOr<ImportReservation> KVCache::ReserveImport(const SequenceImageHead
   r.header = h;
   r.pages.reserve(static_cast<size_t>(n));  // n: pages MakeAvailable found in the pool
   for (int64_t i = 0; i < n; ++i) r.pages.push_back(s.allocator.Allocate());
-  const uint64_t id = s.images.next_reservation++;
-  s.images.reserved_pages += n;
-  s.images.reservations.emplace(id, std::move(r));
+  const uint64_t id = s.images.Add(std::move(r));
   ImportReservation out;
-  out.book_ = s.images.book;
+  out.book_ = s.images.book();
   out.id_ = id;
   out.header_ = h;
   return out;
@@ -333,8 +360,8 @@ absl::StatusOr<ImportReservation> KVCache::ReserveImport(const SequenceImageHead
 absl::Status KVCache::CancelImport(ImportReservation reservation) {
   FP4KV_KV_RETURN_IF_MOVED_FROM();
   KVCacheState& s = *state_;
-  if (reservation.id_ == 0 || reservation.book_.lock() != s.images.book ||
-      s.images.reservations.count(reservation.id_) == 0) {
+  if (reservation.id_ == 0 || reservation.book_.lock() != s.images.book() ||
+      s.images.Find(reservation.id_) == nullptr) {
     return absl::InvalidArgumentError(
         absl::StrCat("reservation: expected an open reservation of this cache, got id ",
                      reservation.id_, reservation.id_ == 0 ? " (empty)" : ""));
@@ -350,16 +377,16 @@ absl::StatusOr<SequenceId> KVCache::CommitImport(ImportReservation reservation, 
   FP4KV_KV_RETURN_IF_MOVED_FROM();
   KVCacheState& s = *state_;
   s.FlushIndex();
-  auto it = s.images.reservations.end();
-  if (reservation.id_ != 0 && reservation.book_.lock() == s.images.book) {
-    it = s.images.reservations.find(reservation.id_);
+  KVCacheState::Reservation* r = nullptr;
+  if (reservation.id_ != 0 && reservation.book_.lock() == s.images.book()) {
+    r = s.images.Find(reservation.id_);
   }
-  if (it == s.images.reservations.end()) {
+  if (r == nullptr) {
     return absl::InvalidArgumentError(
         absl::StrCat("reservation: expected an open reservation of this cache, got id ",
                      reservation.id_, reservation.id_ == 0 ? " (empty)" : ""));
   }
-  const SequenceImageHeader h = it->second.header;
+  const SequenceImageHeader h = r->header;
   const int L = s.options.num_layers;
   const int64_t n = h.num_pages;
   const int64_t ps = s.geometry.page_size;
@@ -403,7 +430,7 @@ absl::StatusOr<SequenceId> KVCache::CommitImport(ImportReservation reservation, 
   for (int l = 0; l < L; ++l) {
     const bool empty = s.TokensHeld(l) == 0 && !swapped_tokens;
     for (int kv = 0; kv < 2; ++kv) {
-      adopt[2 * l + kv] = empty && s.scales.h_flags[2 * l + kv] == 0;
+      adopt[2 * l + kv] = empty && s.scales.h_flags()[2 * l + kv] == 0;
       any_adopt |= adopt[2 * l + kv] != 0;
       any_kept |= adopt[2 * l + kv] == 0;
     }
@@ -422,10 +449,10 @@ absl::StatusOr<SequenceId> KVCache::CommitImport(ImportReservation reservation, 
       const size_t table = 16 * static_cast<size_t>(L);
       if (!s.cuda) {
         std::memcpy(image_scales.data(), in + h.scales_offset, table);
-        std::memcpy(target.data(), s.scales.d_scales, table);
+        std::memcpy(target.data(), s.scales.d_scales(), table);
       } else {
         FP4KV_CUDA_RETURN_IF_ERROR(
-            cudaMemcpyAsync(target.data(), s.scales.d_scales, table, cudaMemcpyDeviceToHost, cs));
+            cudaMemcpyAsync(target.data(), s.scales.d_scales(), table, cudaMemcpyDeviceToHost, cs));
         if (!host_image) {
           FP4KV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(image_scales.data(), in + h.scales_offset,
                                                      table, cudaMemcpyDeviceToHost, cs));
@@ -484,9 +511,7 @@ absl::StatusOr<SequenceId> KVCache::CommitImport(ImportReservation reservation, 
   }
 
   // Commit: the reserved pages become the sequence.
-  std::vector<int32_t> pages = std::move(it->second.pages);
-  s.images.reservations.erase(it);
-  s.images.reserved_pages -= n;
+  std::vector<int32_t> pages = s.images.Take(reservation.id_);
   reservation.id_ = 0;
   const SequenceId id = s.NewSequence();
   KVCacheState::Sequence& q = *s.Find(id);
@@ -511,9 +536,9 @@ absl::StatusOr<SequenceId> KVCache::CommitImport(ImportReservation reservation, 
   ap.image_scales = d_import;
   ap.image_flags = reinterpret_cast<const int32_t*>(d_import + 4 * L);
   ap.mask = d_mask;
-  ap.scales = s.scales.d_scales;
-  ap.flags = s.scales.d_flags;
-  ap.host_flags = s.cuda ? s.scales.h_flags_dev : nullptr;
+  ap.scales = s.scales.d_scales();
+  ap.flags = s.scales.d_flags();
+  ap.host_flags = s.cuda ? s.scales.h_flags_dev() : nullptr;
   ap.num_layers = L;
   internal::RequantizePagesParams rp;
   rp.pool = s.mem.pools.get();
@@ -526,7 +551,7 @@ absl::StatusOr<SequenceId> KVCache::CommitImport(ImportReservation reservation, 
   rp.num_pages = n;
   rp.num_layers = L;
   rp.src_scales = d_import;
-  rp.dst_scales = s.scales.d_scales;
+  rp.dst_scales = s.scales.d_scales();
   rp.recipe = s.options.recipe;
   rp.fp8_keys = s.geometry.fp8_keys();
   if (!s.cuda) {
@@ -539,7 +564,7 @@ absl::StatusOr<SequenceId> KVCache::CommitImport(ImportReservation reservation, 
     }
     internal::ReferencePageCopy(internal::ImageToPool(s, h, in, q.pages.data(), n));
     if (requantize) internal::ReferenceRequantizePages(rp);
-    s.images.bytes_imported += h.image_bytes;
+    s.images.AddImported(h.image_bytes);
     return id;
   }
   absl::Status st = absl::OkStatus();
@@ -580,7 +605,7 @@ absl::StatusOr<SequenceId> KVCache::CommitImport(ImportReservation reservation, 
     (void)ReleaseSequence(id);
     return absl::InternalError(absl::StrCat("CommitImport: ", st.message()));
   }
-  s.images.bytes_imported += h.image_bytes;
+  s.images.AddImported(h.image_bytes);
   return id;
 }
 

@@ -61,7 +61,7 @@ absl::StatusOr<SequenceId> KVCache::ImportHalfPages(absl::Span<const HalfPagedCa
     a.src_pages = TensorView::Contiguous(stand_in, DType::kI32, {n}, s.options.device);
     a.dst_pages = TensorView::Contiguous(stand_in + n, DType::kI32, {n}, s.options.device);
     a.num_tokens = length;
-    float* scales = s.scales.d_scales + 4 * l;
+    float* scales = s.scales.d_scales() + 4 * l;
     if (o.compute_scales) {
       a.k_scale_out = scales + 0;
       a.v_scale_out = scales + 1;
@@ -84,12 +84,12 @@ absl::StatusOr<SequenceId> KVCache::ImportHalfPages(absl::Span<const HalfPagedCa
     }
     if (o.compute_scales) {  // a pending layer: calibrate like a first append
       p->zero_first = false;
-      p->amax_bits[0] = s.scales.d_calib + 4 * l + 0;
-      p->amax_bits[1] = s.scales.d_calib + 4 * l + 1;
+      p->amax_bits[0] = s.scales.d_calib() + 4 * l + 0;
+      p->amax_bits[1] = s.scales.d_calib() + 4 * l + 1;
       p->fp8_out[0] = scales + 2;
       p->fp8_out[1] = scales + 3;
-      p->flags = s.scales.d_flags + 2 * l;
-      p->host_flags = s.cuda ? s.scales.h_flags_dev + 2 * l : nullptr;
+      p->flags = s.scales.d_flags() + 2 * l;
+      p->host_flags = s.cuda ? s.scales.h_flags_dev() + 2 * l : nullptr;
     }
     params[l] = *p;
   }

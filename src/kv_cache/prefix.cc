@@ -79,7 +79,7 @@ void KVCacheState::AdoptTokenIds(Sequence& q, const int32_t* ids) {
   if (!Calibrated()) q.chain.index_from = static_cast<size_t>(q.length / ps);
   if (q.length / ps > 0) {
     q.chain.queued = true;
-    prefix.unhashed.push_back(sequences.slot_of[q.id]);
+    prefix.unhashed.push_back(sequences.SlotOf(q));
   }
 }
 
@@ -94,7 +94,7 @@ void KVCacheState::AdvanceKnownIds(Sequence& q) {
   }
   if (c.ids_known / ps > before / ps && !c.queued) {
     c.queued = true;
-    prefix.unhashed.push_back(static_cast<uint32_t>(&q - sequences.all.data()));
+    prefix.unhashed.push_back(sequences.SlotOf(q));
   }
 }
 
@@ -147,7 +147,7 @@ void KVCacheState::ApplyPendingIds(uint64_t serial) {
 void KVCacheState::FlushIndex() {
   const int ps = geometry.page_size;
   for (uint32_t slot : prefix.unhashed) {
-    Sequence& q = sequences.all[slot];
+    Sequence& q = sequences.slots()[slot];
     TokenChain& c = q.chain;
     if (!c.queued) continue;
     c.queued = false;

@@ -25,15 +25,104 @@ absl::Status CheckScale(float v, const char* name, int layer) {
   return absl::OkStatus();
 }
 
+absl::Status ScaleState::Init(const KVCacheOptions& o, const CacheGeometry& g, uint8_t* d_step,
+                              const StepLayout& sl, bool cuda) {
+  constexpr char kCall[] = "KVCache::Create";
+  d_scales_ = reinterpret_cast<float*>(d_step + sl.scales);
+  d_flags_ = reinterpret_cast<int32_t*>(d_step + sl.flags);
+  d_calib_ = reinterpret_cast<uint32_t*>(d_step + sl.calib);
+  d_events_ = reinterpret_cast<uint64_t*>(d_step + sl.events);
+  d_old_scales_ = reinterpret_cast<float*>(d_step + sl.old_scales);
+  const int L = o.num_layers;
+  // [L, 4] and [L, 2]: L is bounded by the pools (and counted by
+  // PlanCapacity); through the helper like the other host tables.
+  HostVector<float> scales;
+  HostVector<int32_t> flags;
+  FP4KV_RETURN_IF_ERROR(SizeHost(&scales, 4 * int64_t{L}, 0.0f, kCall, "the global scales"));
+  FP4KV_RETURN_IF_ERROR(
+      SizeHost(&flags, 2 * int64_t{L}, int32_t{0}, kCall, "the calibration flags"));
+  for (int l = 0; l < L; ++l) {
+    const float k = o.k_global_scales.empty() ? 1.0f : o.k_global_scales[l];
+    const float v = o.v_global_scales.empty() ? 1.0f : o.v_global_scales[l];
+    absl::StatusOr<float> kf =
+        g.fp8_keys() ? absl::StatusOr<float>(MinFp8ScaleForFp8Keys(k)) : MinFp8Scale(k);
+    absl::StatusOr<float> vf = MinFp8Scale(v);
+    if (!kf.ok()) return kf.status();
+    if (!vf.ok()) return vf.status();
+    scales[4 * l + 0] = k;
+    scales[4 * l + 1] = v;
+    scales[4 * l + 2] = *kf;
+    scales[4 * l + 3] = *vf;
+    flags[2 * l + 0] = o.k_global_scales.empty() ? 0 : 1;
+    flags[2 * l + 1] = o.v_global_scales.empty() ? 0 : 1;
+  }
+  if (cuda) {
+    FP4KV_RETURN_IF_ERROR(mapped_flags_.Allocate(Memory::Kind::kPinnedMapped, 4 * 2 * L,
+                                                 "the mapped calibration flags"));
+    h_flags_ = reinterpret_cast<int32_t*>(mapped_flags_.get());
+    void* dev_ptr = nullptr;
+    FP4KV_CUDA_RETURN_IF_ERROR(cudaHostGetDevicePointer(&dev_ptr, h_flags_, 0));
+    h_flags_dev_ = static_cast<int32_t*>(dev_ptr);
+    std::memcpy(h_flags_, flags.data(), flags.size() * sizeof(int32_t));
+    FP4KV_CUDA_RETURN_IF_ERROR(cudaMemcpy(d_scales_, scales.data(), scales.size() * sizeof(float),
+                                          cudaMemcpyHostToDevice));
+    FP4KV_CUDA_RETURN_IF_ERROR(cudaMemcpy(d_flags_, flags.data(), flags.size() * sizeof(int32_t),
+                                          cudaMemcpyHostToDevice));
+  } else {
+    std::memcpy(d_scales_, scales.data(), scales.size() * sizeof(float));
+    std::memcpy(d_flags_, flags.data(), flags.size() * sizeof(int32_t));
+    h_flags_ = d_flags_;
+  }
+  append_serial_.assign(L, 0);
+  captured_.assign(L, 0);
+  known_scales_.assign(scales.begin(), scales.end());
+  known_.assign(L, 0);
+  for (int l = 0; l < L; ++l) known_[l] = flags[2 * l] != 0 && flags[2 * l + 1] != 0;
+  settled_ = known_;
+  return absl::OkStatus();
+}
+
+void ScaleState::RecordAppend(int layer, uint64_t serial, bool captured, bool tokens) {
+  if (captured) captured_[layer] = 1;
+  if (!tokens) return;
+  append_serial_[layer] = serial;
+  Settle(layer, 1);  // its calibration (if any) is enqueued before the append
+}
+
+void ScaleState::Settle(int first, int count) {
+  std::fill(settled_.begin() + first, settled_.begin() + first + count, 1);
+}
+
+bool ScaleState::AllSettled() {
+  if (all_settled_) return true;
+  for (uint8_t settled : settled_) {
+    if (settled == 0) return false;
+  }
+  all_settled_ = true;
+  return true;
+}
+
+void ScaleState::SetKnown(int first, int count, const float* vals) {
+  std::copy(vals, vals + 4 * count, known_scales_.begin() + 4 * first);
+  std::fill(known_.begin() + first, known_.begin() + first + count, 1);
+}
+
+bool ScaleState::Fingerprint(uint64_t* out) const {
+  for (uint8_t k : known_) {
+    if (k == 0) return false;
+  }
+  *out = XXH3_64bits(known_scales_.data(), known_scales_.size() * sizeof(float));
+  return true;
+}
+
 int64_t KVCacheState::TokensHeld(int layer) const {
   int64_t n = TokensResident();
-  if (scales.layer_append_serial[layer] != step.step_serial && !scales.layer_captured[layer])
-    n -= step.cur().info.num_tokens;
+  if (!scales.AppendedFor(layer, step.step_serial)) n -= step.cur().info.num_tokens;
   return n < 0 ? 0 : n;
 }
 
 bool KVCacheState::LayerPending(int layer) const {
-  const volatile int32_t* f = scales.h_flags + 2 * layer;
+  const volatile int32_t* f = scales.h_flags() + 2 * layer;
   return f[0] == 0 || f[1] == 0;
 }
 
@@ -60,10 +149,10 @@ absl::Status KVCacheState::CheckScaleChange(int layer, StoredTokens stored, bool
 
 absl::Status KVCacheState::SaveOldScales(int layer, Stream stream) {
   if (!cuda) {
-    std::memcpy(scales.d_old_scales + 2 * layer, scales.d_scales + 4 * layer, 2 * sizeof(float));
+    std::memcpy(scales.d_old_scales() + 2 * layer, scales.d_scales() + 4 * layer, 2 * sizeof(float));
     return absl::OkStatus();
   }
-  return CudaStatus(cudaMemcpyAsync(scales.d_old_scales + 2 * layer, scales.d_scales + 4 * layer,
+  return CudaStatus(cudaMemcpyAsync(scales.d_old_scales() + 2 * layer, scales.d_scales() + 4 * layer,
                                     2 * sizeof(float), cudaMemcpyDeviceToDevice,
                                     reinterpret_cast<cudaStream_t>(stream)),
                     "cudaMemcpyAsync(old scales)");
@@ -82,8 +171,8 @@ absl::Status KVCacheState::Reencode(int layer, Stream stream) const {
       p.blocks =
           mem.pool.regions[2 + kv].page_bytes * geometry.num_pages;  // one scale byte a block
     }
-    p.old_scale = scales.d_old_scales + 2 * layer + kv;
-    p.new_scale = scales.d_scales + 4 * layer + kv;
+    p.old_scale = scales.d_old_scales() + 2 * layer + kv;
+    p.new_scale = scales.d_scales() + 4 * layer + kv;
     p.recipe = options.recipe;
     if (!cuda) {
       ReferenceReencode(p);
@@ -98,41 +187,23 @@ absl::Status KVCacheState::MarkCalibrated(int first, int count, Stream stream) {
   std::vector<int32_t> ones(2 * static_cast<size_t>(count), 1);
   if (cuda) {
     FP4KV_CUDA_RETURN_IF_ERROR(
-        cudaMemcpyAsync(scales.d_flags + 2 * first, ones.data(), ones.size() * sizeof(int32_t),
+        cudaMemcpyAsync(scales.d_flags() + 2 * first, ones.data(), ones.size() * sizeof(int32_t),
                         cudaMemcpyHostToDevice, reinterpret_cast<cudaStream_t>(stream)));
   }
-  for (size_t i = 0; i < ones.size(); ++i) scales.h_flags[2 * first + i] = 1;
+  for (size_t i = 0; i < ones.size(); ++i) scales.h_flags()[2 * first + i] = 1;
   SettleLayers(first, count);
   return absl::OkStatus();
 }
 
-void KVCacheState::SettleLayers(int first, int count) {
-  std::fill(scales.layer_settled.begin() + first, scales.layer_settled.begin() + first + count, 1);
-}
+void KVCacheState::SettleLayers(int first, int count) { scales.Settle(first, count); }
 
 void KVCacheState::RecordAppend(int layer, uint64_t serial, bool captured, bool tokens) {
-  if (captured) scales.layer_captured[layer] = 1;
-  if (!tokens) return;
-  scales.layer_append_serial[layer] = serial;
-  SettleLayers(layer, 1);  // its calibration (if any) is enqueued before the append
+  scales.RecordAppend(layer, serial, captured, tokens);
 }
 
-bool KVCacheState::ScaleFingerprint(uint64_t* out) const {
-  for (uint8_t k : scales.known) {
-    if (k == 0) return false;
-  }
-  *out = XXH3_64bits(scales.known_scales.data(), scales.known_scales.size() * sizeof(float));
-  return true;
-}
+bool KVCacheState::ScaleFingerprint(uint64_t* out) const { return scales.Fingerprint(out); }
 
-bool KVCacheState::Calibrated() {
-  if (scales.all_calibrated) return true;
-  for (uint8_t settled : scales.layer_settled) {
-    if (settled == 0) return false;
-  }
-  scales.all_calibrated = true;
-  return true;
-}
+bool KVCacheState::Calibrated() { return scales.AllSettled(); }
 
 }  // namespace internal
 
@@ -194,11 +265,11 @@ absl::Status KVCache::UpdateGlobalScalesRange(int first, int count, const float*
   }
   if (s.cuda) {
     // From pageable memory: staged before the call returns.
-    FP4KV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(s.scales.d_scales + 4 * first, vals.data(),
+    FP4KV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(s.scales.d_scales() + 4 * first, vals.data(),
                                                vals.size() * sizeof(float), cudaMemcpyHostToDevice,
                                                reinterpret_cast<cudaStream_t>(stream)));
   } else {
-    std::memcpy(s.scales.d_scales + 4 * first, vals.data(), vals.size() * sizeof(float));
+    std::memcpy(s.scales.d_scales() + 4 * first, vals.data(), vals.size() * sizeof(float));
   }
   if (std::find(reencode.begin(), reencode.end(), 1) != reencode.end()) {
     // SwapIn copies still filling pages come first.
@@ -207,8 +278,7 @@ absl::Status KVCache::UpdateGlobalScalesRange(int first, int count, const float*
   for (int i = 0; i < count; ++i) {
     if (reencode[i]) FP4KV_RETURN_IF_ERROR(s.Reencode(first + i, stream));
   }
-  std::copy(vals.begin(), vals.end(), s.scales.known_scales.begin() + 4 * first);
-  std::fill(s.scales.known.begin() + first, s.scales.known.begin() + first + count, 1);
+  s.scales.SetKnown(first, count, vals.data());
   return s.MarkCalibrated(first, count, stream);
 }
 
@@ -261,8 +331,8 @@ absl::Status KVCache::CalibrateGlobalScales(int layer, const TensorView& k, cons
   if (s.cuda) FP4KV_RETURN_IF_ERROR(scoped.Set(s.options.device));
   s.ClearPrefixIndex();  // cached bytes are only valid under the old scales
   if (reencode) FP4KV_RETURN_IF_ERROR(s.SaveOldScales(layer, stream));
-  float* scales = s.scales.d_scales + 4 * layer;
-  s.scales.known[layer] = 0;  // computed on the device
+  float* scales = s.scales.d_scales() + 4 * layer;
+  s.scales.Forget(layer);  // computed on the device
   // FP8 keys: g_k = MakeFp8KeyScale(amax), k_fp8 = g_k (the same reduction).
   FP4KV_RETURN_IF_ERROR(s.geometry.fp8_keys()
                             ? calibrator.RunFp8Key(k, nullptr, scales + 0, stream, scales + 2)
@@ -283,14 +353,14 @@ absl::StatusOr<LayerScales> KVCache::ReadScales(int layer, Stream stream) const 
     internal::ScopedDevice scoped;
     FP4KV_RETURN_IF_ERROR(scoped.Set(s.options.device));
     const cudaStream_t cs = reinterpret_cast<cudaStream_t>(stream);
-    FP4KV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(vals, s.scales.d_scales + 4 * layer, sizeof(vals),
+    FP4KV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(vals, s.scales.d_scales() + 4 * layer, sizeof(vals),
                                                cudaMemcpyDeviceToHost, cs));
-    FP4KV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(flags, s.scales.d_flags + 2 * layer, sizeof(flags),
+    FP4KV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(flags, s.scales.d_flags() + 2 * layer, sizeof(flags),
                                                cudaMemcpyDeviceToHost, cs));
     FP4KV_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(cs));
   } else {
-    std::memcpy(vals, s.scales.d_scales + 4 * layer, sizeof(vals));
-    std::memcpy(flags, s.scales.d_flags + 2 * layer, sizeof(flags));
+    std::memcpy(vals, s.scales.d_scales() + 4 * layer, sizeof(vals));
+    std::memcpy(flags, s.scales.d_flags() + 2 * layer, sizeof(flags));
   }
   LayerScales r;
   r.k = vals[0];
@@ -322,10 +392,10 @@ absl::StatusOr<ScaleEventCounts> KVCache::ReadScaleEvents(int layer, Stream stre
     FP4KV_RETURN_IF_ERROR(scoped.Set(s.options.device));
     const cudaStream_t cs = reinterpret_cast<cudaStream_t>(stream);
     FP4KV_CUDA_RETURN_IF_ERROR(
-        cudaMemcpyAsync(c, s.scales.d_events + 4 * layer, sizeof(c), cudaMemcpyDeviceToHost, cs));
+        cudaMemcpyAsync(c, s.scales.d_events() + 4 * layer, sizeof(c), cudaMemcpyDeviceToHost, cs));
     FP4KV_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(cs));
   } else {
-    std::memcpy(c, s.scales.d_events + 4 * layer, sizeof(c));
+    std::memcpy(c, s.scales.d_events() + 4 * layer, sizeof(c));
   }
   return ScaleEventCounts{c[0], c[1], c[2], c[3]};
 }
@@ -339,23 +409,23 @@ absl::Status KVCache::ResetScaleEvents(Stream stream) {
   }
   const size_t bytes = 4 * sizeof(uint64_t) * static_cast<size_t>(s.options.num_layers);
   if (!s.cuda) {
-    std::memset(s.scales.d_events, 0, bytes);
+    std::memset(s.scales.d_events(), 0, bytes);
     return absl::OkStatus();
   }
   internal::ScopedDevice scoped;
   FP4KV_RETURN_IF_ERROR(scoped.Set(s.options.device));
   return internal::CudaStatus(
-      cudaMemsetAsync(s.scales.d_events, 0, bytes, reinterpret_cast<cudaStream_t>(stream)),
+      cudaMemsetAsync(s.scales.d_events(), 0, bytes, reinterpret_cast<cudaStream_t>(stream)),
       "cudaMemsetAsync(scale events)");
 }
 
 const float* KVCache::global_scale_ptr(int layer, int kv) const {
   if (state_ == nullptr || !state_->CheckLayer(layer).ok()) return nullptr;
-  return state_->scales.d_scales + 4 * layer + (kv != 0 ? 1 : 0);
+  return state_->scales.d_scales() + 4 * layer + (kv != 0 ? 1 : 0);
 }
 const float* KVCache::fp8_scale_ptr(int layer, int kv) const {
   if (state_ == nullptr || !state_->CheckLayer(layer).ok()) return nullptr;
-  return state_->scales.d_scales + 4 * layer + 2 + (kv != 0 ? 1 : 0);
+  return state_->scales.d_scales() + 4 * layer + 2 + (kv != 0 ? 1 : 0);
 }
 
 }  // namespace fp4kv

@@ -22,16 +22,79 @@ absl::Status KVCacheState::CheckLayer(int layer) const {
   return absl::OkStatus();
 }
 
-Sequence* KVCacheState::Find(SequenceId id) {
-  auto it = sequences.slot_of.find(id);
-  if (it == sequences.slot_of.end()) return nullptr;
-  Sequence& s = sequences.all[it->second];
+Sequence* SequenceTable::Find(SequenceId id) {
+  auto it = slot_of_.find(id);
+  if (it == slot_of_.end()) return nullptr;
+  Sequence& s = all_[it->second];
   return s.live && s.id == id ? &s : nullptr;
 }
 
-const Sequence* KVCacheState::Find(SequenceId id) const {
-  return const_cast<KVCacheState*>(this)->Find(id);
+const Sequence* SequenceTable::Find(SequenceId id) const {
+  return const_cast<SequenceTable*>(this)->Find(id);
 }
+
+Sequence& SequenceTable::Add() {
+  uint32_t slot;
+  if (!free_slots_.empty()) {
+    slot = free_slots_.back();
+    free_slots_.pop_back();
+  } else {
+    slot = static_cast<uint32_t>(all_.size());
+    all_.emplace_back();
+  }
+  Sequence& q = all_[slot];
+  q.live = true;
+  q.length = 0;
+  q.pages.clear();
+  q.priority = 0;
+  ++q.epoch;
+  ++live_;
+  q.id = next_id_++;
+  slot_of_.emplace(q.id, slot);
+  return q;
+}
+
+void SequenceTable::Remove(Sequence& q) {
+  q.pages.clear();  // keeps the capacity for the next sequence in this slot
+  q.chain.Reset(false, {});
+  q.length = 0;
+  q.live = false;
+  free_slots_.push_back(SlotOf(q));
+  slot_of_.erase(q.id);
+  q.id = 0;
+  --live_;
+}
+
+absl::Status SequenceTable::Validate() const {
+  int64_t live = 0;
+  for (size_t slot = 0; slot < all_.size(); ++slot) {
+    const Sequence& q = all_[slot];
+    if (!q.live) continue;
+    ++live;
+    auto it = slot_of_.find(q.id);
+    if (q.id <= 0 || q.id >= next_id_ || it == slot_of_.end() || it->second != slot) {
+      return absl::InternalError(
+          absl::StrCat("sequence slot ", slot, ": live id ", q.id, " is not mapped to it"));
+    }
+  }
+  if (live != live_ || static_cast<int64_t>(slot_of_.size()) != live ||
+      all_.size() != static_cast<size_t>(live) + free_slots_.size()) {
+    return absl::InternalError(absl::StrCat("sequences: ", live, " live records, count ", live_,
+                                            ", ", slot_of_.size(), " ids mapped, ",
+                                            free_slots_.size(), " free of ", all_.size(),
+                                            " slots"));
+  }
+  for (uint32_t slot : free_slots_) {
+    if (slot >= all_.size() || all_[slot].live) {
+      return absl::InternalError(absl::StrCat("sequences: free slot ", slot, " is live"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+Sequence* KVCacheState::Find(SequenceId id) { return sequences.Find(id); }
+
+const Sequence* KVCacheState::Find(SequenceId id) const { return sequences.Find(id); }
 
 absl::Status KVCacheState::Unknown(const char* name, SequenceId id) {
   return absl::NotFoundError(
@@ -63,14 +126,14 @@ int64_t KVCacheState::TokensResident() const {
     int64_t fill = 0;
   };
   std::unordered_map<int32_t, Partial> partial;
-  for (const Sequence& q : sequences.all) {
+  for (const Sequence& q : sequences.slots()) {
     if (!q.live || q.length % ps == 0 || q.pages.empty()) continue;
     Partial& p = partial[q.pages.back()];
     ++p.owners;
     p.fill = std::max<int64_t>(p.fill, q.length % ps);
   }
   // Retiring pages (two or more step slots) hold no tokens of anyone.
-  int64_t n = (allocator.used_count() - images.reserved_pages - PagesRetiring() -
+  int64_t n = (allocator.used_count() - images.reserved_pages() - PagesRetiring() -
                static_cast<int64_t>(partial.size())) *
               ps;
   for (const auto& [page, p] : partial) n += p.owners < allocator.RefCount(page) ? ps : p.fill;
@@ -88,25 +151,8 @@ void KVCacheState::ReleasePages(Sequence& q) {
 namespace internal {
 
 SequenceId KVCacheState::NewSequence() {
-  KVCacheState& s = *this;
-  uint32_t slot;
-  if (!s.sequences.free_slots.empty()) {
-    slot = s.sequences.free_slots.back();
-    s.sequences.free_slots.pop_back();
-  } else {
-    slot = static_cast<uint32_t>(s.sequences.all.size());
-    s.sequences.all.emplace_back();
-  }
-  KVCacheState::Sequence& q = s.sequences.all[slot];
-  q.live = true;
-  q.length = 0;
-  q.pages.clear();
-  q.chain.Reset(s.prefix.enabled, {});
-  q.priority = 0;
-  ++q.epoch;
-  ++s.sequences.live;
-  q.id = s.sequences.next_id++;
-  s.sequences.slot_of.emplace(q.id, slot);
+  Sequence& q = sequences.Add();
+  q.chain.Reset(prefix.enabled, {});
   return q.id;
 }
 
@@ -173,14 +219,7 @@ absl::Status KVCache::ReleaseSequence(SequenceId seq) {
   // Last page first (DropPages): of pages that become cached, the deepest
   // is evicted first.
   s.DropPages(q->pages.data(), q->pages.size(), q->priority);
-  q->pages.clear();  // keeps the capacity for the next sequence in this slot
-  q->chain.Reset(false, {});
-  q->length = 0;
-  q->live = false;
-  q->id = 0;
-  s.sequences.free_slots.push_back(s.sequences.slot_of[seq]);
-  s.sequences.slot_of.erase(seq);
-  --s.sequences.live;
+  s.sequences.Remove(*q);
   return absl::OkStatus();
 }
 
@@ -255,8 +294,8 @@ absl::Status KVCache::ReadSequence(int layer, SequenceId seq, const TensorView& 
   DequantArgs a;
   a.k_out = batched(k_out);
   a.v_out = batched(v_out);
-  a.k_scale = GlobalScale::Pointer(s.scales.d_scales + 4 * layer + 0);
-  a.v_scale = GlobalScale::Pointer(s.scales.d_scales + 4 * layer + 1);
+  a.k_scale = GlobalScale::Pointer(s.scales.d_scales() + 4 * layer + 0);
+  a.v_scale = GlobalScale::Pointer(s.scales.d_scales() + 4 * layer + 1);
   const Device dev = s.options.device;
   int32_t* d_table = reinterpret_cast<int32_t*>(s.mem.d_step + s.mem.step_layout.readback);
   int32_t* d_len = d_table + s.options.max_pages_per_seq;

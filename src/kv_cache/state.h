@@ -57,13 +57,38 @@ struct Sequence {
 };
 
 // The sequences (owner: sequences.cc). Ids count up from 1 and are never
-// reused; slot_of maps a live id to its slot in `all`.
-struct SequenceTable {
-  std::vector<Sequence> all;
-  std::vector<uint32_t> free_slots;
-  SequenceId next_id = 1;
-  std::unordered_map<SequenceId, uint32_t> slot_of;
-  int64_t live = 0;
+// reused; a live sequence keeps its slot (its index in slots()) until it is
+// released, and a released slot is reused by a later sequence. The table
+// keeps the id -> slot map and the counts; the records themselves are
+// changed by the units named on Sequence.
+class SequenceTable {
+ public:
+  // The live sequence `id`, or null.
+  Sequence* Find(SequenceId id);
+  const Sequence* Find(SequenceId id) const;
+  // A new live sequence (length 0, no pages, priority 0, epoch bumped) in a
+  // free slot or a new one; may move the records (look others up again).
+  Sequence& Add();
+  // Frees the slot of live sequence q, whose pages the caller dropped.
+  void Remove(Sequence& q);
+  // The slot of q (a record of this table).
+  uint32_t SlotOf(const Sequence& q) const {
+    return static_cast<uint32_t>(&q - all_.data());
+  }
+  // Every slot, live or free (q.live tells).
+  absl::Span<Sequence> slots() { return absl::MakeSpan(all_); }
+  absl::Span<const Sequence> slots() const { return all_; }
+  int64_t live() const { return live_; }
+  // Every live record is mapped from its id, every mapped id is live, the
+  // count agrees and the free slots are exactly the others.
+  absl::Status Validate() const;
+
+ private:
+  std::vector<Sequence> all_;
+  std::vector<uint32_t> free_slots_;
+  SequenceId next_id_ = 1;
+  std::unordered_map<SequenceId, uint32_t> slot_of_;
+  int64_t live_ = 0;
 };
 
 // Pools and step buffers as allocated (owner: create.cc; fixed after Create).
@@ -140,33 +165,72 @@ struct StepState {
   HostVector<int32_t> cow_dst;
 };
 
-// Global scales and their bookkeeping (owner: scales.cc; the bound appender
-// records its launches, hence the mutable members).
-struct ScaleState {
-  float* d_scales = nullptr;       // [L, 4]: K global, V global, K fp8, V fp8
-  int32_t* d_flags = nullptr;      // [L, 2]: K, V calibrated
-  uint32_t* d_calib = nullptr;     // [L, 4]: calibration scratch (zero between launches)
-  uint64_t* d_events = nullptr;    // [L, 4]: scale-event counters
-  float* d_old_scales = nullptr;   // [L, 2]: scales before a re-encode
-  Memory mapped_flags;             // CUDA: [L, 2] host-visible mirror of d_flags
-  int32_t* h_flags = nullptr;      // the mirror (CPU: d_flags itself)
-  int32_t* h_flags_dev = nullptr;  // its device address (CUDA), for the kernel
+// Global scales and their bookkeeping (owner: scales.cc). The device
+// buffers live in the cache's step block (fixed after Init); the host's
+// bookkeeping changes only through the methods below.
+class ScaleState {
+ public:
+  // Create: points the buffers into the step block `d_step` (layout sl),
+  // writes the scales and flags of the options (explicit scales are
+  // calibrated; a missing side starts pending with a placeholder 1.0 that
+  // only all-zero rows are ever stored under) and maps the flags' host
+  // mirror (CUDA).
+  absl::Status Init(const KVCacheOptions& o, const CacheGeometry& g, uint8_t* d_step,
+                    const StepLayout& sl, bool cuda);
+
+  float* d_scales() const { return d_scales_; }          // [L, 4]: K global, V global, K fp8, V fp8
+  int32_t* d_flags() const { return d_flags_; }          // [L, 2]: K, V calibrated
+  uint32_t* d_calib() const { return d_calib_; }         // [L, 4]: calibration scratch (zero between launches)
+  uint64_t* d_events() const { return d_events_; }       // [L, 4]: scale-event counters
+  float* d_old_scales() const { return d_old_scales_; }  // [L, 2]: scales before a re-encode
+  int32_t* h_flags() const { return h_flags_; }          // the host mirror of d_flags (CPU: d_flags)
+  int32_t* h_flags_dev() const { return h_flags_dev_; }  // its device address (CUDA), for the kernel
+
+  // An appender Run of `layer` for the step `serial` (see
+  // KVCacheState::RecordAppend).
+  void RecordAppend(int layer, uint64_t serial, bool captured, bool tokens);
+  // Whether the latest append of `layer` was for step `serial` or was
+  // captured into a graph (its tokens then count as held).
+  bool AppendedFor(int layer, uint64_t serial) const {
+    return append_serial_[layer] == serial || captured_[layer] != 0;
+  }
+  // Marks layers [first, first + count) settled.
+  void Settle(int first, int count);
+  // Whether every layer is settled (sticky once true).
+  bool AllSettled();
+  // Scales [first, first + count) given by the host (vals: [count, 4]).
+  void SetKnown(int first, int count, const float* vals);
+  // The host no longer knows layer l's scales (computed on the device, or
+  // adopted from an import).
+  void Forget(int l) { known_[l] = 0; }
+  // xxh3 of the scales when the host knows every layer's; false otherwise.
+  bool Fingerprint(uint64_t* out) const;
+
+ private:
+  float* d_scales_ = nullptr;
+  int32_t* d_flags_ = nullptr;
+  uint32_t* d_calib_ = nullptr;
+  uint64_t* d_events_ = nullptr;
+  float* d_old_scales_ = nullptr;
+  Memory mapped_flags_;  // CUDA: [L, 2] host-visible mirror of d_flags
+  int32_t* h_flags_ = nullptr;
+  int32_t* h_flags_dev_ = nullptr;
   // Scale-change bookkeeping (see KVCache::LayerTokens), written by the
   // bound appender's Run through KVCacheState::RecordAppend.
-  std::vector<uint64_t> layer_append_serial;  // [L] step of the last append
-  std::vector<uint8_t> layer_captured;        // [L] an append was captured
+  std::vector<uint64_t> append_serial_;  // [L] step of the last append
+  std::vector<uint8_t> captured_;        // [L] an append was captured
   // The host's view of calibration, a function of the calls alone (never of
   // the mapped flags, which the device writes when it gets there): a layer is
   // settled once its scales were given (at Create, UpdateGlobalScales,
   // CalibrateGlobalScales) or a call wrote tokens into it (an appender run of
   // a step with tokens, an import). It gates prefix indexing (Calibrated());
   // docs/kv_cache.md, "Tensor parallelism: decisions are a function of the calls".
-  std::vector<uint8_t> layer_settled;  // [L]
-  bool all_calibrated = false;          // sticky: every layer settled
-  // Scales the host knows ([L, 4] as d_scales; known[l]: given at Create or
+  std::vector<uint8_t> settled_;  // [L]
+  bool all_settled_ = false;      // sticky: every layer settled
+  // Scales the host knows ([L, 4] as d_scales; known_[l]: given at Create or
   // by UpdateGlobalScales, not computed on the device since).
-  std::vector<float> known_scales;
-  std::vector<uint8_t> known;
+  std::vector<float> known_scales_;
+  std::vector<uint8_t> known_;
 };
 
 // The prefix index beside the page pool (owner: prefix.cc).
@@ -231,18 +295,41 @@ struct ReservationBook {
   KVCacheState* state = nullptr;
 };
 
-// Export and import (owner: images.cc).
-struct ImageState {
+// Export and import (owner: images.cc): the open import reservations (each
+// holds its pages allocated, counted in reserved_pages()) and the byte
+// counters.
+class ImageState {
+ public:
   struct Reservation {
     SequenceImageHeader header;
     std::vector<int32_t> pages;
   };
-  std::shared_ptr<ReservationBook> book;
-  std::unordered_map<uint64_t, Reservation> reservations;
-  uint64_t next_reservation = 1;
-  int64_t reserved_pages = 0;
-  mutable int64_t bytes_exported = 0;
-  int64_t bytes_imported = 0;
+  // Create: the book the reservation handles of `state` point at.
+  void Init(KVCacheState* state);
+  // Destruction of the state: the handles' book forgets it.
+  void Detach();
+  const std::shared_ptr<ReservationBook>& book() const { return book_; }
+  // Opens reservation r; returns its id (never 0).
+  uint64_t Add(Reservation r);
+  // The open reservation `id` (null: none).
+  Reservation* Find(uint64_t id);
+  // Closes reservation `id` and returns its pages (the caller releases or
+  // adopts them); empty when none is open.
+  std::vector<int32_t> Take(uint64_t id);
+  int64_t reserved_pages() const { return reserved_pages_; }
+  const std::unordered_map<uint64_t, Reservation>& reservations() const { return reservations_; }
+  void AddExported(int64_t bytes) const { bytes_exported_ += bytes; }
+  void AddImported(int64_t bytes) { bytes_imported_ += bytes; }
+  int64_t bytes_exported() const { return bytes_exported_; }
+  int64_t bytes_imported() const { return bytes_imported_; }
+
+ private:
+  std::shared_ptr<ReservationBook> book_;
+  std::unordered_map<uint64_t, Reservation> reservations_;
+  uint64_t next_reservation_ = 1;
+  int64_t reserved_pages_ = 0;
+  mutable int64_t bytes_exported_ = 0;  // ExportSequence is const
+  int64_t bytes_imported_ = 0;
 };
 
 // The retire list (owner: retire.cc). SwapOut copies in flight are entries
@@ -349,7 +436,7 @@ class KVCacheState {
 
   // The host no longer knows layer l's scales (they come from the device:
   // an import that adopted them).
-  void ForgetKnownScales(int l) { scales.known[l] = 0; }
+  void ForgetKnownScales(int l) { scales.Forget(l); }
 
   // Marks layers [first, first + count) settled (ScaleState::layer_settled).
   void SettleLayers(int first, int count);
