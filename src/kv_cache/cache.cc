@@ -78,7 +78,7 @@ KVCacheStats KVCache::Stats() const {
   st.host_pages_free = s.host.pages.free_count();
   st.host_pages_used = st.host_pages_total - st.host_pages_free;
   st.host_bytes = s.host.pages.pages_total() > 0 ? s.host.pages.layout().total_bytes : 0;
-  for (const KVCacheState::SwapOutCopy& c : s.retire.entries) st.swaps_in_flight += c.event >= 0;
+  for (const KVCacheState::SwapOutCopy& c : s.retire.entries()) st.swaps_in_flight += c.event >= 0;
   st.pages_retiring = s.PagesRetiring();
   for (const auto& p : s.prefix.pending_ids) st.token_ids_pending += p.count;
   st.token_ids_dropped = s.prefix.ids_dropped;
@@ -158,7 +158,7 @@ absl::Status KVCache::CheckInvariants() const {
     }
     for (int32_t page : r.pages) ++refs[page];
   }
-  for (const KVCacheState::SwapOutCopy& c : s.retire.entries) {
+  for (const KVCacheState::SwapOutCopy& c : s.retire.entries()) {
     for (int32_t page : c.orphan) ++refs[page];
   }
   for (const KVCacheState::Sequence& q : s.sequences.slots()) {

@@ -324,10 +324,7 @@ absl::Status InitStepSlots(const KVCacheOptions& o, const CreatePlan& p, KVCache
   const int M = p.max_pages_per_seq;
   const StepLayout& sl = s->mem.step_layout;
   const int N = o.step_slots;
-  if (N > 1) {
-    FP4KV_RETURN_IF_ERROR(SizeHost(&s->retire.ready, g.num_pages, uint64_t{0}, kCall,
-                                   "the retire serial of every page"));
-  }
+  FP4KV_RETURN_IF_ERROR(s->retire.Init(N > 1, g.num_pages));
   s->step.slots.resize(N);
   s->mem.slot_device.resize(N);
   s->mem.slot_staging.resize(N);

@@ -105,12 +105,8 @@ void KVCacheState::ReleaseSwapped(Sequence& q) {
   q.swapped = false;
   if (q.pages.empty()) return;
   // Its copy is in flight: the pages go when it is done.
-  for (SwapOutCopy& c : retire.entries) {
-    if (c.seq == q.id) {
-      c.seq = 0;
-      c.orphan.assign(q.pages.rbegin(), q.pages.rend());  // dropped last page first
-    }
-  }
+  const std::vector<int32_t> orphan(q.pages.rbegin(), q.pages.rend());  // dropped last page first
+  retire.DetachSwapOut(q.id, &orphan);
   q.pages.clear();
 }
 
@@ -206,12 +202,8 @@ absl::Status KVCache::SwapOut(SequenceId seq, Stream stream) {
   if (q->chain.tracked) q->chain.Untrack();
   s.host.bytes_swapped_out += n * s.PageBytesAllLayers();
   if (event >= 0) {
-    KVCacheState::SwapOutCopy c;  // see PollSwaps
-    c.event = event;
-    c.seq = seq;
-    c.serial = s.step.step_serial;
-    c.ready = s.step.step_serial + static_cast<uint64_t>(std::max(2, s.options.step_slots));
-    s.retire.entries.push_back(std::move(c));
+    s.retire.AddSwapOut(event, seq, s.step.serial(),
+                        s.step.serial() + static_cast<uint64_t>(std::max(2, s.options.step_slots)));
   } else {
     s.ReleasePages(*q);
   }
@@ -233,9 +225,7 @@ absl::Status KVCache::SwapIn(SequenceId seq, Stream stream) {
     // Its copy to the host is still in flight: the device pages still hold
     // the data, so keep them; the host pages are only ever rewritten by
     // later copies on the copy stream, which come after this one.
-    for (KVCacheState::SwapOutCopy& c : s.retire.entries) {
-      if (c.seq == seq) c.seq = 0;
-    }
+    s.retire.DetachSwapOut(seq, nullptr);
     for (int32_t h : q->host_pages) s.host.pages.Give(h);
     q->host_pages.clear();
     q->swapped = false;

@@ -93,7 +93,7 @@ absl::StatusOr<SequenceId> KVCache::ImportHalfPages(absl::Span<const HalfPagedCa
     }
     params[l] = *p;
   }
-  if (n > s.allocator.available_count() && !s.retire.entries.empty()) {
+  if (n > s.allocator.available_count() && !s.retire.empty()) {
     FP4KV_RETURN_IF_ERROR(s.WaitSwapOuts());
   }
   if (n > s.allocator.available_count()) {

@@ -361,7 +361,7 @@ absl::Status KVCache::SetTokenIds(SequenceId seq, int64_t first_position, const 
   // Applied by PrepareStep step_serial + max(2, step_slots): by then the
   // step that follows this call's stream work has completed (or its slot
   // was waited for), so the wait for the copy is normally no wait.
-  p.ready = s.step.step_serial + std::max(2, s.options.step_slots);
+  p.ready = s.step.serial() + std::max(2, s.options.step_slots);
   p.event = e;
   pend.push_back(p);
   return absl::OkStatus();

@@ -217,7 +217,7 @@ absl::Status KVCacheState::PromoteInto(Sequence& q, absl::Span<const int32_t> pr
     return absl::OkStatus();
   }
   const int64_t n = static_cast<int64_t>(src.size());
-  const Stream stream = step.step_serial > 0 ? step.cur().stream : nullptr;
+  const Stream stream = step.serial() > 0 ? step.cur().stream : nullptr;
   absl::Status st = DemoteForAllocation(n, stream, /*writes_on_copy_stream=*/cuda);
   for (int64_t i = 0; i < n; ++i) dst.push_back(allocator.Allocate());
   int event = -1;  // of the latest batch enqueued: it covers the earlier ones

@@ -11,6 +11,39 @@
 namespace fp4kv {
 namespace internal {
 
+absl::Status RetireState::Init(bool per_page, int64_t num_pages) {
+  if (!per_page) return absl::OkStatus();
+  return SizeHost(&ready_, num_pages, uint64_t{0}, "KVCache::Create",
+                  "the retire serial of every page");
+}
+
+RetireEntry& RetireState::Hold(uint64_t ready, uint64_t serial) {
+  if (entries_.empty() || !entries_.back().step_pages() || entries_.back().ready != ready) {
+    RetireEntry r;
+    r.serial = serial;
+    r.ready = ready;
+    entries_.push_back(std::move(r));
+  }
+  return entries_.back();
+}
+
+void RetireState::AddSwapOut(int event, SequenceId seq, uint64_t serial, uint64_t ready) {
+  RetireEntry c;  // see KVCacheState::PollSwaps
+  c.event = event;
+  c.seq = seq;
+  c.serial = serial;
+  c.ready = ready;
+  entries_.push_back(std::move(c));
+}
+
+void RetireState::DetachSwapOut(SequenceId seq, const std::vector<int32_t>* orphan) {
+  for (RetireEntry& c : entries_) {
+    if (c.seq != seq) continue;
+    c.seq = 0;
+    if (orphan != nullptr) c.orphan = *orphan;
+  }
+}
+
 void KVCacheState::FinishOut(SwapOutCopy& c) {
   if (c.seq != 0) {
     Sequence* q = Find(c.seq);
@@ -29,11 +62,11 @@ void KVCacheState::DropPages(const int32_t* pages, size_t n, int priority) {
   const int slots = options.step_slots;
   RetireEntry* e = nullptr;
   // Last page first: of pages that become cached, the deepest is evicted first.
-  const uint64_t ready = step.step_serial + static_cast<uint64_t>(slots);
+  const uint64_t ready = step.serial() + static_cast<uint64_t>(slots);
   for (size_t j = n; j-- > 0;) {
     const int32_t page = pages[j];
     allocator.RaisePriority(page, priority);
-    if (slots > 1) retire.ready[page] = ready;  // extends an entry that holds it
+    if (slots > 1) retire.SetReady(page, ready);  // extends an entry that holds it
     if (slots == 1 || allocator.RefCount(page) > 1) {
       allocator.Release(page);
       continue;
@@ -46,70 +79,51 @@ void KVCacheState::DropPages(const int32_t* pages, size_t n, int priority) {
 }
 
 RetireEntry& KVCacheState::HoldEntry(uint64_t ready) {
-  if (retire.entries.empty() || !retire.entries.back().step_pages() ||
-      retire.entries.back().ready != ready) {
-    RetireEntry r;
-    r.serial = step.step_serial;
-    r.ready = ready;
-    retire.entries.push_back(std::move(r));
-  }
-  return retire.entries.back();
+  return retire.Hold(ready, step.serial());
 }
 
 void KVCacheState::PollSwaps(bool in_prepare) {
-  size_t kept = 0;
   std::vector<int32_t> later;  // pages dropped again since their entry was made
-  for (size_t k = 0; k < retire.entries.size(); ++k) {
-    SwapOutCopy& c = retire.entries[k];
-    const uint64_t now = step.step_serial + (in_prepare && c.step_pages() ? 1 : 0);
-    if (c.ready <= now) {
-      if (c.event >= 0 && !copy.Wait(c.event).ok()) (void)cudaGetLastError();
-      if (c.step_pages()) {
-        size_t w = 0;
-        for (int32_t page : c.orphan) {
-          if (retire.ready[page] > now) {
-            later.push_back(page);
-          } else {
-            c.orphan[w++] = page;
-          }
+  retire.Sweep([&](SwapOutCopy& c) {
+    const uint64_t now = step.serial() + (in_prepare && c.step_pages() ? 1 : 0);
+    if (c.ready > now) return false;
+    if (c.event >= 0 && !copy.Wait(c.event).ok()) (void)cudaGetLastError();
+    if (c.step_pages()) {
+      size_t w = 0;
+      for (int32_t page : c.orphan) {
+        if (retire.ready(page) > now) {
+          later.push_back(page);
+        } else {
+          c.orphan[w++] = page;
         }
-        c.orphan.resize(w);
       }
-      FinishOut(c);
-    } else {
-      if (kept != k) retire.entries[kept] = std::move(c);
-      ++kept;
+      c.orphan.resize(w);
     }
-  }
-  retire.entries.resize(kept);
-  for (int32_t page : later) HoldEntry(retire.ready[page]).orphan.push_back(page);
+    FinishOut(c);
+    return true;
+  });
+  for (int32_t page : later) HoldEntry(retire.ready(page)).orphan.push_back(page);
 }
 
 absl::Status KVCacheState::WaitSwapOuts() {
   bool any = false;
-  for (const SwapOutCopy& c : retire.entries) any = any || c.event >= 0;
+  for (const SwapOutCopy& c : retire.entries()) any = any || c.event >= 0;
   if (!any) return absl::OkStatus();
   ScopedDevice d;
   FP4KV_RETURN_IF_ERROR(d.Set(options.device));
-  for (SwapOutCopy& c : retire.entries) {
+  for (const SwapOutCopy& c : retire.entries()) {
     if (c.event >= 0) FP4KV_RETURN_IF_ERROR(copy.Wait(c.event));
   }
-  size_t kept = 0;
-  for (size_t k = 0; k < retire.entries.size(); ++k) {
-    SwapOutCopy& c = retire.entries[k];
-    if (c.event >= 0) {
-      FinishOut(c);
-    } else {
-      if (kept != k) retire.entries[kept] = std::move(c);
-      ++kept;
-    }
-  }
-  retire.entries.resize(kept);
+  retire.Sweep([&](SwapOutCopy& c) {
+    if (c.event < 0) return false;
+    FinishOut(c);
+    return true;
+  });
   return absl::OkStatus();
 }
 
 absl::Status KVCacheState::RecordStepDone() {
-  if (!cuda || step.step_serial == 0) return absl::OkStatus();
+  if (!cuda || step.serial() == 0) return absl::OkStatus();
   StepSlot& last = step.cur();
   if (last.done == nullptr || last.done_recorded) return absl::OkStatus();
   FP4KV_CUDA_RETURN_IF_ERROR(
@@ -120,7 +134,7 @@ absl::Status KVCacheState::RecordStepDone() {
 
 absl::Status KVCacheState::WaitRetiring() {
   FP4KV_RETURN_IF_ERROR(WaitSwapOuts());
-  if (retire.entries.empty()) return absl::OkStatus();
+  if (retire.empty()) return absl::OkStatus();
   if (cuda) {
     // Steps run in stream order: the latest one done means all of them.
     // Recorded now, but not marked: the next PrepareStep records it again
@@ -128,14 +142,16 @@ absl::Status KVCacheState::WaitRetiring() {
     ScopedDevice d;
     FP4KV_RETURN_IF_ERROR(d.Set(options.device));
     StepSlot& last = step.cur();
-    if (step.step_serial > 0 && last.done != nullptr) {
+    if (step.serial() > 0 && last.done != nullptr) {
       FP4KV_CUDA_RETURN_IF_ERROR(
           cudaEventRecord(last.done, reinterpret_cast<cudaStream_t>(last.stream)));
       FP4KV_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(last.done));
     }
   }
-  for (SwapOutCopy& c : retire.entries) FinishOut(c);
-  retire.entries.clear();
+  retire.Sweep([&](SwapOutCopy& c) {
+    FinishOut(c);
+    return true;
+  });
   return absl::OkStatus();
 }
 
@@ -143,10 +159,10 @@ void KVCacheState::RetiringReleases(bool due_only, int64_t* to_free, int64_t* to
   *to_free = *to_cached = 0;
   // A page may be held by several entries: it goes when the last one does.
   std::unordered_map<int32_t, int32_t> held;
-  for (const SwapOutCopy& c : retire.entries) {
+  for (const SwapOutCopy& c : retire.entries()) {
     if (!c.step_pages()) continue;
     for (int32_t page : c.orphan) {
-      const bool due = retire.ready[page] <= step.step_serial + 1;
+      const bool due = retire.ready(page) <= step.serial() + 1;
       held[page] += (!due_only || due) ? 1 : 0x10000;
     }
   }
@@ -170,7 +186,7 @@ void KVCacheState::PendingReleases(int64_t* to_free, int64_t* to_cached) const {
       ++*(allocator.Indexed(page) ? to_cached : to_free);
     }
   };
-  for (const SwapOutCopy& c : retire.entries) {
+  for (const SwapOutCopy& c : retire.entries()) {
     if (c.event < 0) continue;
     count(c.orphan);
     if (c.seq != 0) {
@@ -182,7 +198,7 @@ void KVCacheState::PendingReleases(int64_t* to_free, int64_t* to_cached) const {
 
 int64_t KVCacheState::PagesSwapPending() const {
   int64_t n = 0;
-  for (const SwapOutCopy& c : retire.entries) {
+  for (const SwapOutCopy& c : retire.entries()) {
     if (c.event < 0) continue;
     n += static_cast<int64_t>(c.orphan.size());
     if (c.seq != 0) {
@@ -202,7 +218,7 @@ bool KVCacheState::WouldBecomeAvailable(int64_t n) const {
 }
 
 absl::Status KVCacheState::MakeAvailable(int64_t n, const char* what) {
-  if (n > allocator.available_count() && !retire.entries.empty() && WouldBecomeAvailable(n)) {
+  if (n > allocator.available_count() && !retire.empty() && WouldBecomeAvailable(n)) {
     FP4KV_RETURN_IF_ERROR(WaitSwapOuts());
     if (n > allocator.available_count()) FP4KV_RETURN_IF_ERROR(WaitRetiring());
   }

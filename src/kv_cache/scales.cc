@@ -117,7 +117,7 @@ bool ScaleState::Fingerprint(uint64_t* out) const {
 
 int64_t KVCacheState::TokensHeld(int layer) const {
   int64_t n = TokensResident();
-  if (!scales.AppendedFor(layer, step.step_serial)) n -= step.cur().info.num_tokens;
+  if (!scales.AppendedFor(layer, step.serial())) n -= step.cur().info.num_tokens;
   return n < 0 ? 0 : n;
 }
 

@@ -146,23 +146,36 @@ struct StepSlot {
   int rows_used = 0;
 };
 
-// The step slots and the step builder's scratch (owner: step.cc).
-struct StepState {
+// The step slots and the step builder's scratch (owner: step.cc). The slot
+// records are written by the step builder (and their done events by
+// RecordStepDone); the counters change only through the methods below.
+class StepState {
+ public:
   using Row = StepSlot::Row;
   std::vector<StepSlot> slots;  // KVCacheOptions::step_slots of them
-  int current = 0;              // the slot of the latest step
-  uint64_t step_serial = 0;     // committed PrepareSteps
-  uint64_t stamp = 0;
-  StepSlot& cur() { return slots[current]; }
-  const StepSlot& cur() const { return slots[current]; }
+  StepSlot& cur() { return slots[current_]; }
+  const StepSlot& cur() const { return slots[current_]; }
+  int current() const { return current_; }  // the slot of the latest step
+  uint64_t serial() const { return step_serial_; }  // committed PrepareSteps
   // The slot the next PrepareStep fills (round robin).
-  int next() const { return static_cast<int>((step_serial) % slots.size()); }
+  int next() const { return static_cast<int>(step_serial_ % slots.size()); }
+  // A stamp no earlier PrepareStep used (duplicate detection).
+  uint64_t NewStamp() { return ++stamp_; }
+  // The step being committed fills slot k (cur() from now on).
+  void SetCurrent(int k) { current_ = k; }
+  // The step is committed: returns its serial.
+  uint64_t Advance() { return ++step_serial_; }
   // PrepareStep scratch (sized once).
   HostVector<int32_t> claim;        // [num_pages]
   HostVector<Sequence*> step_seqs;  // [max_seqs_per_step]
   HostVector<int32_t> cow_src;      // pages to copy, in entry order
   HostVector<int> cow_entry;        // entry index of each copy
   HostVector<int32_t> cow_dst;
+
+ private:
+  int current_ = 0;
+  uint64_t step_serial_ = 0;
+  uint64_t stamp_ = 0;
 };
 
 // Global scales and their bookkeeping (owner: scales.cc). The device
@@ -336,13 +349,46 @@ class ImageState {
 // with an event, in copy-stream order (seq 0: the sequence was swapped back
 // in, keeping its pages, or released: orphan holds its pages, dropped when
 // the copy is done). With two or more step slots it also holds the pages
-// that releases dropped while steps that may use them are in flight.
-struct RetireState {
-  std::vector<RetireEntry> entries;
-  // Two or more step slots: per page, the step_serial from which no step in
-  // flight can use it any more (step_serial + step_slots at its latest
-  // drop); an entry's page whose time moved on is held by a later entry.
-  HostVector<uint64_t> ready;
+// that releases dropped while steps that may use them are in flight. The
+// entries change only through the methods below.
+class RetireState {
+ public:
+  // Create: with two or more step slots, a retire time per page.
+  absl::Status Init(bool per_page, int64_t num_pages);
+  absl::Span<const RetireEntry> entries() const { return entries_; }
+  bool empty() const { return entries_.empty(); }
+  // The entry of released pages that go from step_serial `ready` on (the
+  // latest one when it has that time; a new one made at step `serial`
+  // otherwise).
+  RetireEntry& Hold(uint64_t ready, uint64_t serial);
+  // Per page: the step_serial from which no step in flight can use it any
+  // more (step_serial + step_slots at its latest drop); an entry's page
+  // whose time moved on is held by a later entry.
+  void SetReady(int32_t page, uint64_t ready) { ready_[page] = ready; }
+  uint64_t ready(int32_t page) const { return ready_[page]; }
+  // A SwapOut copy of `seq` recorded on copy event `event`.
+  void AddSwapOut(int event, SequenceId seq, uint64_t serial, uint64_t ready);
+  // The SwapOut copies of `seq` no longer free its device pages when they
+  // finish (swapped back in, or released: then `orphan`, if given, holds
+  // its pages, which go when the copy is done).
+  void DetachSwapOut(SequenceId seq, const std::vector<int32_t>* orphan);
+  // Calls finish(entry) for each entry, in order; the entries for which it
+  // returns true are removed, the others kept in order.
+  template <class Finish>
+  void Sweep(Finish finish) {
+    size_t kept = 0;
+    for (size_t k = 0; k < entries_.size(); ++k) {
+      if (!finish(entries_[k])) {
+        if (kept != k) entries_[kept] = std::move(entries_[k]);
+        ++kept;
+      }
+    }
+    entries_.resize(kept);
+  }
+
+ private:
+  std::vector<RetireEntry> entries_;
+  HostVector<uint64_t> ready_;
 };
 
 // The host tier (owner: host_tier.cc): pinned host pages laid out like the

@@ -23,7 +23,7 @@ absl::Status CheckStepEntries(KVCacheState& s, absl::Span<const StepEntry> entri
         "entries: expected at most max_seqs_per_step = ", S, " entries, got ", entries.size()));
   }
   const int n = static_cast<int>(entries.size());
-  const uint64_t stamp = ++s.step.stamp;
+  const uint64_t stamp = s.step.NewStamp();
   s.step.cow_src.clear();
   s.step.cow_entry.clear();
   int64_t tokens = 0;
@@ -105,7 +105,7 @@ namespace {
 absl::Status RetireBeforeStep(KVCacheState& s, StepSlot& slot) {
   const int N = static_cast<int>(s.step.slots.size());
   if (s.cuda) s.PollPromotions();  // no host wait: what is known complete now
-  if (N > 1 && s.step.step_serial > 0) {
+  if (N > 1 && s.step.serial() > 0) {
     // The step in flight is complete once this event is (its kernels were
     // enqueued before this call).
     FP4KV_RETURN_IF_ERROR(s.RecordStepDone());
@@ -115,7 +115,7 @@ absl::Status RetireBeforeStep(KVCacheState& s, StepSlot& slot) {
     }
   }
   s.PollSwaps(/*in_prepare=*/true);
-  if (s.prefix.enabled && !s.prefix.pending_ids.empty()) s.ApplyPendingIds(s.step.step_serial + 1);
+  if (s.prefix.enabled && !s.prefix.pending_ids.empty()) s.ApplyPendingIds(s.step.serial() + 1);
   return absl::OkStatus();
 }
 
@@ -125,7 +125,7 @@ absl::Status RetireBeforeStep(KVCacheState& s, StepSlot& slot) {
 // nothing but scratch (the caller's ClaimReset undoes the claims).
 absl::Status CheckStep(KVCacheState& s, absl::Span<const StepEntry> entries, int64_t* need) {
   FP4KV_RETURN_IF_ERROR(CheckStepEntries(s, entries, need));
-  if (*need > s.allocator.available_count() && !s.retire.entries.empty() &&
+  if (*need > s.allocator.available_count() && !s.retire.empty() &&
       s.WouldBecomeAvailable(*need)) {
     // Pages still held by SwapOut copies or by the steps in flight: wait.
     FP4KV_RETURN_IF_ERROR(s.WaitSwapOuts());
@@ -154,7 +154,7 @@ absl::Status OrderStepStream(KVCacheState& s, StepSlot& slot, Stream stream) {
   // Steps on different streams: this step's work follows the previous
   // step's (its appends precede this step's reads).
   const StepSlot& prev = s.step.cur();
-  if (s.step.slots.size() > 1 && s.step.step_serial > 0 && prev.stream != stream) {
+  if (s.step.slots.size() > 1 && s.step.serial() > 0 && prev.stream != stream) {
     FP4KV_CUDA_RETURN_IF_ERROR(
         cudaStreamWaitEvent(reinterpret_cast<cudaStream_t>(stream), prev.done, 0));
   }
@@ -204,7 +204,7 @@ StagedStep CommitStep(KVCacheState& s, absl::Span<const StepEntry> entries, int 
   StepSlot& slot = s.step.slots[k];
   StagedStep out;
   StepInfo& info = out.info;
-  s.step.current = k;
+  s.step.SetCurrent(k);
   info.slot = k;
   info.num_seqs = n;
   info.pages_copied = static_cast<int64_t>(s.step.cow_dst.size());
@@ -275,8 +275,7 @@ StagedStep CommitStep(KVCacheState& s, absl::Span<const StepEntry> entries, int 
   info.fp8_workspace_pages = 1 + info.num_pages;
   info.pages_allocated = free_before - s.allocator.available_count();
   slot.info = info;
-  ++s.step.step_serial;
-  slot.serial = s.step.step_serial;
+  slot.serial = s.step.Advance();
   slot.done_recorded = false;
   return out;
 }
