@@ -415,12 +415,9 @@ __global__ void __launch_bounds__(kAttnThreads, PrefillConfig<D>::kCtasPerSm)
             for (int n = 0; n < kSN; ++n) mx = fmaxf(mx, fmaxf(s[mt][n][2 * i], s[mt][n][2 * i + 1]));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            const float m_old = m_run[mt][i];
-            const float m_new = mx - m_old > kAttnRescaleSlack ? fmaxf(m_old, mx) : m_old;
-            const float m_use = m_new == -INFINITY ? 0.0f : m_new - kAttnPOffset;
-            alpha[mt][i] = m_new == m_old ? 1.0f : Ex2(m_old - m_new);
-            rescale = rescale || m_new != m_old;
-            m_run[mt][i] = m_new;
+            float m_use;
+            alpha[mt][i] = OnlineMaxStep(&m_run[mt][i], mx, &m_use);
+            rescale = rescale || alpha[mt][i] != 1.0f;
             float sum = 0.0f;
 #pragma unroll
             for (int n = 0; n < kSN; ++n) {

@@ -431,11 +431,8 @@ __global__ void __launch_bounds__(PrefillSm90Config<D>::kThreads, 1)
         for (int n = 0; n < kSN; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * i], s[n][2 * i + 1]));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float m_old = m_run[i];
-        const float m_new = mx - m_old > kAttnRescaleSlack ? fmaxf(m_old, mx) : m_old;
-        const float m_use = m_new == -INFINITY ? 0.0f : m_new - kAttnPOffset;
-        alpha[i] = m_new == m_old ? 1.0f : Ex2(m_old - m_new);
-        m_run[i] = m_new;
+        float m_use;
+        alpha[i] = OnlineMaxStep(&m_run[i], mx, &m_use);
         float sum = 0.0f;
 #pragma unroll
         for (int n = 0; n < kSN; ++n) {

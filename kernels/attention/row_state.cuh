@@ -34,6 +34,21 @@ __device__ __forceinline__ float HandedOnMax(float m) {
   return m == -INFINITY ? m : m - kAttnPOffset;
 }
 
+// One online-softmax step of a row, the same in every family: the tile's
+// max mx moves the running max *m only when it exceeds it by more than
+// kAttnRescaleSlack (log2 units), so P = 2^(s - *m_use) stays below
+// 2^(kAttnRescaleSlack + kAttnPOffset) (within f16, no fp32 overflow) and O
+// is rescaled on few tiles. Updates *m, sets *m_use (the offset of the
+// tile's exponents; 0 for a row that has attended nothing) and returns the
+// factor the row's l and O are rescaled by (exactly 1 when *m did not move).
+__device__ __forceinline__ float OnlineMaxStep(float* m, float mx, float* m_use) {
+  const float m_old = *m;
+  const float m_new = mx - m_old > kAttnRescaleSlack ? fmaxf(m_old, mx) : m_old;
+  *m_use = m_new == -INFINITY ? 0.0f : m_new - kAttnPOffset;
+  *m = m_new;
+  return m_new == m_old ? 1.0f : Ex2(m_old - m_new);
+}
+
 // x summed over the lanes lane ^ o for o = kFirst, 2 kFirst, ..., kLast
 // (the lanes that hold the other columns of a row).
 template <int kFirst, int kLast>

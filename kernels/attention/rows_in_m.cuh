@@ -264,14 +264,9 @@ __global__ void __launch_bounds__(kAttnThreads, AttnConfig<D, kFp8K>::kCtasPerSm
         float mx = fmaxf(fmaxf(s[0][2 * r], s[0][2 * r + 1]), fmaxf(s[1][2 * r], s[1][2 * r + 1]));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        // Lazy rescale: the running max moves only when the tile's max
-        // exceeds it by more than kAttnRescaleSlack (log2 units), so P stays
-        // below 2^(kAttnRescaleSlack + kAttnPOffset) (within f16, no fp32 overflow)
-        // and O is rescaled on few tiles.
-        const float m_new = mx - m_run[r] > kAttnRescaleSlack ? fmaxf(m_run[r], mx) : m_run[r];
-        const float m_use = m_new == -INFINITY ? 0.0f : m_new - kAttnPOffset;
-        alpha[r] = m_new == m_run[r] ? 1.0f : Ex2(m_run[r] - m_new);
-        m_run[r] = m_new;
+        // Lazy rescale (OnlineMaxStep): O is rescaled on few tiles.
+        float m_use;
+        alpha[r] = OnlineMaxStep(&m_run[r], mx, &m_use);
         float sum = 0.0f;
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt) {

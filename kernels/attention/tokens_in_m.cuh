@@ -676,14 +676,10 @@ __global__ void __launch_bounds__(kAttnThreads, (kTokensInMCtasPerSm<D, kN, kFp8
           mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
           mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
           mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
-          // Lazy rescale as in the rows-in-M kernel: P stays below
-          // 2^(kAttnRescaleSlack + kAttnPOffset), O is rescaled on few steps.
-          const float m_new =
-              mx - m_run[nt][r] > kAttnRescaleSlack ? fmaxf(m_run[nt][r], mx) : m_run[nt][r];
-          const float m_use = m_new == -INFINITY ? 0.0f : m_new - kAttnPOffset;
-          alpha[nt][r] = m_new == m_run[nt][r] ? 1.0f : Ex2(m_run[nt][r] - m_new);
+          // Lazy rescale (OnlineMaxStep): O is rescaled on few steps.
+          float m_use;
+          alpha[nt][r] = OnlineMaxStep(&m_run[nt][r], mx, &m_use);
           rescale = rescale || alpha[nt][r] != 1.0f;
-          m_run[nt][r] = m_new;
           float sum = 0.0f;
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
