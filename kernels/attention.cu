@@ -4,6 +4,7 @@
 // head dim are compiled in kernels/attention_d<D>.cu.
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdint>
 #include <climits>
 #include <cstdlib>
@@ -140,6 +141,13 @@ absl::Status PrepareDecodeAttention(const DecodeAttention::Options& o,
   }
   return st;
 }
+
+namespace {
+std::atomic<int64_t> tma_map_encodes{0};
+}  // namespace
+
+int64_t TmaMapEncodesForTesting() { return tma_map_encodes.load(std::memory_order_relaxed); }
+void CountTmaMapEncode() { tma_map_encodes.fetch_add(1, std::memory_order_relaxed); }
 
 bool EncodeDecodeTmaMaps(const AttentionParams& p, kernels::AttnTmaMaps* m) {
   m->tile_bytes = 0;

@@ -273,6 +273,13 @@ absl::Status LaunchDecodeAttention(const AttentionParams& p, Stream stream);
 // would have. Host only.
 bool EncodeDecodeTmaMaps(const AttentionParams& p, kernels::AttnTmaMaps* m);
 
+// Tests: how many TMA map pairs the host has encoded so far in this process
+// (successful encodes only; the launcher's per-Run encodes and
+// EncodeDecodeTmaMaps alike).
+int64_t TmaMapEncodesForTesting();
+// Counts one (kernels/attention/launch.cuh).
+void CountTmaMapEncode();
+
 }  // namespace internal
 }  // namespace fp4kv
 

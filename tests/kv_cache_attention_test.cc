@@ -26,6 +26,7 @@
 #include "fp4kv/format.h"
 #include "fp4kv/kv_cache.h"
 #include "gtest/gtest.h"
+#include "src/attention_params.h"
 #include "testing/attention_case.h"
 #include "testing/cache_attention_reference.h"
 #include "testing/kv_cache_harness.h"
@@ -432,11 +433,12 @@ TEST_P(CacheAttentionTest, RejectsBadRowsAndPrefillChunksAndChangesNothing) {
 
 // The TMA decode kernel forced (FP4KV_ATTENTION_KERNEL=tokens_in_m_tma,
 // read when the op is bound): the tensor maps of each layer's pools are
-// encoded once at bind time and handed to every Run of that layer. Three
-// layers holding different tokens, both layouts: a map of the wrong layer,
-// or of a wrong stride, reads the wrong pages and fails the reference. Skips
-// where the TMA kernel cannot run (no sm_90a code or no compute capability
-// 9.0 device).
+// encoded once at bind time (the process's encode count grows by the layer
+// count there) and handed to every Run of that layer (no Run encodes).
+// Three layers holding different tokens, both layouts: a map of the wrong
+// layer, or of a wrong stride, reads the wrong pages and fails the
+// reference. Skips where the TMA kernel cannot run (no sm_90a code or no
+// compute capability 9.0 device).
 TEST_P(CacheAttentionTest, TmaMapsEncodedAtBindReadEachLayersPools) {
   if (!device().is_cuda()) GTEST_SKIP() << "the TMA decode kernel is CUDA only";
   for (const Layout layout : {Layout::kHND, Layout::kNHD}) {
@@ -445,7 +447,7 @@ TEST_P(CacheAttentionTest, TmaMapsEncodedAtBindReadEachLayersPools) {
     o.num_layers = 3;
     o.geometry.layout = layout;
     o.k_global_scales.push_back(o.k_global_scales[0]);
-    o.v_global_scales.push_back(o.v_global_scales[1]);
+    o.v_global_scales.push_back(o.v_global_scales[0]);
     absl::StatusOr<KVCache> made = KVCache::Create(o);
     ASSERT_TRUE(made.ok()) << made.status();
     KVCache& c = *made;
@@ -455,10 +457,12 @@ TEST_P(CacheAttentionTest, TmaMapsEncodedAtBindReadEachLayersPools) {
     ao.num_qo_heads = kQoHeads;
     ao.write_lse = true;
     absl::StatusOr<CacheAttention> decode;
+    int64_t encodes_before_bind = 0;
     {
       const char* old = std::getenv("FP4KV_ATTENTION_KERNEL");
       const std::string saved = old != nullptr ? old : "";
       setenv("FP4KV_ATTENTION_KERNEL", "tokens_in_m_tma", 1);
+      encodes_before_bind = internal::TmaMapEncodesForTesting();
       decode = c.attention(ao);
       if (old != nullptr) {
         setenv("FP4KV_ATTENTION_KERNEL", saved.c_str(), 1);
@@ -471,6 +475,9 @@ TEST_P(CacheAttentionTest, TmaMapsEncodedAtBindReadEachLayersPools) {
     }
     ASSERT_TRUE(decode.ok()) << decode.status();
     ASSERT_STREQ(decode->op().decode_family(), "tokens_in_m_tma_all");
+    const int64_t encodes_after_bind = internal::TmaMapEncodesForTesting();
+    EXPECT_EQ(encodes_after_bind - encodes_before_bind, o.num_layers)
+        << "every layer's maps encoded once, at bind";
     StepInputs inputs;
     TokenFactory f(c);
     uint64_t seed = 900;
@@ -502,6 +509,8 @@ TEST_P(CacheAttentionTest, TmaMapsEncodedAtBindReadEachLayersPools) {
             << "round " << round << " layer " << layer;
       }
     }
+    EXPECT_EQ(internal::TmaMapEncodesForTesting(), encodes_after_bind)
+        << "a bound Run encoded tensor maps";
   }
 }
 

@@ -137,6 +137,7 @@ bool EncodeAttnTmaMaps(const AttentionParams& p, kernels::AttnTmaMaps* m) {
   if (!codes(p.k, Tc::kKRowBytes, Tc::kKSwizzle, &m->kc)) return false;
   if (!codes(p.v, Tc::kRowBytes, Tc::kVSwizzle, &m->vc)) return false;
   m->tile_bytes = static_cast<uint32_t>(Tc::kKcBytes + Tc::kVcBytes);
+  CountTmaMapEncode();
   return true;
 }
 
