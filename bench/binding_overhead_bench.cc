@@ -10,14 +10,18 @@
 // DLPack import of each tensor, the exception check, the GIL release).
 // Eager calls, median of the repetitions.
 //
-//   BM_CppAttentionRunCuda/<q_len>: host time of one bound CacheAttention::Run
-//     on a CUDA cache (bf16, 32 qo / 8 KV heads, head_dim 128, page size 16, 8
-//     sequences of 512 tokens; q_len 1: decode rows, 64: the prefill path):
-//     the checks, the parameter fill and the kernel launches it enqueues (two
-//     for decode, three with the prefill kernel). The stream is synchronized
-//     every 64 calls outside the timing, so the launch queue never fills.
+//   BM_CppAttentionRunCuda/<q_len>/<k8>: host time of one bound
+//     CacheAttention::Run on a CUDA cache (bf16, 32 qo / 8 KV heads, head_dim
+//     128, page size 16, 8 sequences of 512 tokens prefilled in steps of up to
+//     max_tokens_per_step; q_len 1: decode rows, 64: the prefill path; k8 1:
+//     FP8 keys, whose decode kernel on an sm_90a build copies with TMA, so its
+//     tensor maps are part of the cost): the checks, the parameter fill and
+//     the kernel launches it enqueues (two for decode, three with the prefill
+//     kernel). The stream is synchronized every 64 calls outside the timing,
+//     so the launch queue never fills.
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -102,8 +106,10 @@ void BM_CppAttentionRunCuda(benchmark::State& state) {
   }
   constexpr int kSeqs = 8, kLen = 512, kQo = 32, kKv = 8, kD = 128;
   const int q_len = static_cast<int>(state.range(0));
+  const bool k8 = state.range(1) != 0;
   fp4kv::KVCacheOptions o;
   o.num_layers = 2;
+  if (k8) o.geometry.key_format = fp4kv::KeyFormat::kFp8;
   o.geometry.num_kv_heads = kKv;
   o.geometry.head_dim_k = o.geometry.head_dim_v = kD;
   o.geometry.page_size = 16;
@@ -118,11 +124,21 @@ void BM_CppAttentionRunCuda(benchmark::State& state) {
     state.SkipWithError(cache.status().ToString().c_str());
     return;
   }
+  // Prefill in steps of 64 tokens a sequence (max_tokens_per_step in all),
+  // then the measured step of q_len tokens a sequence.
   std::vector<fp4kv::StepEntry> entries;
-  for (int i = 0; i < kSeqs; ++i) entries.push_back({*cache->CreateSequence(), kLen - q_len});
-  (void)*cache->PrepareStep(entries);
-  for (fp4kv::StepEntry& e : entries) e.num_new_tokens = q_len;
-  (void)*cache->PrepareStep(entries);
+  for (int i = 0; i < kSeqs; ++i) entries.push_back({*cache->CreateSequence(), 0});
+  for (int done = 0; done <= kLen - q_len;) {
+    const int n = done == kLen - q_len ? q_len : std::min(64, kLen - q_len - done);
+    for (fp4kv::StepEntry& e : entries) e.num_new_tokens = n;
+    const absl::StatusOr<fp4kv::StepInfo> step = cache->PrepareStep(entries);
+    if (!step.ok()) {
+      state.SkipWithError(step.status().ToString().c_str());
+      return;
+    }
+    if (done == kLen - q_len) break;
+    done += n;
+  }
   fp4kv::CacheAttentionOptions a;
   a.num_qo_heads = kQo;
   a.dtype = fp4kv::DType::kBF16;
@@ -169,9 +185,10 @@ void BM_CppAttentionRunCuda(benchmark::State& state) {
   (void)cudaFree(ws);
 }
 BENCHMARK(BM_CppAttentionRunCuda)
-    ->ArgName("q_len")
-    ->Arg(1)
-    ->Arg(64)
+    ->ArgNames({"q_len", "k8"})
+    ->Args({1, 0})
+    ->Args({64, 0})
+    ->Args({1, 1})
     ->Repetitions(15)
     ->ReportAggregatesOnly(true)
     ->UseRealTime();
