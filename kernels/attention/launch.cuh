@@ -291,8 +291,9 @@ absl::Status PrepareDecodeAttentionDim(const DecodeAttention::Options& o,
 template <int D>
 bool EncodeDecodeTmaMapsDim(const AttentionParams& p, kernels::AttnTmaMaps* m) {
   m->tile_bytes = 0;
-  const bool ok = p.fp8_keys ? TmaCopiesFor<D, true>(p.family) && EncodeAttnTmaMaps<D, true>(p, m)
-                             : TmaCopiesFor<D, false>(p.family) && EncodeAttnTmaMaps<D, false>(p, m);
+  const bool ok = p.fp8_keys
+                      ? TmaCopiesFor<D, true>(p.family) && EncodeAttnTmaMaps<D, true>(p, m)
+                      : TmaCopiesFor<D, false>(p.family) && EncodeAttnTmaMaps<D, false>(p, m);
   if (!ok) m->tile_bytes = 0;
   return ok;
 }

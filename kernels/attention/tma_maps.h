@@ -15,7 +15,7 @@ namespace kernels {
 // The tensor maps of one launch (kernel parameter space, aligned as
 // CUtensorMap demands; read through __grid_constant__).
 struct AttnTmaMaps {
-  CUtensorMap kc, vc;       // K codes (NVFP4 or FP8 rows), V codes
+  CUtensorMap kc, vc;  // K codes (NVFP4 or FP8 rows), V codes
   // Bytes a tile's two boxes deliver (the mbarrier's transaction count); 0:
   // the maps could not describe the pools (the launch takes cp.async).
   uint32_t tile_bytes = 0;

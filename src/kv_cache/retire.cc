@@ -78,9 +78,7 @@ void KVCacheState::DropPages(const int32_t* pages, size_t n, int priority) {
   }
 }
 
-RetireEntry& KVCacheState::HoldEntry(uint64_t ready) {
-  return retire.Hold(ready, step.serial());
-}
+RetireEntry& KVCacheState::HoldEntry(uint64_t ready) { return retire.Hold(ready, step.serial()); }
 
 void KVCacheState::PollSwaps(bool in_prepare) {
   std::vector<int32_t> later;  // pages dropped again since their entry was made

@@ -66,8 +66,8 @@ absl::Status ScaleState::Init(const KVCacheOptions& o, const CacheGeometry& g, u
     std::memcpy(h_flags_, flags.data(), flags.size() * sizeof(int32_t));
     FP4KV_CUDA_RETURN_IF_ERROR(cudaMemcpy(d_scales_, scales.data(), scales.size() * sizeof(float),
                                           cudaMemcpyHostToDevice));
-    FP4KV_CUDA_RETURN_IF_ERROR(cudaMemcpy(d_flags_, flags.data(), flags.size() * sizeof(int32_t),
-                                          cudaMemcpyHostToDevice));
+    FP4KV_CUDA_RETURN_IF_ERROR(
+        cudaMemcpy(d_flags_, flags.data(), flags.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
   } else {
     std::memcpy(d_scales_, scales.data(), scales.size() * sizeof(float));
     std::memcpy(d_flags_, flags.data(), flags.size() * sizeof(int32_t));
@@ -149,13 +149,15 @@ absl::Status KVCacheState::CheckScaleChange(int layer, StoredTokens stored, bool
 
 absl::Status KVCacheState::SaveOldScales(int layer, Stream stream) {
   if (!cuda) {
-    std::memcpy(scales.d_old_scales() + 2 * layer, scales.d_scales() + 4 * layer, 2 * sizeof(float));
+    std::memcpy(scales.d_old_scales() + 2 * layer, scales.d_scales() + 4 * layer,
+                2 * sizeof(float));
     return absl::OkStatus();
   }
-  return CudaStatus(cudaMemcpyAsync(scales.d_old_scales() + 2 * layer, scales.d_scales() + 4 * layer,
-                                    2 * sizeof(float), cudaMemcpyDeviceToDevice,
-                                    reinterpret_cast<cudaStream_t>(stream)),
-                    "cudaMemcpyAsync(old scales)");
+  return CudaStatus(
+      cudaMemcpyAsync(scales.d_old_scales() + 2 * layer, scales.d_scales() + 4 * layer,
+                      2 * sizeof(float), cudaMemcpyDeviceToDevice,
+                      reinterpret_cast<cudaStream_t>(stream)),
+      "cudaMemcpyAsync(old scales)");
 }
 
 absl::Status KVCacheState::Reencode(int layer, Stream stream) const {

@@ -79,10 +79,9 @@ absl::Status SequenceTable::Validate() const {
   }
   if (live != live_ || static_cast<int64_t>(slot_of_.size()) != live ||
       all_.size() != static_cast<size_t>(live) + free_slots_.size()) {
-    return absl::InternalError(absl::StrCat("sequences: ", live, " live records, count ", live_,
-                                            ", ", slot_of_.size(), " ids mapped, ",
-                                            free_slots_.size(), " free of ", all_.size(),
-                                            " slots"));
+    return absl::InternalError(
+        absl::StrCat("sequences: ", live, " live records, count ", live_, ", ", slot_of_.size(),
+                     " ids mapped, ", free_slots_.size(), " free of ", all_.size(), " slots"));
   }
   for (uint32_t slot : free_slots_) {
     if (slot >= all_.size() || all_[slot].live) {

@@ -72,9 +72,7 @@ class SequenceTable {
   // Frees the slot of live sequence q, whose pages the caller dropped.
   void Remove(Sequence& q);
   // The slot of q (a record of this table).
-  uint32_t SlotOf(const Sequence& q) const {
-    return static_cast<uint32_t>(&q - all_.data());
-  }
+  uint32_t SlotOf(const Sequence& q) const { return static_cast<uint32_t>(&q - all_.data()); }
   // Every slot, live or free (q.live tells).
   absl::Span<Sequence> slots() { return absl::MakeSpan(all_); }
   absl::Span<const Sequence> slots() const { return all_; }
@@ -155,8 +153,9 @@ class StepState {
   std::vector<StepSlot> slots;  // KVCacheOptions::step_slots of them
   StepSlot& cur() { return slots[current_]; }
   const StepSlot& cur() const { return slots[current_]; }
-  int current() const { return current_; }  // the slot of the latest step
-  uint64_t serial() const { return step_serial_; }  // committed PrepareSteps
+  // The slot of the latest step, and the count of committed PrepareSteps.
+  int current() const { return current_; }
+  uint64_t serial() const { return step_serial_; }
   // The slot the next PrepareStep fills (round robin).
   int next() const { return static_cast<int>(step_serial_ % slots.size()); }
   // A stamp no earlier PrepareStep used (duplicate detection).
@@ -191,13 +190,18 @@ class ScaleState {
   absl::Status Init(const KVCacheOptions& o, const CacheGeometry& g, uint8_t* d_step,
                     const StepLayout& sl, bool cuda);
 
-  float* d_scales() const { return d_scales_; }          // [L, 4]: K global, V global, K fp8, V fp8
-  int32_t* d_flags() const { return d_flags_; }          // [L, 2]: K, V calibrated
-  uint32_t* d_calib() const { return d_calib_; }         // [L, 4]: calibration scratch (zero between launches)
-  uint64_t* d_events() const { return d_events_; }       // [L, 4]: scale-event counters
-  float* d_old_scales() const { return d_old_scales_; }  // [L, 2]: scales before a re-encode
-  int32_t* h_flags() const { return h_flags_; }          // the host mirror of d_flags (CPU: d_flags)
-  int32_t* h_flags_dev() const { return h_flags_dev_; }  // its device address (CUDA), for the kernel
+  // d_scales [L, 4]: K global, V global, K fp8, V fp8; d_flags [L, 2]: K, V
+  // calibrated; d_calib [L, 4]: calibration scratch (zero between launches);
+  // d_events [L, 4]: scale-event counters; d_old_scales [L, 2]: the scales
+  // before a re-encode; h_flags: the host mirror of d_flags (CPU: d_flags
+  // itself), h_flags_dev its device address (CUDA), for the kernel.
+  float* d_scales() const { return d_scales_; }
+  int32_t* d_flags() const { return d_flags_; }
+  uint32_t* d_calib() const { return d_calib_; }
+  uint64_t* d_events() const { return d_events_; }
+  float* d_old_scales() const { return d_old_scales_; }
+  int32_t* h_flags() const { return h_flags_; }
+  int32_t* h_flags_dev() const { return h_flags_dev_; }
 
   // An appender Run of `layer` for the step `serial` (see
   // KVCacheState::RecordAppend).

@@ -125,8 +125,7 @@ absl::Status RetireBeforeStep(KVCacheState& s, StepSlot& slot) {
 // nothing but scratch (the caller's ClaimReset undoes the claims).
 absl::Status CheckStep(KVCacheState& s, absl::Span<const StepEntry> entries, int64_t* need) {
   FP4KV_RETURN_IF_ERROR(CheckStepEntries(s, entries, need));
-  if (*need > s.allocator.available_count() && !s.retire.empty() &&
-      s.WouldBecomeAvailable(*need)) {
+  if (*need > s.allocator.available_count() && !s.retire.empty() && s.WouldBecomeAvailable(*need)) {
     // Pages still held by SwapOut copies or by the steps in flight: wait.
     FP4KV_RETURN_IF_ERROR(s.WaitSwapOuts());
     if (*need > s.allocator.available_count()) FP4KV_RETURN_IF_ERROR(s.WaitRetiring());
