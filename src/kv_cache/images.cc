@@ -245,8 +245,8 @@ absl::Status KVCache::ExportSequence(SequenceId seq, void* dst, int64_t dst_byte
   SerializeSequenceImageHeader(h, header);
   internal::HostVector<uint8_t> tokens;
   if (h.has_tokens()) {
-    FP4KV_RETURN_IF_ERROR(internal::SizeHost(&tokens, h.tokens_bytes, uint8_t{0},
-                                             "ExportSequence", "the image's token ids"));
+    FP4KV_RETURN_IF_ERROR(internal::SizeHost(&tokens, h.tokens_bytes, uint8_t{0}, "ExportSequence",
+                                             "the image's token ids"));
     internal::WriteTokens(s, *q, h, tokens.data());
   }
   const int L = s.options.num_layers;
@@ -371,6 +371,156 @@ absl::Status KVCache::CancelImport(ImportReservation reservation) {
   return absl::OkStatus();
 }
 
+namespace internal {
+namespace {
+
+// CommitImport's view of the image, filled by CheckImportImage.
+struct ImportSource {
+  const uint8_t* in = nullptr;   // the image as given
+  const uint8_t* dev = nullptr;  // its device address (device or pinned memory)
+  MemKind kind = MemKind::kDevice;
+  bool host_image = false;
+};
+
+// CommitImport phase 1: the image's pointer, size and (host images) header
+// against the reservation's, and the options.
+absl::Status CheckImportImage(const KVCacheState& s, const SequenceImageHeader& h,
+                              const void* image, int64_t image_bytes, const ImportOptions& options,
+                              ImportSource* src) {
+  FP4KV_RETURN_IF_ERROR(CheckImagePointer(image, "image"));
+  if (image_bytes < h.image_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat("image_bytes: expected at least ", h.image_bytes,
+                                                   " (the reserved image's size), got ",
+                                                   image_bytes));
+  }
+  if (options.on_scale_mismatch != StoredTokens::kRefuse &&
+      options.on_scale_mismatch != StoredTokens::kReencode) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("options.on_scale_mismatch: expected kRefuse (0) or kReencode (1), got ",
+                     static_cast<int>(options.on_scale_mismatch)));
+  }
+  FP4KV_RETURN_IF_ERROR(ClassifyMemory(s, image, "image", &src->kind, &src->dev));
+  src->in = static_cast<const uint8_t*>(image);
+  src->host_image = src->kind != MemKind::kDevice;
+  if (src->host_image) {
+    uint8_t want[kSequenceImageHeaderBytes];
+    SerializeSequenceImageHeader(h, want);
+    if (std::memcmp(want, src->in, sizeof(want)) != 0) {
+      absl::StatusOr<SequenceImageHeader> got = ParseSequenceImageHeader(src->in, sizeof(want));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "image: expected the image whose header was reserved, got one whose header differs",
+          got.ok() ? "" : absl::StrCat(" (", got.status().message(), ")")));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// What CommitImport does with the image's scales, per layer and side.
+struct ImportScales {
+  std::vector<uint8_t> adopt;  // [L, 2]: adopt the image's (a pending side holding no tokens)
+  bool any_adopt = false;
+  bool requantize = false;  // the kept sides differ (or may): requantize the pages
+};
+
+// CommitImport phase 2: adopt (a pending side holding no tokens), else equal
+// (proven by the host-known fingerprints, or checked: a host sync) or
+// requantized (StoredTokens::kReencode).
+absl::Status PlanImportScales(const KVCacheState& s, const SequenceImageHeader& h,
+                              const ImportSource& src, const ImportOptions& options,
+                              cudaStream_t cs, ImportScales* out) {
+  const int L = s.options.num_layers;
+  const uint8_t* in = src.in;
+  std::vector<uint8_t>& adopt = out->adopt;
+  adopt.assign(2 * static_cast<size_t>(L), 0);
+  bool any_kept = false;
+  const bool swapped_tokens = s.SwappedTokens() > 0;
+  for (int l = 0; l < L; ++l) {
+    const bool empty = s.TokensHeld(l) == 0 && !swapped_tokens;
+    for (int kv = 0; kv < 2; ++kv) {
+      adopt[2 * l + kv] = empty && s.scales.h_flags()[2 * l + kv] == 0;
+      out->any_adopt |= adopt[2 * l + kv] != 0;
+      any_kept |= adopt[2 * l + kv] == 0;
+    }
+  }
+  uint64_t fingerprint = 0;
+  const bool proven = (h.flags & kSequenceImageScalesKnown) != 0 &&
+                      s.ScaleFingerprint(&fingerprint) && fingerprint == h.scale_fingerprint;
+  if (!any_kept || proven) return absl::OkStatus();
+  if (options.on_scale_mismatch == StoredTokens::kReencode) {
+    out->requantize = true;
+    return absl::OkStatus();
+  }
+  // Read both tables: a host sync.
+  std::vector<float> image_scales(4 * static_cast<size_t>(L)), target(4 * static_cast<size_t>(L));
+  const size_t table = 16 * static_cast<size_t>(L);
+  if (!s.cuda) {
+    std::memcpy(image_scales.data(), in + h.scales_offset, table);
+    std::memcpy(target.data(), s.scales.d_scales(), table);
+  } else {
+    FP4KV_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(target.data(), s.scales.d_scales(), table, cudaMemcpyDeviceToHost, cs));
+    if (!src.host_image) {
+      FP4KV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(image_scales.data(), in + h.scales_offset, table,
+                                                 cudaMemcpyDeviceToHost, cs));
+    }
+    FP4KV_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(cs));
+    if (src.host_image) std::memcpy(image_scales.data(), in + h.scales_offset, table);
+  }
+  for (int l = 0; l < L; ++l) {
+    for (int kv = 0; kv < 2; ++kv) {
+      const float a = image_scales[4 * l + kv], b = target[4 * l + kv];
+      if (adopt[2 * l + kv] == 0 && FloatBits(a) != FloatBits(b)) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "CommitImport: layer ", l, kv == 0 ? " K" : " V", ": the image's global scale ", a,
+            " differs from this cache's ", b,
+            " (pass ImportOptions{StoredTokens::kReencode} to requantize the pages); the "
+            "reservation is cancelled, nothing else changed"));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+// CommitImport phase 3 (prefix caching, an image with tokens): the tokens
+// section read into *tok and every full page's stored hash checked against
+// its token ids.
+absl::Status ReadImportTokens(KVCacheState& s, const SequenceImageHeader& h,
+                              const ImportSource& src, cudaStream_t cs, HostVector<uint8_t>* tok) {
+  const int64_t ps = s.geometry.page_size;
+  FP4KV_RETURN_IF_ERROR(
+      SizeHost(tok, h.tokens_bytes, uint8_t{0}, "CommitImport", "the image's token ids"));
+  if (src.host_image) {
+    std::memcpy(tok->data(), src.in + h.tokens_offset, tok->size());
+  } else {
+    FP4KV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(tok->data(), src.in + h.tokens_offset, tok->size(),
+                                               cudaMemcpyDeviceToHost, cs));
+    FP4KV_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(cs));
+  }
+  const absl::string_view key(reinterpret_cast<const char*>(tok->data()),
+                              static_cast<size_t>(h.extra_key_bytes));
+  const int32_t* ids = reinterpret_cast<const int32_t*>(tok->data() + TokenIdsOffset(h));
+  const uint8_t* stored = tok->data() + TokenHashesOffset(h);
+  std::vector<BlockHash> hashes;
+  for (int64_t j = 0; j < h.length / ps; ++j) {
+    const BlockHash hj = HashPage(j == 0 ? nullptr : &hashes.back(),
+                                  absl::Span<const int32_t>(ids + j * ps, static_cast<size_t>(ps)),
+                                  key, &s.prefix.hash_scratch);
+    BlockHash want;
+    std::memcpy(&want.low, stored + 16 * j, 8);
+    std::memcpy(&want.high, stored + 16 * j + 8, 8);
+    if (hj != want) {
+      return absl::DataLossError(
+          absl::StrCat("image: page ", j, " of the tokens section: stored hash ", want.ToHex(),
+                       ", its token ids hash to ", hj.ToHex(), "; the reservation is cancelled"));
+    }
+    hashes.push_back(hj);
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+}  // namespace internal
+
 absl::StatusOr<SequenceId> KVCache::CommitImport(ImportReservation reservation, const void* image,
                                                  int64_t image_bytes, const ImportOptions& options,
                                                  Stream stream) {
@@ -389,126 +539,24 @@ absl::StatusOr<SequenceId> KVCache::CommitImport(ImportReservation reservation, 
   const SequenceImageHeader h = r->header;
   const int L = s.options.num_layers;
   const int64_t n = h.num_pages;
-  const int64_t ps = s.geometry.page_size;
-  FP4KV_RETURN_IF_ERROR(internal::CheckImagePointer(image, "image"));
-  if (image_bytes < h.image_bytes) {
-    return absl::InvalidArgumentError(absl::StrCat("image_bytes: expected at least ", h.image_bytes,
-                                                   " (the reserved image's size), got ",
-                                                   image_bytes));
-  }
-  if (options.on_scale_mismatch != StoredTokens::kRefuse &&
-      options.on_scale_mismatch != StoredTokens::kReencode) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("options.on_scale_mismatch: expected kRefuse (0) or kReencode (1), got ",
-                     static_cast<int>(options.on_scale_mismatch)));
-  }
   internal::ScopedDevice scoped;
   FP4KV_RETURN_IF_ERROR(scoped.Set(s.options.device));
-  internal::MemKind kind;
-  const uint8_t* dev = nullptr;
-  FP4KV_RETURN_IF_ERROR(internal::ClassifyMemory(s, image, "image", &kind, &dev));
-  const uint8_t* in = static_cast<const uint8_t*>(image);
-  const bool host_image = kind != internal::MemKind::kDevice;
   const cudaStream_t cs = reinterpret_cast<cudaStream_t>(stream);
-  if (host_image) {
-    uint8_t want[kSequenceImageHeaderBytes];
-    SerializeSequenceImageHeader(h, want);
-    if (std::memcmp(want, in, sizeof(want)) != 0) {
-      absl::StatusOr<SequenceImageHeader> got = ParseSequenceImageHeader(in, sizeof(want));
-      return absl::InvalidArgumentError(absl::StrCat(
-          "image: expected the image whose header was reserved, got one whose header differs",
-          got.ok() ? "" : absl::StrCat(" (", got.status().message(), ")")));
-    }
-  }
-
-  // Scales, per layer and side: adopt (a pending side holding no tokens),
-  // else equal (proven by the host-known fingerprints, or checked) or
-  // requantized.
-  std::vector<uint8_t> adopt(2 * static_cast<size_t>(L), 0);
-  bool any_adopt = false, any_kept = false;
-  const bool swapped_tokens = s.SwappedTokens() > 0;
-  for (int l = 0; l < L; ++l) {
-    const bool empty = s.TokensHeld(l) == 0 && !swapped_tokens;
-    for (int kv = 0; kv < 2; ++kv) {
-      adopt[2 * l + kv] = empty && s.scales.h_flags()[2 * l + kv] == 0;
-      any_adopt |= adopt[2 * l + kv] != 0;
-      any_kept |= adopt[2 * l + kv] == 0;
-    }
-  }
-  uint64_t fingerprint = 0;
-  const bool proven = (h.flags & kSequenceImageScalesKnown) != 0 &&
-                      s.ScaleFingerprint(&fingerprint) && fingerprint == h.scale_fingerprint;
-  bool requantize = false;
-  if (any_kept && !proven) {
-    if (options.on_scale_mismatch == StoredTokens::kReencode) {
-      requantize = true;
-    } else {
-      // Read both tables: a host sync.
-      std::vector<float> image_scales(4 * static_cast<size_t>(L)),
-          target(4 * static_cast<size_t>(L));
-      const size_t table = 16 * static_cast<size_t>(L);
-      if (!s.cuda) {
-        std::memcpy(image_scales.data(), in + h.scales_offset, table);
-        std::memcpy(target.data(), s.scales.d_scales(), table);
-      } else {
-        FP4KV_CUDA_RETURN_IF_ERROR(
-            cudaMemcpyAsync(target.data(), s.scales.d_scales(), table, cudaMemcpyDeviceToHost, cs));
-        if (!host_image) {
-          FP4KV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(image_scales.data(), in + h.scales_offset,
-                                                     table, cudaMemcpyDeviceToHost, cs));
-        }
-        FP4KV_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(cs));
-        if (host_image) std::memcpy(image_scales.data(), in + h.scales_offset, table);
-      }
-      for (int l = 0; l < L; ++l) {
-        for (int kv = 0; kv < 2; ++kv) {
-          const float a = image_scales[4 * l + kv], b = target[4 * l + kv];
-          if (adopt[2 * l + kv] == 0 && FloatBits(a) != FloatBits(b)) {
-            return absl::FailedPreconditionError(absl::StrCat(
-                "CommitImport: layer ", l, kv == 0 ? " K" : " V", ": the image's global scale ", a,
-                " differs from this cache's ", b,
-                " (pass ImportOptions{StoredTokens::kReencode} to requantize the pages); the "
-                "reservation is cancelled, nothing else changed"));
-          }
-        }
-      }
-    }
-  }
-
-  // Tokens (prefix caching): read and checked before anything changes.
+  // Checks and reads, before anything changes.
+  internal::ImportSource src;
+  FP4KV_RETURN_IF_ERROR(internal::CheckImportImage(s, h, image, image_bytes, options, &src));
+  internal::ImportScales plan;
+  FP4KV_RETURN_IF_ERROR(internal::PlanImportScales(s, h, src, options, cs, &plan));
   const bool tokens = s.prefix.enabled && h.has_tokens();
   internal::HostVector<uint8_t> tok;
-  std::vector<BlockHash> hashes;
-  if (tokens) {
-    FP4KV_RETURN_IF_ERROR(internal::SizeHost(&tok, h.tokens_bytes, uint8_t{0}, "CommitImport",
-                                             "the image's token ids"));
-    if (host_image) {
-      std::memcpy(tok.data(), in + h.tokens_offset, tok.size());
-    } else {
-      FP4KV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(tok.data(), in + h.tokens_offset, tok.size(),
-                                                 cudaMemcpyDeviceToHost, cs));
-      FP4KV_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(cs));
-    }
-    const absl::string_view key(reinterpret_cast<const char*>(tok.data()),
-                                static_cast<size_t>(h.extra_key_bytes));
-    const int32_t* ids = reinterpret_cast<const int32_t*>(tok.data() + internal::TokenIdsOffset(h));
-    const uint8_t* stored = tok.data() + internal::TokenHashesOffset(h);
-    for (int64_t j = 0; j < h.length / ps; ++j) {
-      const BlockHash hj =
-          internal::HashPage(j == 0 ? nullptr : &hashes.back(),
-                             absl::Span<const int32_t>(ids + j * ps, static_cast<size_t>(ps)), key,
-                             &s.prefix.hash_scratch);
-      BlockHash want;
-      std::memcpy(&want.low, stored + 16 * j, 8);
-      std::memcpy(&want.high, stored + 16 * j + 8, 8);
-      if (hj != want) {
-        return absl::DataLossError(
-            absl::StrCat("image: page ", j, " of the tokens section: stored hash ", want.ToHex(),
-                         ", its token ids hash to ", hj.ToHex(), "; the reservation is cancelled"));
-      }
-      hashes.push_back(hj);
-    }
-  }
+  if (tokens) FP4KV_RETURN_IF_ERROR(internal::ReadImportTokens(s, h, src, cs, &tok));
+  const uint8_t* in = src.in;
+  const uint8_t* dev = src.dev;
+  const internal::MemKind kind = src.kind;
+  const bool host_image = src.host_image;
+  const std::vector<uint8_t>& adopt = plan.adopt;
+  const bool any_adopt = plan.any_adopt;
+  const bool requantize = plan.requantize;
 
   // Commit: the reserved pages become the sequence.
   std::vector<int32_t> pages = s.images.Take(reservation.id_);
@@ -521,8 +569,7 @@ absl::StatusOr<SequenceId> KVCache::CommitImport(ImportReservation reservation, 
                                                    static_cast<size_t>(h.extra_key_bytes))
                                : absl::string_view());
   if (tokens) {
-    s.AdoptTokenIds(
-        q, reinterpret_cast<const int32_t*>(tok.data() + internal::TokenIdsOffset(h)));
+    s.AdoptTokenIds(q, reinterpret_cast<const int32_t*>(tok.data() + internal::TokenIdsOffset(h)));
   }
   if (h.length > 0) s.SettleLayers(0, L);
   for (int l = 0; l < L; ++l) {
