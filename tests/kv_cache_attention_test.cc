@@ -90,6 +90,18 @@ constexpr uint16_t kOutPoison = 0xA5A5;
 
 float LsePoison() { return testing::CacheAttentionLsePoison(); }
 
+// One step of generated tokens: PrepareStep(entries), then a token of `f`
+// (seeds counting up from *seed) for every new token, appended in every layer
+// through `app`.
+void AppendStep(KVCache& c, const CacheAppender& app, TokenFactory& f, StepInputs* inputs,
+                uint64_t* seed, const std::vector<StepEntry>& entries) {
+  ASSERT_TRUE(c.PrepareStep(entries).ok());
+  std::vector<Token> toks;
+  for (int64_t i = 0; i < c.step().num_tokens; ++i) toks.push_back(f.Make((*seed)++));
+  ASSERT_TRUE(testing::FillStepInputs(c, toks, inputs, nullptr).ok());
+  ASSERT_TRUE(testing::RunAppendAllLayers(c, app, inputs, nullptr).ok());
+}
+
 std::string RunAndCheck(const KVCache& c, const CacheAttention& op, int layer,
                         const std::vector<StepEntry>& entries, const std::vector<uint16_t>& q,
                         int64_t rows, int num_qo_heads) {
@@ -126,11 +138,7 @@ TEST_P(CacheAttentionTest, MatchesTheReferenceOnDecodeAndSpeculativeSteps) {
   for (int i = 0; i < 4; ++i) seqs.push_back(NewSequence(c));
   uint64_t seed = 1;
   auto step = [&](const std::vector<StepEntry>& entries) {
-    ASSERT_TRUE(c.PrepareStep(entries).ok());
-    std::vector<Token> toks;
-    for (int64_t i = 0; i < c.step().num_tokens; ++i) toks.push_back(f.Make(seed++));
-    ASSERT_TRUE(testing::FillStepInputs(c, toks, &inputs, nullptr).ok());
-    ASSERT_TRUE(testing::RunAppendAllLayers(c, *app, &inputs, nullptr).ok());
+    AppendStep(c, *app, f, &inputs, &seed, entries);
   };
   // Prefill: prompts of 37, 5, 100 and 16 tokens (two steps).
   step({{seqs[0], 37}, {seqs[1], 5}, {seqs[2], 100}});
@@ -194,11 +202,7 @@ TEST_P(CacheAttentionTest, PageBoundaryLengthsGqaGroupsAndLayouts) {
     TokenFactory f(c);
     uint64_t seed = 11;
     auto step = [&](const std::vector<StepEntry>& entries) {
-      ASSERT_TRUE(c.PrepareStep(entries).ok());
-      std::vector<Token> toks;
-      for (int64_t i = 0; i < c.step().num_tokens; ++i) toks.push_back(f.Make(seed++));
-      ASSERT_TRUE(testing::FillStepInputs(c, toks, &inputs, nullptr).ok());
-      ASSERT_TRUE(testing::RunAppendAllLayers(c, *app, &inputs, nullptr).ok());
+      AppendStep(c, *app, f, &inputs, &seed, entries);
     };
     const int prompts[8] = {1, 15, 16, 17, 31, 32, 33, 47};
     std::vector<SequenceId> seqs;
@@ -372,11 +376,8 @@ TEST_P(CacheAttentionTest, PrefillChunksMixedWithDecodeEntries) {
   const int64_t rows = o.max_tokens_per_step;
   int step_index = 0;
   auto step = [&](const std::vector<StepEntry>& entries) {
-    ASSERT_TRUE(c.PrepareStep(entries).ok());
-    std::vector<Token> toks;
-    for (int64_t i = 0; i < c.step().num_tokens; ++i) toks.push_back(f.Make(seed++));
-    ASSERT_TRUE(testing::FillStepInputs(c, toks, &inputs, nullptr).ok());
-    ASSERT_TRUE(testing::RunAppendAllLayers(c, *app, &inputs, nullptr).ok());
+    AppendStep(c, *app, f, &inputs, &seed, entries);
+    if (::testing::Test::HasFatalFailure()) return;
     for (int layer = 0; layer < kLayers; ++layer) {
       EXPECT_EQ(RunAndCheck(c, *op, layer, entries, Queries(rows, 700 + 10 * step_index + layer),
                             rows, kQoHeads),
@@ -482,11 +483,7 @@ TEST_P(CacheAttentionTest, TmaMapsEncodedAtBindReadEachLayersPools) {
     TokenFactory f(c);
     uint64_t seed = 900;
     auto step = [&](const std::vector<StepEntry>& entries) {
-      ASSERT_TRUE(c.PrepareStep(entries).ok());
-      std::vector<Token> toks;
-      for (int64_t i = 0; i < c.step().num_tokens; ++i) toks.push_back(f.Make(seed++));
-      ASSERT_TRUE(testing::FillStepInputs(c, toks, &inputs, nullptr).ok());
-      ASSERT_TRUE(testing::RunAppendAllLayers(c, *app, &inputs, nullptr).ok());
+      AppendStep(c, *app, f, &inputs, &seed, entries);
     };
     std::vector<SequenceId> seqs;
     std::vector<StepEntry> entries;
